@@ -1,0 +1,17 @@
+"""Exception types. Every error names the offending file, key, shape or value."""
+
+
+class SpecjaxError(ValueError):
+    """Base class for all errors raised by specjax on bad input."""
+
+
+class ConfigError(SpecjaxError):
+    """A model configuration is invalid or describes an unsupported architecture."""
+
+
+class CheckpointError(SpecjaxError):
+    """A weight file is missing, corrupt, or does not match the configuration."""
+
+
+class InputError(SpecjaxError):
+    """A generation request (prompts, lengths, sampling parameters) is invalid."""

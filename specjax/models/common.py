@@ -1,0 +1,121 @@
+"""Pieces shared by the model families: norms, RoPE, the cached attention block, the layer scan."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.attention import AttentionMeta, attend_xla
+from specjax.cache import KVCache
+from specjax.config import ModelConfig
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    return ((xf - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype) * scale + bias
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies [head_dim // 2], with linear or llama3 scaling applied."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    rs = cfg.rope_scaling
+    if rs is None:
+        pass
+    elif rs.kind == "linear":
+        inv = inv / rs.factor
+    elif rs.kind == "llama3":
+        old = rs.original_max_position_embeddings
+        low_wavelen = old / rs.low_freq_factor
+        high_wavelen = old / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    else:
+        raise ValueError(f"unknown rope scaling kind {rs.kind!r}")
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """x: [B, T, H, Dh]; positions: [B, T] absolute positions. Half-split (HF) convention."""
+    angles = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def write_block(cache: jax.Array, layer: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Write new [B, T, KVH, Dh] into cache [L, B, S, KVH, Dh] at (layer, b, [length[b], length[b]+T)).
+
+    Callers validate on the host that the slots fit; mode="drop" guarantees that an out-of-range
+    slot can never clamp onto (and overwrite) a committed position.
+    """
+    batch, num_tokens = new.shape[:2]
+    slots = lengths[:, None] + jnp.arange(num_tokens)[None, :]
+    rows = jnp.arange(batch)[:, None]
+    return cache.at[layer, rows, slots].set(new.astype(cache.dtype), mode="drop")
+
+
+def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMeta,
+                    cfg: ModelConfig, inv_freq, bias: bool):
+    """Self-attention of the block tokens over the cache of layer ``layer``.
+
+    x: [B, T, D]; k_cache, v_cache: [L, B, S, KVH, Dh]. Returns (out [B, T, D], k_cache, v_cache).
+    """
+    q = jnp.einsum("btd,dhk->bthk", x, lp["wq"])
+    k = jnp.einsum("btd,dhk->bthk", x, lp["wk"])
+    v = jnp.einsum("btd,dhk->bthk", x, lp["wv"])
+    if bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    if inv_freq is not None:
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+    k_cache = write_block(k_cache, layer, k, meta.lengths)
+    v_cache = write_block(v_cache, layer, v, meta.lengths)
+    attn = attend_xla(q, k_cache[layer], v_cache[layer], meta, scale=cfg.head_dim ** -0.5)
+    out = jnp.einsum("bthk,hkd->btd", attn, lp["wo"])
+    if bias:
+        out = out + lp["bo"]
+    return out, k_cache, v_cache
+
+
+def scan_layers(layer_fn, h, layer_params, cache: KVCache):
+    """Run ``layer_fn(h, lp, k_all, v_all, layer) -> (h, k_all, v_all)`` over the stacked layers.
+
+    The full cache rides in the carry and each layer scatters only its new block into it, so a
+    forward pass never copies the whole cache (a scanned-out cache would be rebuilt every call).
+    """
+
+    def body(carry, xs):
+        h, k_all, v_all = carry
+        lp, i = xs
+        h, k_all, v_all = layer_fn(h, lp, k_all, v_all, i)
+        return (h, k_all, v_all), None
+
+    num_layers = cache.k.shape[0]
+    (h, k_all, v_all), _ = jax.lax.scan(body, (h, cache.k, cache.v),
+                                        (layer_params, jnp.arange(num_layers)))
+    return h, cache.replace(k=k_all, v=v_all)
+
+
+def select_positions(h: jax.Array, logits_indices: jax.Array | None) -> jax.Array:
+    """h: [B, T, D] -> [B, K, D] at logits_indices [B, K] (all T positions when None)."""
+    if logits_indices is None:
+        return h
+    return jnp.take_along_axis(h, logits_indices[:, :, None], axis=1)

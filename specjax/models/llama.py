@@ -1,0 +1,44 @@
+"""LLaMA family: RMSNorm, RoPE (default/linear/llama3), GQA/MQA, SwiGLU, tied or untied head."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.attention import AttentionMeta
+from specjax.cache import KVCache
+from specjax.config import ModelConfig
+from specjax.models.common import attention_block, rms_norm, rope_inv_freq, scan_layers, select_positions
+
+
+def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, meta: AttentionMeta,
+            cfg: ModelConfig, logits_indices: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """tokens, positions: [B, T] -> (logits [B, T or K, V] float32, cache with the block written)."""
+    inv_freq = rope_inv_freq(cfg)
+    h = params["embed"][tokens]  # [B, T, D]
+
+    def layer(h, lp, k_all, v_all, i):
+        with jax.named_scope("attention"):
+            x = rms_norm(h, lp["attn_norm"], cfg.norm_eps)
+            attn, k_all, v_all = attention_block(x, lp, k_all, v_all, i, positions, meta, cfg, inv_freq,
+                                                 bias=cfg.attention_bias)
+            h = h + attn
+        with jax.named_scope("mlp"):
+            x = rms_norm(h, lp["mlp_norm"], cfg.norm_eps)
+            gate = jnp.einsum("btd,df->btf", x, lp["w_gate"])
+            up = jnp.einsum("btd,df->btf", x, lp["w_up"])
+            if cfg.mlp_bias:
+                gate, up = gate + lp["b_gate"], up + lp["b_up"]
+            down = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp["w_down"])
+            if cfg.mlp_bias:
+                down = down + lp["b_down"]
+            h = h + down
+        return h, k_all, v_all
+
+    h, cache = scan_layers(layer, h, params["layers"], cache)
+    h = rms_norm(select_positions(h, logits_indices), params["final_norm"], cfg.norm_eps)
+    if cfg.tie_word_embeddings:
+        logits = jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("btd,dv->btv", h, params["lm_head"], preferred_element_type=jnp.float32)
+    return logits, cache

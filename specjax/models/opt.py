@@ -1,0 +1,50 @@
+"""OPT family: learned positions (offset 2), pre-LN or post-LN, project_in/out, ReLU MLP, biases."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.attention import AttentionMeta
+from specjax.cache import KVCache
+from specjax.config import ModelConfig
+from specjax.models.common import attention_block, layer_norm, scan_layers, select_positions
+
+
+def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, meta: AttentionMeta,
+            cfg: ModelConfig, logits_indices: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """tokens, positions: [B, T] -> (logits [B, T or K, V] float32, cache with the block written)."""
+    eps, pre_ln, bias = cfg.norm_eps, cfg.do_layer_norm_before, cfg.enable_bias
+    h = params["embed"][tokens]  # [B, T, E]
+    if cfg.has_projections:
+        h = h @ params["project_in"]  # [B, T, D]
+    h = h + params["pos_embed"][positions + cfg.position_offset]
+
+    def layer(h, lp, k_all, v_all, i):
+        with jax.named_scope("attention"):
+            x = layer_norm(h, lp["attn_norm_scale"], lp["attn_norm_bias"], eps) if pre_ln else h
+            attn, k_all, v_all = attention_block(x, lp, k_all, v_all, i, positions, meta, cfg, None, bias=bias)
+            h = h + attn
+            if not pre_ln:
+                h = layer_norm(h, lp["attn_norm_scale"], lp["attn_norm_bias"], eps)
+        with jax.named_scope("mlp"):
+            x = layer_norm(h, lp["mlp_norm_scale"], lp["mlp_norm_bias"], eps) if pre_ln else h
+            x = jnp.einsum("btd,df->btf", x, lp["fc1"])
+            x = jax.nn.relu(x + lp["fc1_bias"] if bias else x)
+            x = jnp.einsum("btf,fd->btd", x, lp["fc2"])
+            h = h + (x + lp["fc2_bias"] if bias else x)
+            if not pre_ln:
+                h = layer_norm(h, lp["mlp_norm_scale"], lp["mlp_norm_bias"], eps)
+        return h, k_all, v_all
+
+    h, cache = scan_layers(layer, h, params["layers"], cache)
+    h = select_positions(h, logits_indices)
+    if cfg.final_layer_norm:
+        h = layer_norm(h, params["final_norm_scale"], params["final_norm_bias"], eps)
+    if cfg.has_projections:
+        h = h @ params["project_out"]  # [B, K, E]
+    if cfg.tie_word_embeddings:
+        logits = jnp.einsum("bte,ve->btv", h, params["embed"], preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("bte,ev->btv", h, params["lm_head"], preferred_element_type=jnp.float32)
+    return logits, cache

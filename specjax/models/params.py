@@ -1,0 +1,151 @@
+"""Parameter layout: one table of (shape, logical axes) per family.
+
+The same table drives random init (tests), checkpoint loading (every shape is asserted against it)
+and sharding (logical axes -> mesh axes). Per-layer weights are stacked on a leading "layers" axis
+so the forward pass scans over it and pipeline stages can split it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]  # logical axis names, one per dim
+    init: str = "normal"  # "normal" | "ones" | "zeros"
+
+    def __post_init__(self):
+        assert len(self.shape) == len(self.axes), (self.shape, self.axes)
+
+
+def _llama_specs(c: ModelConfig) -> dict:
+    L, D, H, K, Dh, F, V = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                            c.intermediate_size, c.vocab_size)
+    layers = {
+        "attn_norm": ParamSpec((L, D), ("layers", "embed"), "ones"),
+        "wq": ParamSpec((L, D, H, Dh), ("layers", "embed", "heads", "head_dim")),
+        "wk": ParamSpec((L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
+        "wv": ParamSpec((L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
+        "wo": ParamSpec((L, H, Dh, D), ("layers", "heads", "head_dim", "embed")),
+        "mlp_norm": ParamSpec((L, D), ("layers", "embed"), "ones"),
+        "w_gate": ParamSpec((L, D, F), ("layers", "embed", "mlp")),
+        "w_up": ParamSpec((L, D, F), ("layers", "embed", "mlp")),
+        "w_down": ParamSpec((L, F, D), ("layers", "mlp", "embed")),
+    }
+    if c.attention_bias:
+        layers.update({
+            "bq": ParamSpec((L, H, Dh), ("layers", "heads", "head_dim"), "normal"),
+            "bk": ParamSpec((L, K, Dh), ("layers", "kv_heads", "head_dim"), "normal"),
+            "bv": ParamSpec((L, K, Dh), ("layers", "kv_heads", "head_dim"), "normal"),
+            "bo": ParamSpec((L, D), ("layers", "embed"), "normal"),
+        })
+    if c.mlp_bias:
+        layers.update({
+            "b_gate": ParamSpec((L, F), ("layers", "mlp")),
+            "b_up": ParamSpec((L, F), ("layers", "mlp")),
+            "b_down": ParamSpec((L, D), ("layers", "embed")),
+        })
+    specs = {
+        "embed": ParamSpec((V, D), ("vocab", "embed")),
+        "layers": layers,
+        "final_norm": ParamSpec((D,), ("embed",), "ones"),
+    }
+    if not c.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"))
+    return specs
+
+
+def _opt_specs(c: ModelConfig) -> dict:
+    L, D, H, Dh, F, V, E = (c.num_layers, c.hidden_size, c.num_heads, c.head_dim, c.intermediate_size,
+                            c.vocab_size, c.embed_dim)
+    layers = {
+        "attn_norm_scale": ParamSpec((L, D), ("layers", "embed"), "ones"),
+        "attn_norm_bias": ParamSpec((L, D), ("layers", "embed"), "zeros"),
+        "wq": ParamSpec((L, D, H, Dh), ("layers", "embed", "heads", "head_dim")),
+        "wk": ParamSpec((L, D, H, Dh), ("layers", "embed", "kv_heads", "head_dim")),
+        "wv": ParamSpec((L, D, H, Dh), ("layers", "embed", "kv_heads", "head_dim")),
+        "wo": ParamSpec((L, H, Dh, D), ("layers", "heads", "head_dim", "embed")),
+        "mlp_norm_scale": ParamSpec((L, D), ("layers", "embed"), "ones"),
+        "mlp_norm_bias": ParamSpec((L, D), ("layers", "embed"), "zeros"),
+        "fc1": ParamSpec((L, D, F), ("layers", "embed", "mlp")),
+        "fc2": ParamSpec((L, F, D), ("layers", "mlp", "embed")),
+    }
+    if c.enable_bias:
+        layers.update({
+            "bq": ParamSpec((L, H, Dh), ("layers", "heads", "head_dim")),
+            "bk": ParamSpec((L, H, Dh), ("layers", "kv_heads", "head_dim")),
+            "bv": ParamSpec((L, H, Dh), ("layers", "kv_heads", "head_dim")),
+            "bo": ParamSpec((L, D), ("layers", "embed")),
+            "fc1_bias": ParamSpec((L, F), ("layers", "mlp")),
+            "fc2_bias": ParamSpec((L, D), ("layers", "embed")),
+        })
+    specs = {
+        "embed": ParamSpec((V, E), ("vocab", "embed")),
+        "pos_embed": ParamSpec((c.max_position_embeddings + c.position_offset, D), ("positions", "embed")),
+        "layers": layers,
+    }
+    if c.has_projections:
+        specs["project_in"] = ParamSpec((E, D), ("embed", "embed_out"))
+        specs["project_out"] = ParamSpec((D, E), ("embed_out", "embed"))
+    if c.final_layer_norm:
+        specs["final_norm_scale"] = ParamSpec((D,), ("embed",), "ones")
+        specs["final_norm_bias"] = ParamSpec((D,), ("embed",), "zeros")
+    if not c.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((E, V), ("embed", "vocab"))
+    return specs
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """Nested dict of ParamSpec mirroring the params pytree."""
+    return _llama_specs(cfg) if cfg.family == "llama" else _opt_specs(cfg)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def param_logical_axes(cfg: ModelConfig) -> dict:
+    """The params pytree with every leaf replaced by its tuple of logical axis names."""
+    return jax.tree.map(lambda s: s.axes, param_specs(cfg), is_leaf=_is_spec)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> dict:
+    """Random parameters (for tests and freshly initialised SSMs)."""
+    specs = param_specs(cfg)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for spec, k in zip(leaves, keys):
+        if spec.init == "ones":
+            # Perturbed around 1 so that tests notice a norm weight applied to the wrong axis.
+            out.append((1.0 + 0.1 * jax.random.normal(k, spec.shape)).astype(dtype))
+        elif spec.init == "zeros":
+            out.append((0.1 * jax.random.normal(k, spec.shape)).astype(dtype))
+        else:
+            out.append((scale * jax.random.normal(k, spec.shape)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None:
+    """Assert that ``params`` has exactly the leaves and shapes of the spec table."""
+    from specjax.errors import CheckpointError
+
+    flat_specs = {jax.tree_util.keystr(p): s for p, s in
+                  jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=_is_spec)[0]}
+    flat_params = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    for name in flat_specs.keys() - flat_params.keys():
+        raise CheckpointError(f"{source}: parameter {name} is missing")
+    for name in flat_params.keys() - flat_specs.keys():
+        raise CheckpointError(f"{source}: unexpected parameter {name}")
+    for name, spec in flat_specs.items():
+        shape = tuple(np.shape(flat_params[name]))
+        if shape != spec.shape:
+            raise CheckpointError(f"{source}: parameter {name} has shape {shape}, expected {spec.shape}")

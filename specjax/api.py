@@ -1,0 +1,178 @@
+"""Host-side API: load a model by name or path; generate from strings or token ids; score logits."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import registry
+from specjax.config import ModelConfig
+from specjax.errors import CheckpointError, InputError
+from specjax.generate import full_logits, generate_incremental_jit
+from specjax.sampling import SamplingArrays, SamplingParams
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class Model(NamedTuple):
+    """What ``load_model`` returns; unpacks as ``cfg, params, tokenizer = load_model(...)``."""
+
+    config: ModelConfig
+    params: Any
+    tokenizer: Any  # a transformers tokenizer, or None
+
+
+def load_model(name_or_path: str = registry.DEFAULT_MODEL, dtype: str = "float32", shardings=None,
+               progress: bool = True) -> Model:
+    """Load a registered model name, an HF directory, a .gguf file or a specjax orbax checkpoint."""
+    from specjax import checkpoint, tokenizer as tok_lib
+    from specjax.weights.gguf_loader import load_gguf
+    from specjax.weights.hf import load_hf_dir
+
+    if dtype not in _DTYPES:
+        raise InputError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    path = registry.resolve(name_or_path) if registry.is_registered(name_or_path) else name_or_path
+    if not os.path.exists(path):
+        raise CheckpointError(f"{name_or_path!r} is neither a registered model {registry.registered_names()} "
+                              f"nor an existing file or directory")
+    if os.path.isdir(path) and checkpoint.is_checkpoint(path):
+        cfg, params, tok_dir = checkpoint.restore_checkpoint(path, shardings=shardings, dtype=dtype)
+        tokenizer = tok_lib.load_dir_tokenizer(tok_dir) if tok_dir else None
+        return Model(cfg, params, tokenizer)
+    if os.path.isdir(path):
+        cfg, np_params = load_hf_dir(path, progress=progress)
+        tokenizer = tok_lib.load_dir_tokenizer(path)
+    elif path.endswith(".gguf"):
+        cfg, np_params = load_gguf(path, progress=progress)
+        tokenizer = tok_lib.load_gguf_tokenizer(path)
+    else:
+        raise CheckpointError(f"{path}: unsupported model file (expected an HF directory, a .gguf file "
+                              f"or a specjax checkpoint directory)")
+    cast = lambda a: a.astype(_DTYPES[dtype])  # noqa: E731
+    if shardings is None:
+        params = jax.tree.map(lambda a: cast(jnp.asarray(a)), np_params)
+    else:
+        params = jax.tree.map(lambda a, s: jax.device_put(cast(jnp.asarray(a)), s), np_params, shardings)
+    return Model(cfg, params, tokenizer)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    token_ids: list[list[int]]  # generated ids per prompt, prompt excluded
+    texts: list[str | None]  # decoded text per prompt (None without a tokenizer)
+    prompt_token_ids: list[list[int]]
+    stats: dict  # llm_passes, generated_tokens, seconds, tokens_per_s, ...
+
+
+def _next_pow2(n: int, minimum: int = 16) -> int:
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def encode_prompts(model: Model, prompts, chat_template: bool = True) -> list[list[int]]:
+    """Strings (chat template applied by default) or token-id lists -> list of token-id lists."""
+    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                    and all(isinstance(t, (int, np.integer)) for t in prompts)):
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise InputError("prompts must be a non-empty list of strings or of token-id lists")
+    out = []
+    vocab = model.config.vocab_size
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            tok = model.tokenizer
+            if tok is None:
+                raise InputError(f"prompt {i} is a string but the model has no tokenizer; pass token ids")
+            if chat_template and getattr(tok, "chat_template", None):
+                ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=True)["input_ids"]
+            else:
+                ids = tok(p)["input_ids"]
+        else:
+            ids = list(p)
+            bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab]
+            if bad:
+                raise InputError(f"prompt {i}: token id {bad[0]!r} is not an int in [0, {vocab})")
+        if len(ids) == 0:
+            raise InputError(f"prompt {i} is empty")
+        out.append([int(t) for t in ids])
+    return out
+
+
+def _sampling_list(sampling, n: int) -> list[SamplingParams]:
+    if sampling is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling, SamplingParams):
+        return [sampling] * n
+    sampling = list(sampling)
+    if len(sampling) != n or not all(isinstance(s, SamplingParams) for s in sampling):
+        raise InputError(f"sampling must be a SamplingParams or a list of {n} of them")
+    return sampling
+
+
+def _eos_ids(model: Model) -> tuple[int, ...]:
+    ids = set(model.config.eos_token_ids)
+    if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
+        ids.add(int(model.tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, chat_template: bool = True,
+             ignore_eos: bool = False) -> GenerationResult:
+    """Incremental generation for a batch of prompts (strings or token-id lists).
+
+    sampling: None (greedy), a SamplingParams for all prompts, or one per prompt (each carries its
+    seed; a request's tokens depend only on its own seed and positions, not on its batch slot).
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    ids = encode_prompts(model, prompts, chat_template)
+    cfg = model.config
+    for i, p in enumerate(ids):
+        if len(p) + max_new_tokens > cfg.max_positions:
+            raise InputError(f"prompt {i}: {len(p)} prompt tokens + max_new_tokens={max_new_tokens} = "
+                             f"{len(p) + max_new_tokens} exceeds the context window of {cfg.max_positions}")
+    samplings = _sampling_list(sampling, len(ids))
+    lens = np.array([len(p) for p in ids], np.int32)
+    width = _next_pow2(int(lens.max()))
+    padded = np.zeros((len(ids), width), np.int32)
+    for i, p in enumerate(ids):
+        padded[i, :len(p)] = p
+    max_out = _next_pow2(max_new_tokens)
+    cache_len = width + max_out  # a function of the two buckets only, so it never forces a recompile
+    t0 = time.perf_counter()
+    out = generate_incremental_jit(model.params, jnp.asarray(padded), jnp.asarray(lens),
+                                   jnp.full((len(ids),), max_new_tokens, jnp.int32),
+                                   SamplingArrays.from_params(samplings), cfg=cfg, cache_len=cache_len,
+                                   max_out=max_out, eos_ids=() if ignore_eos else _eos_ids(model))
+    tokens = np.asarray(jax.device_get(out.tokens))
+    seconds = time.perf_counter() - t0
+    counts = np.asarray(out.num_generated)
+    token_ids = [tokens[i, :counts[i]].tolist() for i in range(len(ids))]
+    texts = [model.tokenizer.decode(t, skip_special_tokens=True) if model.tokenizer is not None else None
+             for t in token_ids]
+    total = int(counts.sum())
+    stats = {"llm_passes": int(out.llm_passes), "generated_tokens": total, "seconds": seconds,
+             "tokens_per_s": total / seconds if seconds > 0 else float("inf"),
+             "prompt_bucket": width, "cache_len": cache_len}
+    return GenerationResult(token_ids=token_ids, texts=texts, prompt_token_ids=ids, stats=stats)
+
+
+def logits(model: Model, token_ids) -> list[np.ndarray]:
+    """Full-sequence logits for each token-id list: a list of float32 [len, V] arrays."""
+    ids = encode_prompts(model, token_ids, chat_template=False)
+    for i, p in enumerate(ids):
+        if len(p) > model.config.max_positions:
+            raise InputError(f"sequence {i} has {len(p)} tokens, beyond the context window "
+                             f"{model.config.max_positions}")
+    width = _next_pow2(max(len(p) for p in ids))
+    padded = np.zeros((len(ids), width), np.int32)
+    for i, p in enumerate(ids):
+        padded[i, :len(p)] = p
+    out = np.asarray(full_logits(model.params, jnp.asarray(padded), cfg=model.config))
+    return [out[i, :len(p)] for i, p in enumerate(ids)]

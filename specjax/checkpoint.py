@@ -1,0 +1,65 @@
+"""Orbax checkpoints of converted params: config + params (+ tokenizer), restorable into any sharding."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.errors import CheckpointError
+from specjax.models.params import _is_spec, check_params, param_specs
+
+CONFIG_FILE = "specjax_config.json"
+
+
+def is_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, CONFIG_FILE))
+
+
+def save_checkpoint(path: str, cfg: ModelConfig, params, tokenizer=None) -> None:
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(path)
+    if os.path.exists(path) and os.listdir(path):
+        raise CheckpointError(f"{path}: destination exists and is not empty")
+    check_params(cfg, params, source="params to save")
+    os.makedirs(path, exist_ok=True)
+    dtype = str(jax.tree.leaves(params)[0].dtype)
+    with open(os.path.join(path, CONFIG_FILE), "w") as f:
+        json.dump({"config": cfg.to_dict(), "dtype": dtype}, f, indent=1)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(path, "params"), params)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(os.path.join(path, "tokenizer"))
+
+
+def restore_checkpoint(path: str, shardings=None, dtype=None):
+    """Returns (cfg, params, tokenizer_dir or None). ``shardings``: a pytree of jax.sharding objects
+    matching the params (e.g. from specjax.sharding), or None for the default device."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(path)
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as f:
+            meta = json.load(f)
+        cfg = ModelConfig.from_dict(meta["config"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: unreadable {CONFIG_FILE} ({type(e).__name__}: {e})") from None
+    dtype = np.dtype(dtype or meta.get("dtype", "float32"))
+    specs = param_specs(cfg)
+    if shardings is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda s: device, specs, is_leaf=_is_spec)
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh),
+                            specs, shardings, is_leaf=_is_spec)
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            params = ckptr.restore(os.path.join(path, "params"), abstract)
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
+        raise CheckpointError(f"{path}: cannot restore params ({type(e).__name__}: {e})") from None
+    check_params(cfg, params, source=path)
+    tok_dir = os.path.join(path, "tokenizer")
+    return cfg, params, (tok_dir if os.path.isdir(tok_dir) else None)

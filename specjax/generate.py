@@ -1,0 +1,121 @@
+"""Incremental decoding, the reference decoder: jitted prefill + one ``lax.while_loop`` decode.
+
+``generate_incremental`` is a pure, jittable function of arrays (call it inside your own
+``jax.jit``); ``specjax.api.generate`` is the host wrapper that tokenises, buckets and detokenises.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.attention import causal_meta
+from specjax.cache import KVCache, init_cache
+from specjax.config import ModelConfig
+from specjax.models import forward
+from specjax.sampling import SamplingArrays, sample_tokens
+
+PAD_TOKEN = -1  # fills the unused tail of the output buffer
+
+
+@struct.dataclass
+class DecodeState:
+    """Loop state of incremental decoding (B requests, M = output buffer length)."""
+
+    cache: KVCache  # committed K/V; cache.length[b] = tokens of request b whose K/V is cached
+    last_token: jax.Array  # [B] int32, newest token of each request; its K/V is not cached yet
+    tokens: jax.Array  # [B, M] int32, generated tokens, PAD_TOKEN beyond num_generated
+    num_generated: jax.Array  # [B] int32
+    done: jax.Array  # [B] bool, request finished (EOS emitted or max_new_tokens reached)
+    llm_passes: jax.Array  # [] int32, LLM forward passes so far (prefill included)
+
+
+@struct.dataclass
+class GenerateOutput:
+    tokens: jax.Array  # [B, M] int32, generated tokens (prompt excluded), PAD_TOKEN padded
+    num_generated: jax.Array  # [B] int32
+    llm_passes: jax.Array  # [] int32
+
+
+def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    if not eos_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
+
+
+def prefill(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, cache: KVCache, cfg: ModelConfig):
+    """Run the padded prompts [B, T] through the model; returns (logits at each last prompt token
+    [B, V], cache with length = prompt_lens). Padding slots are written but never committed."""
+    batch, num_tokens = prompt_tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (batch, num_tokens))
+    meta = causal_meta(jnp.zeros((batch,), jnp.int32))
+    logits, cache = forward(params, prompt_tokens, positions, cache, meta, cfg,
+                            logits_indices=(prompt_lens - 1)[:, None])
+    return logits[:, 0], cache.replace(length=prompt_lens.astype(jnp.int32))
+
+
+def decode_step(params, state: DecodeState, sampling: SamplingArrays, max_new_tokens: jax.Array,
+                cfg: ModelConfig, eos_ids: tuple[int, ...]) -> DecodeState:
+    """Feed each request's last token, commit it, sample the next one (for active requests)."""
+    active = ~state.done
+    cache = state.cache
+    logits, cache = forward(params, state.last_token[:, None], cache.length[:, None], cache,
+                            causal_meta(cache.length), cfg)
+    new_length = cache.length + active.astype(jnp.int32)
+    next_token = sample_tokens(logits[:, 0], sampling, positions=new_length)
+    rows = jnp.arange(state.tokens.shape[0])
+    slot = jnp.where(active, state.num_generated, state.tokens.shape[1])  # out of range -> dropped
+    tokens = state.tokens.at[rows, slot].set(next_token, mode="drop")
+    num_generated = state.num_generated + active.astype(jnp.int32)
+    done = state.done | _is_eos(next_token, eos_ids) | (num_generated >= max_new_tokens)
+    return DecodeState(cache=cache.replace(length=new_length),
+                       last_token=jnp.where(active, next_token, state.last_token),
+                       tokens=tokens, num_generated=num_generated, done=done,
+                       llm_passes=state.llm_passes + 1)
+
+
+def generate_incremental(params, prompt_tokens: jax.Array, prompt_lens: jax.Array,
+                         max_new_tokens: jax.Array, sampling: SamplingArrays, *, cfg: ModelConfig,
+                         cache_len: int, max_out: int, eos_ids: tuple[int, ...] = ()) -> GenerateOutput:
+    """Incremental decoding of a batch of right-padded prompts. Pure and jittable.
+
+    prompt_tokens: [B, T] int32 (right-padded); prompt_lens: [B] >= 1; max_new_tokens: [B] in
+    [1, max_out]. Static: cfg, cache_len (>= T and >= max(prompt_len + max_new_tokens)), max_out.
+    The host wrapper validates these bounds; inside jit they are the caller's contract.
+    """
+    batch = prompt_tokens.shape[0]
+    dtype = jax.tree.leaves(params)[0].dtype
+    cache = init_cache(cfg, batch, cache_len, dtype)
+    logits, cache = prefill(params, prompt_tokens, prompt_lens, cache, cfg)
+    first = sample_tokens(logits, sampling, positions=prompt_lens)
+    tokens = jnp.full((batch, max_out), PAD_TOKEN, jnp.int32).at[:, 0].set(first)
+    state = DecodeState(cache=cache, last_token=first, tokens=tokens,
+                        num_generated=jnp.ones((batch,), jnp.int32),
+                        done=_is_eos(first, eos_ids) | (max_new_tokens <= 1),
+                        llm_passes=jnp.ones((), jnp.int32))
+
+    def cond(state: DecodeState):
+        return jnp.any(~state.done)  # some request still needs tokens
+
+    step = functools.partial(decode_step, params, sampling=sampling, max_new_tokens=max_new_tokens,
+                             cfg=cfg, eos_ids=eos_ids)
+    state = jax.lax.while_loop(cond, step, state)
+    return GenerateOutput(tokens=state.tokens, num_generated=state.num_generated, llm_passes=state.llm_passes)
+
+
+generate_incremental_jit = jax.jit(generate_incremental,
+                                   static_argnames=("cfg", "cache_len", "max_out", "eos_ids"))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def full_logits(params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Logits [B, T, V] of a full (right-padded) sequence, recomputed from scratch (no reuse)."""
+    batch, num_tokens = tokens.shape
+    dtype = jax.tree.leaves(params)[0].dtype
+    cache = init_cache(cfg, batch, num_tokens, dtype)
+    positions = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (batch, num_tokens))
+    logits, _ = forward(params, tokens, positions, cache, causal_meta(jnp.zeros((batch,), jnp.int32)), cfg)
+    return logits

@@ -1,0 +1,110 @@
+"""Sampling: one warp pipeline and position-keyed Gumbel-max sampling.
+
+Definition (shared by incremental decoding and, later, seeded speculative verification): the token
+at ABSOLUTE position t of a request with seed s is
+
+    y_t = argmax_v( warp(logits_{t-1})[v] + G(s, t)[v] ),   G(s, t) = Gumbel(fold_in(key(s), t))
+
+which is an exact sample from softmax(warp(logits)). Greedy (temperature 0) is argmax of the raw
+logits, first index on ties. The warp is temperature -> top-k -> top-p -> renormalise, in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.errors import InputError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings. temperature=0 means greedy (top_k/top_p then ignored)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    seed: int = 0
+
+    def __post_init__(self):
+        t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise InputError(f"temperature must be a finite number >= 0, got {t!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise InputError(f"top_k must be an int >= 0 (0 = off), got {k!r}")
+        if not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
+            raise InputError(f"top_p must be in (0, 1], got {p!r}")
+        if isinstance(s, bool) or not isinstance(s, int) or not (0 <= s < 2**31):
+            raise InputError(f"seed must be an int in [0, 2**31), got {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@struct.dataclass
+class SamplingArrays:
+    """Batched sampling settings as arrays, so changing them never recompiles."""
+
+    temperature: jax.Array  # [B] float32, 0 = greedy
+    top_k: jax.Array  # [B] int32, 0 = off
+    top_p: jax.Array  # [B] float32, 1 = off
+    seed: jax.Array  # [B] int32
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams]) -> "SamplingArrays":
+        return cls(temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
+                   top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
+                   top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
+                   seed=jnp.asarray([p.seed for p in params], jnp.int32))
+
+
+def _filter_top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    vocab = x.shape[-1]
+    sorted_x = -jnp.sort(-x, axis=-1)  # descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_x, (k - 1)[:, None], axis=-1)  # [B, 1]
+    x = jnp.where(x < kth, -jnp.inf, x)  # ties with the k-th value are kept
+    sorted_x = jnp.where(sorted_x < kth, -jnp.inf, sorted_x)
+    probs = jax.nn.softmax(sorted_x, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = mass_before < top_p[:, None]  # the top token always has mass_before 0 < top_p
+    last_kept = jnp.sum(keep, axis=-1) - 1
+    threshold = jnp.take_along_axis(sorted_x, last_kept[:, None], axis=-1)
+    return jnp.where(x < threshold, -jnp.inf, x)
+
+
+def warp_logits(logits: jax.Array, sampling: SamplingArrays) -> jax.Array:
+    """logits [B, V] -> warped log-probabilities [B, V] float32 (-inf outside top-k/top-p).
+
+    Rows with temperature 0 are warped as temperature 1 (their token is the raw argmax anyway).
+    """
+    x = logits.astype(jnp.float32)
+    temperature = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
+    x = x / temperature[:, None]
+    needs_filter = jnp.any((sampling.top_k > 0) | (sampling.top_p < 1.0))
+    # The sort costs O(V log V) per row; skip it when no request asks for top-k/top-p.
+    x = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda x, *_: x, x, sampling.top_k, sampling.top_p)
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def gumbel_noise(seed: jax.Array, position: jax.Array, vocab: int) -> jax.Array:
+    """G(seed, t): [B, V] float32 Gumbel noise keyed ONLY by the request seed and absolute position."""
+
+    def one(s, t):
+        return jax.random.gumbel(jax.random.fold_in(jax.random.key(s), t), (vocab,), jnp.float32)
+
+    return jax.vmap(one)(seed, position)
+
+
+def sample_tokens(logits: jax.Array, sampling: SamplingArrays, positions: jax.Array) -> jax.Array:
+    """Sample one token per request. logits [B, V]; positions [B] = absolute position of the new token."""
+    greedy_tokens = jnp.argmax(logits, axis=-1)
+    warped = warp_logits(logits, sampling)
+    noise = gumbel_noise(sampling.seed, positions, logits.shape[-1])
+    sampled = jnp.argmax(warped + noise, axis=-1)
+    return jnp.where(sampling.temperature > 0, sampled, greedy_tokens).astype(jnp.int32)

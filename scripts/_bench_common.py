@@ -1,0 +1,55 @@
+"""Helpers shared by the benchmark scripts: machine description, prompts, HF reference model."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+
+DEFAULT_PROMPTS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "dev_prompts.jsonl")
+
+
+def machine() -> str:
+    import jax
+
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = ""
+    try:
+        with open("/proc/meminfo") as f:
+            mem = f"{int(f.readline().split()[1]) / 2**20:.0f} GiB RAM"
+    except OSError:
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores, {mem}; jax {jax.__version__} on {jax.devices()[0].platform}; "
+            f"python {platform.python_version()}")
+
+
+def print_header(title: str) -> None:
+    print(f"# {title}")
+    print(f"# command: {shlex.join([sys.executable.rsplit('/', 1)[-1]] + sys.argv)}")
+    print(f"# machine: {machine()}")
+
+
+def load_prompts(path: str, n: int | None, stride: int = 1) -> list[dict]:
+    if not os.path.exists(path):
+        sys.exit(f"prompts file not found: {path} (pass --prompts-file)")
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    records = records[::stride]
+    return records[:n] if n else records
+
+
+def load_hf_reference(gguf_path: str):
+    """transformers' own model for the same GGUF file, float32 (needs torch + accelerate)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
+                                                 dtype=torch.float32)
+    return model.eval()

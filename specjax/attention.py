@@ -22,6 +22,7 @@ from flax import struct
 class AttentionMeta:
     lengths: jax.Array  # [B] int32, committed positions per request
     ancestor: jax.Array | None = None  # [B, T, W] uint32 bit words, or None for causal
+    impl: str = struct.field(pytree_node=False, default="auto")  # tree attention: auto | xla | pallas
 
 
 def causal_meta(lengths: jax.Array) -> AttentionMeta:
@@ -64,6 +65,8 @@ def attend_xla(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta, sc
     qg = q.reshape(batch, num_tokens, kv_heads, groups, head_dim)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = jax.nn.softmax(scores, axis=-1)
+    sees_something = jnp.any(mask, axis=-1)[:, None, None, :, None]  # [B, 1, 1, T, 1]
+    probs = jnp.where(sees_something, probs, 0.0).astype(v.dtype)  # a row that sees nothing outputs 0
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(batch, num_tokens, heads, head_dim)

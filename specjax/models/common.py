@@ -11,6 +11,7 @@ import numpy as np
 from specjax.attention import AttentionMeta, attend_xla
 from specjax.cache import KVCache
 from specjax.config import ModelConfig
+from specjax.kernels.tree_attention import tree_attention
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -88,7 +89,12 @@ def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMe
         k = apply_rope(k, positions, inv_freq)
     k_cache = write_block(k_cache, layer, k, meta.lengths)
     v_cache = write_block(v_cache, layer, v, meta.lengths)
-    attn = attend_xla(q, k_cache[layer], v_cache[layer], meta, scale=cfg.head_dim ** -0.5)
+    scale = cfg.head_dim ** -0.5
+    if meta.ancestor is None:  # causal chain: prefill and incremental decoding
+        attn = attend_xla(q, k_cache[layer], v_cache[layer], meta, scale=scale)
+    else:  # token tree: the tree-attention entry point (XLA path or Pallas kernel)
+        attn = tree_attention(q, k_cache[layer], v_cache[layer], meta.lengths, meta.ancestor, scale=scale,
+                              impl=meta.impl)
     out = jnp.einsum("bthk,hkd->btd", attn, lp["wo"])
     if bias:
         out = out + lp["bo"]

@@ -1,0 +1,96 @@
+"""Pallas tree-attention kernel: flash-style online softmax over the prefix, then the tree slots.
+
+Grid (batch, query head). Each program reads its KV head's cache rows in place (no transposed
+copy of the cache): the committed prefix in blocks of ``block_k`` rows, then the tree's own
+``N`` scratch rows starting at ``length``, where the ancestor bitmask decides visibility.
+Runs compiled through the Triton backend on GPU and with ``interpret=True`` on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+MIN_ROWS = 16  # tl.dot needs at least 16 rows; the tree is padded to a power of two >= this
+
+
+def padded_tree_size(num_nodes: int) -> int:
+    return max(MIN_ROWS, pl.next_power_of_2(num_nodes))
+
+
+def _kernel(lengths_ref, q_ref, k_ref, v_ref, anc_ref, o_ref, *, num_nodes: int, num_words: int,
+            groups: int, block_k: int, scale: float):
+    # lengths_ref: [B] int32          q_ref: [B, NP, H, Dh]        k_ref, v_ref: [B, S, KVH, Dh]
+    # anc_ref: [B, NP, W] uint32      o_ref: [B, NP, H, Dh]        (NP = padded tree size)
+    b, h = pl.program_id(0), pl.program_id(1)
+    kvh = h // groups
+    rows_padded = q_ref.shape[1]
+    length = lengths_ref[b]
+    q = q_ref[b, :, h, :].astype(jnp.float32) * scale  # [NP, Dh]
+    head_dim = q.shape[-1]
+
+    def update(carry, k, v, mask):
+        m, l, acc = carry
+        s = jnp.where(mask, jnp.dot(q, k.astype(jnp.float32).T), -jnp.inf)  # [NP, BK]
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet stay at 0
+        p = jnp.exp(s - m_safe[:, None])
+        alpha = jnp.exp(m - m_safe)
+        # Zero V rows no query may see, so NaN-poisoned unused slots cannot leak through 0 * NaN.
+        live = jnp.max(mask.astype(jnp.int32), axis=0) > 0
+        v = jnp.where(live[:, None], v.astype(jnp.float32), 0.0)
+        return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + jnp.dot(p, v)
+
+    def prefix_block(i, carry):
+        start = i * block_k
+        cols = start + jnp.arange(block_k)
+        in_prefix = cols < length
+        k = pl_triton.load(k_ref.at[b, pl.ds(start, block_k), kvh, :], mask=in_prefix[:, None], other=0.0)
+        v = pl_triton.load(v_ref.at[b, pl.ds(start, block_k), kvh, :], mask=in_prefix[:, None], other=0.0)
+        mask = jnp.broadcast_to(in_prefix[None, :], (rows_padded, block_k))
+        return update(carry, k, v, mask)
+
+    carry = (jnp.full((rows_padded,), -jnp.inf, jnp.float32), jnp.zeros((rows_padded,), jnp.float32),
+             jnp.zeros((rows_padded, head_dim), jnp.float32))
+    carry = jax.lax.fori_loop(0, pl.cdiv(length, block_k), prefix_block, carry)
+
+    # Tree phase: slot j of the tree lives at cache row length + j.
+    j = jnp.arange(rows_padded)
+    real = j < num_nodes
+    k = pl_triton.load(k_ref.at[b, pl.ds(length, rows_padded), kvh, :], mask=real[:, None], other=0.0)
+    v = pl_triton.load(v_ref.at[b, pl.ds(length, rows_padded), kvh, :], mask=real[:, None], other=0.0)
+    shift = (j % 32).astype(jnp.uint32)
+    bits = jnp.zeros((rows_padded, rows_padded), jnp.uint32)
+    for w in range(num_words):  # static: W = ceil(N / 32) words per row
+        word = anc_ref[b, :, w]  # [NP]
+        bits = jnp.where((j // 32 == w)[None, :], (word[:, None] >> shift[None, :]) & jnp.uint32(1), bits)
+    mask = (bits > 0) & real[None, :]
+    m, l, acc = update(carry, k, v, mask)
+    out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]  # a row that saw nothing outputs 0
+    o_ref[b, :, h, :] = out.astype(o_ref.dtype)
+
+
+def tree_attention_pallas(q, k, v, lengths, ancestor, *, scale: float, interpret: bool,
+                          block_k: int = 32, num_warps: int = 4, num_stages: int = 2):
+    """q: [B, N, H, Dh]; k, v: [B, S, KVH, Dh]; lengths: [B]; ancestor: [B, N, W] uint32."""
+    batch, num_nodes, heads, head_dim = q.shape
+    groups = heads // k.shape[2]
+    rows_padded = padded_tree_size(num_nodes)
+    pad = rows_padded - num_nodes
+    q_p = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    anc_p = jnp.pad(ancestor, ((0, 0), (0, pad), (0, 0)))  # padding rows see nothing of the tree
+    kernel = functools.partial(_kernel, num_nodes=num_nodes, num_words=ancestor.shape[2], groups=groups,
+                               block_k=block_k, scale=scale)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(q_p.shape, q.dtype),
+        grid=(batch, heads),
+        interpret=interpret,
+        compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="tree_attention",
+    )(lengths.astype(jnp.int32), q_p, k, v, anc_p)
+    return out[:, :num_nodes]

@@ -1,0 +1,76 @@
+"""TokenTree builders, validation and the drawn example in specjax/tree.py's docstring."""
+
+from __future__ import annotations
+
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax.tree as tree_lib
+from specjax.tree import TreeError, ancestor_bits, from_parents, from_paths, mask_diagram, root_path
+
+
+def test_docstring_literal_is_what_the_code_renders():
+    t = from_parents([[5, 6, 7, 8, 9, 10, 11]], [[-1, 0, 0, 1, 1, 2, 5]], n_max=8)
+    doc = tree_lib.__doc__
+    block = doc.split("``mask_diagram(tree, length=10)``")[1].split("\n\n")[1]
+    assert textwrap.dedent(block).strip("\n") == textwrap.dedent(mask_diagram(t, length=10)).strip("\n")
+    # ... and the positions column is length + depth
+    np.testing.assert_array_equal(np.asarray(t.depth[0, :7]) + 10, [10, 11, 11, 12, 12, 12, 13])
+
+
+def test_ancestor_bits_by_hand_three_nodes():
+    t = from_parents([[1, 2, 3]], [[-1, 0, 0]], n_max=4)
+    np.testing.assert_array_equal(np.asarray(t.ancestor[0, :, 0]), [0b001, 0b011, 0b101, 0])
+
+
+def test_ancestor_bits_span_words_and_are_jittable():
+    n = 70  # three uint32 words
+    parents = [-1] + list(range(n - 1))  # a chain: node i sees 0..i
+    t = from_parents([[0] * n], [parents], n_max=80)
+    bits = jax.jit(ancestor_bits)(t.parent, t.valid)
+    for i in (0, 31, 32, 33, 64, 69):
+        row = np.asarray(bits[0, i])
+        visible = [j for j in range(96) if (row[j // 32] >> (j % 32)) & 1]
+        assert visible == list(range(i + 1))
+    assert not np.asarray(bits[0, 70:]).any(), "padding nodes must have empty rows"
+
+
+def test_children_in_draw_order_and_depth():
+    t = from_parents([[9, 1, 2, 3, 4]], [[-1, 0, 0, 1, 0]], n_max=6)
+    np.testing.assert_array_equal(np.asarray(t.children[0, 0]), [1, 2, 4])
+    np.testing.assert_array_equal(np.asarray(t.children[0, 1]), [3, -1, -1])
+    np.testing.assert_array_equal(np.asarray(t.depth[0, :5]), [0, 1, 1, 2, 1])
+    assert root_path(t, 0, 3) == [0, 1, 3]
+
+
+def test_from_paths_merges_shared_prefixes_exactly_once():
+    paths = [[5, 6, 7], [5, 6, 8], [5, 9], [5, 6, 7], [1]]
+    t = from_paths([4], [paths], n_max=8)
+    tokens, parent, valid = (np.asarray(x[0]) for x in (t.tokens, t.parent, t.valid))
+    seqs = {tuple(tokens[root_path(t, 0, i)][1:]) for i in range(8) if valid[i]}
+    prefixes = {tuple(p[:d]) for p in paths for d in range(0, len(p) + 1)}
+    assert seqs == prefixes
+    assert valid.sum() == len(prefixes)
+
+
+@pytest.mark.parametrize("parents,match", [
+    ([[0, 0]], "node 0 must be the root"),
+    ([[-1, 1]], "is its own parent"),
+    ([[-1, 2, 0]], "stored after it"),
+    ([[-1, -1]], "only node 0 may be a root"),
+    ([[]], "at least the root"),
+])
+def test_malformed_trees_are_rejected(parents, match):
+    with pytest.raises(TreeError, match=match):
+        from_parents([[1] * len(parents[0])], parents, n_max=8)
+
+
+def test_too_many_nodes_and_too_deep():
+    with pytest.raises(TreeError, match="9 nodes exceed the static tree size N_max=8"):
+        from_parents([[1] * 9], [[-1] + list(range(8))], n_max=8)
+    with pytest.raises(TreeError, match="depth 4 > max_depth=3"):
+        from_parents([[1] * 5], [[-1, 0, 1, 2, 3]], n_max=8, max_depth=3)

@@ -1,14 +1,16 @@
 """Attention over the KV cache with explicit metadata (no baked-in causal mask).
 
-Query i of request b (one of the T tokens of this forward pass, whose K/V sit in the scratch slots
-``[length[b], length[b] + T)``) may attend to
+The T tokens of a forward pass write their K/V to scratch slots ``length[b] + slots[b, i]``
+(``slots`` defaults to ``0..T-1``). Query i of request b may attend to
 
 * every committed position ``s < length[b]`` (the prefix), and
-* scratch slot ``length[b] + j`` iff ``block_mask[b, i, j]``.
+* scratch slot ``length[b] + j`` iff bit j of its mask row is set.
 
-``AttentionMeta.ancestor`` carries that block mask as uint32 bit words (bit j of word j // 32 of
-row i set iff slot j is visible to i: for a token tree, j is i or an ancestor of i). ``None`` means
-causal (j <= i), which is the chain case used by prefill and incremental decoding.
+``AttentionMeta.ancestor`` carries the mask rows as uint32 bit words (bit j of word j // 32): for
+a token tree, j is the query's own node or one of its ancestors. The tree region then spans
+``32 * W`` slots, so a pass may score just one frontier of a larger tree whose other nodes were
+written by earlier passes (SSM drafting). ``None`` means causal over the T tokens (j <= i): the
+chain used by prefill and incremental decoding.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from flax import struct
 class AttentionMeta:
     lengths: jax.Array  # [B] int32, committed positions per request
     ancestor: jax.Array | None = None  # [B, T, W] uint32 bit words, or None for causal
+    slots: jax.Array | None = None  # [B, T] int32 tree slot of each token; None = 0..T-1
+    region: int | None = struct.field(pytree_node=False, default=None)  # tree slots (N); None = T
     impl: str = struct.field(pytree_node=False, default="auto")  # tree attention: auto | xla | pallas
 
 
@@ -29,24 +33,19 @@ def causal_meta(lengths: jax.Array) -> AttentionMeta:
     return AttentionMeta(lengths=lengths.astype(jnp.int32), ancestor=None)
 
 
-def block_mask(meta: AttentionMeta, num_tokens: int) -> jax.Array:
-    """bool [B, T, T]: may block token i see block token j."""
-    batch = meta.lengths.shape[0]
-    if meta.ancestor is None:
-        causal = jnp.arange(num_tokens)[None, :] <= jnp.arange(num_tokens)[:, None]
-        return jnp.broadcast_to(causal, (batch, num_tokens, num_tokens))
-    j = jnp.arange(num_tokens)
-    words = meta.ancestor[:, :, j // 32]  # [B, T, T]
-    return ((words >> (j % 32).astype(jnp.uint32)) & jnp.uint32(1)).astype(bool)
-
-
 def visibility_mask(meta: AttentionMeta, num_tokens: int, max_len: int) -> jax.Array:
-    """bool [B, T, S] over cache slots: prefix, plus the block slots allowed by the block mask."""
+    """bool [B, T, S] over cache slots: the committed prefix plus the allowed scratch slots."""
     rel = jnp.arange(max_len)[None, None, :] - meta.lengths[:, None, None]  # [B, 1, S]
-    in_block = (rel >= 0) & (rel < num_tokens)
-    idx = jnp.broadcast_to(jnp.clip(rel, 0, num_tokens - 1), (rel.shape[0], num_tokens, max_len))
-    allowed = jnp.take_along_axis(block_mask(meta, num_tokens), idx, axis=2)
-    return (rel < 0) | (in_block & allowed)
+    prefix = rel < 0
+    if meta.ancestor is None:
+        causal = (rel >= 0) & (rel <= jnp.arange(num_tokens)[None, :, None])
+        return prefix | causal
+    words = meta.ancestor.shape[-1]
+    idx = jnp.broadcast_to(jnp.clip(rel // 32, 0, words - 1), (rel.shape[0], num_tokens, max_len))
+    word = jnp.take_along_axis(meta.ancestor, idx, axis=2)  # [B, T, S]
+    bit = (word >> (jnp.maximum(rel, 0) % 32).astype(jnp.uint32)) & jnp.uint32(1)
+    region = meta.region or num_tokens
+    return prefix | ((rel >= 0) & (rel < region) & (bit > 0))
 
 
 def attend_xla(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta, scale: float) -> jax.Array:

@@ -45,6 +45,7 @@ SHAPES = [  # (heads, kv_heads, head_dim, n_max, sizes, lengths, max_len)
     (5, 1, 12, 7, [7, 1], [3, 0], 40),  # MQA, odd head count and head_dim, root-only tree
     (6, 2, 16, 64, [64, 33], [0, 61], 128),  # 64 nodes = two bitmask words... and cache end
     (3, 3, 4, 40, [40, 12], [100, 5], 140),  # 2 words, 40 nodes, long prefix (4 KV blocks)
+    (2, 1, 8, 7, [7, 5], [33, 26], 40),  # last KV block and padded tree rows run past the cache end
 ]
 
 
@@ -113,3 +114,25 @@ def test_all_implementations_reject_the_same_inputs(impl):
         call(q[:, :6], k, v, lengths, tree)
     with pytest.raises(InputError, match="negative committed length"):
         call(q, k, v, np.array([-1, 0], np.int32), tree)
+
+
+def test_frontier_queries_see_ancestors_written_by_earlier_passes():
+    """SSM drafting scores one frontier per pass: T queries that are a subset of an N-node tree."""
+    rng = np.random.RandomState(5)
+    parents = [[-1, 0, 0, 1, 1, 2, 2, 3, 5], [-1, 0, 1, 2, 3, 4, 5, 6, 7]]
+    tree = from_parents([[1] * 9] * 2, parents, n_max=9)
+    frontier = np.array([[3, 4, 5, 6], [4, 5, 6, 7]], np.int32)  # depth-2 nodes / a chain segment
+    heads, kv_heads, head_dim, max_len = 6, 3, 8, 40
+    lengths = np.array([12, 31], np.int32)
+    q = rng.randn(2, 4, heads, head_dim).astype(np.float32)
+    k = np.full((2, max_len, kv_heads, head_dim), np.nan, np.float32)
+    v = np.full_like(k, np.nan)
+    for b in range(2):
+        k[b, :lengths[b] + 9] = rng.randn(lengths[b] + 9, kv_heads, head_dim)
+        v[b, :lengths[b] + 9] = rng.randn(lengths[b] + 9, kv_heads, head_dim)
+    rows = np.take_along_axis(np.asarray(tree.ancestor), frontier[:, :, None], axis=1)
+    ref = tree_attention_reference(q, k, v, lengths, tree.parent, tree.valid, 0.5, query_nodes=frontier)
+    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), jnp.asarray(rows))
+    for impl in ("xla", "pallas"):
+        out = np.asarray(tree_attention(*args, scale=0.5, impl=impl, region=9))
+        np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6, err_msg=impl)

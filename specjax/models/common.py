@@ -61,16 +61,18 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return x * cos + rotated * sin
 
 
-def write_block(cache: jax.Array, layer: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
-    """Write new [B, T, KVH, Dh] into cache [L, B, S, KVH, Dh] at (layer, b, [length[b], length[b]+T)).
+def write_block(cache: jax.Array, layer: jax.Array, new: jax.Array, lengths: jax.Array,
+                slots: jax.Array | None = None) -> jax.Array:
+    """Write new [B, T, KVH, Dh] into cache [L, B, S, KVH, Dh] at (layer, b, length[b] + slots[b, t]),
+    slots defaulting to 0..T-1.
 
     Callers validate on the host that the slots fit; mode="drop" guarantees that an out-of-range
     slot can never clamp onto (and overwrite) a committed position.
     """
     batch, num_tokens = new.shape[:2]
-    slots = lengths[:, None] + jnp.arange(num_tokens)[None, :]
+    offsets = jnp.arange(num_tokens)[None, :] if slots is None else slots
     rows = jnp.arange(batch)[:, None]
-    return cache.at[layer, rows, slots].set(new.astype(cache.dtype), mode="drop")
+    return cache.at[layer, rows, lengths[:, None] + offsets].set(new.astype(cache.dtype), mode="drop")
 
 
 def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMeta,
@@ -87,14 +89,14 @@ def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMe
     if inv_freq is not None:
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-    k_cache = write_block(k_cache, layer, k, meta.lengths)
-    v_cache = write_block(v_cache, layer, v, meta.lengths)
+    k_cache = write_block(k_cache, layer, k, meta.lengths, meta.slots)
+    v_cache = write_block(v_cache, layer, v, meta.lengths, meta.slots)
     scale = cfg.head_dim ** -0.5
     if meta.ancestor is None:  # causal chain: prefill and incremental decoding
         attn = attend_xla(q, k_cache[layer], v_cache[layer], meta, scale=scale)
     else:  # token tree: the tree-attention entry point (XLA path or Pallas kernel)
         attn = tree_attention(q, k_cache[layer], v_cache[layer], meta.lengths, meta.ancestor, scale=scale,
-                              impl=meta.impl)
+                              impl=meta.impl, region=meta.region)
     out = jnp.einsum("bthk,hkd->btd", attn, lp["wo"])
     if bias:
         out = out + lp["bo"]

@@ -1,8 +1,10 @@
 """Tree attention: one entry point, an XLA path and a Pallas kernel, plus an independent reference.
 
-Query node i of request b sees the committed prefix ``[0, lengths[b])`` and the tree slot
-``lengths[b] + j`` iff bit j of ``ancestor[b, i]`` is set. The tree's K/V must already sit in the
-scratch slots ``[lengths[b], lengths[b] + N)`` of ``k``/``v``.
+Query i of request b sees the committed prefix ``[0, lengths[b])`` and the tree slot
+``lengths[b] + j`` (j < region) iff bit j of ``ancestor[b, i]`` is set. The tree's K/V must already
+sit in the scratch slots ``[lengths[b], lengths[b] + region)`` of ``k``/``v``. The queries may be
+all N nodes of the tree (verification: region = N = T) or any subset of them (SSM drafting scores
+one frontier per pass: T < region).
 """
 
 from __future__ import annotations
@@ -26,16 +28,19 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
-def tree_attention(q, k, v, lengths, ancestor, *, scale: float, impl: str = "auto"):
-    """q: [B, N, H, Dh]; k, v: [B, S, KVH, Dh]; lengths: [B] int32; ancestor: [B, N, W] uint32."""
-    validate_tree_attention(q, k, v, lengths, ancestor.shape[1], "ancestor")
-    if ancestor.shape[2] * 32 < q.shape[1]:
-        raise InputError(f"ancestor has {ancestor.shape[2]} uint32 words per row, too few for "
-                         f"{q.shape[1]} nodes")
+def tree_attention(q, k, v, lengths, ancestor, *, scale: float, impl: str = "auto", region: int | None = None):
+    """q: [B, T, H, Dh]; k, v: [B, S, KVH, Dh]; lengths: [B] int32; ancestor: [B, T, W] uint32;
+    region: tree slots N (default T)."""
+    region = q.shape[1] if region is None else region
+    validate_tree_attention(q, k, v, lengths, ancestor.shape[1], "ancestor", region=region)
+    if ancestor.shape[2] * 32 < region:
+        raise InputError(f"ancestor has {ancestor.shape[2]} uint32 words per row, too few for a tree of "
+                         f"{region} slots")
     impl = resolve_impl(impl)
     if impl == "xla":
-        return attend_xla(q, k, v, AttentionMeta(lengths=lengths, ancestor=ancestor), scale=scale)
-    return tree_attention_pallas(q, k, v, lengths, ancestor, scale=scale,
+        meta = AttentionMeta(lengths=lengths, ancestor=ancestor, region=region)
+        return attend_xla(q, k, v, meta, scale=scale)
+    return tree_attention_pallas(q, k, v, lengths, ancestor, scale=scale, region=region,
                                  interpret=jax.default_backend() != "gpu")
 
 

@@ -22,10 +22,11 @@ def padded_tree_size(num_nodes: int) -> int:
     return max(MIN_ROWS, pl.next_power_of_2(num_nodes))
 
 
-def _kernel(lengths_ref, q_ref, k_ref, v_ref, anc_ref, o_ref, *, num_nodes: int, num_words: int,
-            groups: int, block_k: int, scale: float):
-    # lengths_ref: [B] int32          q_ref: [B, NP, H, Dh]        k_ref, v_ref: [B, S, KVH, Dh]
-    # anc_ref: [B, NP, W] uint32      o_ref: [B, NP, H, Dh]        (NP = padded tree size)
+def _kernel(lengths_ref, q_ref, k_ref, v_ref, anc_ref, o_ref, *, region: int, region_padded: int,
+            num_words: int, groups: int, block_k: int, scale: float):
+    # lengths_ref: [B] int32          q_ref: [B, TP, H, Dh]        k_ref, v_ref: [B, S, KVH, Dh]
+    # anc_ref: [B, TP, W] uint32      o_ref: [B, TP, H, Dh]
+    # TP = padded query count; the tree occupies `region` slots from `length`, loaded as RP rows.
     b, h = pl.program_id(0), pl.program_id(1)
     kvh = h // groups
     rows_padded = q_ref.shape[1]
@@ -59,12 +60,12 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, anc_ref, o_ref, *, num_nodes: int,
     carry = jax.lax.fori_loop(0, pl.cdiv(length, block_k), prefix_block, carry)
 
     # Tree phase: slot j of the tree lives at cache row length + j.
-    j = jnp.arange(rows_padded)
-    real = j < num_nodes
-    k = pl_triton.load(k_ref.at[b, pl.ds(length, rows_padded), kvh, :], mask=real[:, None], other=0.0)
-    v = pl_triton.load(v_ref.at[b, pl.ds(length, rows_padded), kvh, :], mask=real[:, None], other=0.0)
+    j = jnp.arange(region_padded)
+    real = j < region
+    k = pl_triton.load(k_ref.at[b, pl.ds(length, region_padded), kvh, :], mask=real[:, None], other=0.0)
+    v = pl_triton.load(v_ref.at[b, pl.ds(length, region_padded), kvh, :], mask=real[:, None], other=0.0)
     shift = (j % 32).astype(jnp.uint32)
-    bits = jnp.zeros((rows_padded, rows_padded), jnp.uint32)
+    bits = jnp.zeros((rows_padded, region_padded), jnp.uint32)
     for w in range(num_words):  # static: W = ceil(N / 32) words per row
         word = anc_ref[b, :, w]  # [NP]
         bits = jnp.where((j // 32 == w)[None, :], (word[:, None] >> shift[None, :]) & jnp.uint32(1), bits)
@@ -74,17 +75,19 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, anc_ref, o_ref, *, num_nodes: int,
     o_ref[b, :, h, :] = out.astype(o_ref.dtype)
 
 
-def tree_attention_pallas(q, k, v, lengths, ancestor, *, scale: float, interpret: bool,
+def tree_attention_pallas(q, k, v, lengths, ancestor, *, scale: float, interpret: bool, region: int | None = None,
                           block_k: int = 32, num_warps: int = 4, num_stages: int = 2):
-    """q: [B, N, H, Dh]; k, v: [B, S, KVH, Dh]; lengths: [B]; ancestor: [B, N, W] uint32."""
+    """q: [B, T, H, Dh]; k, v: [B, S, KVH, Dh]; lengths: [B]; ancestor: [B, T, W] uint32; the tree
+    occupies ``region`` (default T) slots from each request's length."""
     batch, num_nodes, heads, head_dim = q.shape
+    region = num_nodes if region is None else region
     groups = heads // k.shape[2]
     rows_padded = padded_tree_size(num_nodes)
     pad = rows_padded - num_nodes
     q_p = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
     anc_p = jnp.pad(ancestor, ((0, 0), (0, pad), (0, 0)))  # padding rows see nothing of the tree
-    kernel = functools.partial(_kernel, num_nodes=num_nodes, num_words=ancestor.shape[2], groups=groups,
-                               block_k=block_k, scale=scale)
+    kernel = functools.partial(_kernel, region=region, region_padded=padded_tree_size(region),
+                               num_words=ancestor.shape[2], groups=groups, block_k=block_k, scale=scale)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(q_p.shape, q.dtype),

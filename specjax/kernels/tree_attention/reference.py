@@ -11,21 +11,28 @@ import numpy as np
 from specjax.kernels.tree_attention.validate import validate_tree_attention
 
 
-def tree_attention_reference(q, k, v, lengths, parent, valid, scale: float) -> np.ndarray:
-    """q: [B, N, H, Dh]; k, v: [B, S, KVH, Dh] with the tree's K/V at slots [length, length + N);
-    parent, valid: [B, N]. Returns float32 [B, N, H, Dh]; an invalid node sees only the prefix."""
-    validate_tree_attention(q, k, v, lengths, np.shape(parent)[1], "parent")
+def tree_attention_reference(q, k, v, lengths, parent, valid, scale: float, query_nodes=None) -> np.ndarray:
+    """q: [B, T, H, Dh]; k, v: [B, S, KVH, Dh] with the tree's K/V at slots [length, length + N);
+    parent, valid: [B, N] describe the whole tree; query_nodes: [B, T] node of each query (default
+    0..T-1 with T = N). Returns float32 [B, T, H, Dh]; an invalid node sees only the prefix."""
+    num_tree = np.shape(parent)[1]
+    if query_nodes is None:
+        validate_tree_attention(q, k, v, lengths, num_tree, "parent")
+        query_nodes = np.broadcast_to(np.arange(num_tree), np.shape(parent))
+    else:
+        validate_tree_attention(q, k, v, lengths, np.shape(query_nodes)[1], "query_nodes", region=num_tree)
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     lengths, parent, valid = np.asarray(lengths), np.asarray(parent), np.asarray(valid)
-    batch, num_nodes, heads, head_dim = q.shape
+    query_nodes = np.asarray(query_nodes)
+    batch, num_queries, heads, head_dim = q.shape
     groups = heads // k.shape[2]
     out = np.zeros(q.shape, np.float64)
     for b in range(batch):
         length = int(lengths[b])
-        for i in range(num_nodes):
+        for i in range(num_queries):
             slots = list(range(length))
-            if valid[b, i]:
-                node = i
+            if valid[b, query_nodes[b, i]]:
+                node = int(query_nodes[b, i])
                 while node >= 0:  # the node itself, then each ancestor up to the root
                     slots.append(length + node)
                     node = int(parent[b, node])

@@ -15,10 +15,11 @@ def _concrete(x) -> np.ndarray | None:
     return np.asarray(x)
 
 
-def validate_tree_attention(q, k, v, lengths, num_mask_rows: int, mask_name: str) -> None:
-    """q: [B, N, H, Dh]; k, v: [B, S, KVH, Dh]; lengths: [B]; the tree mask has num_mask_rows rows.
+def validate_tree_attention(q, k, v, lengths, num_mask_rows: int, mask_name: str, region: int | None = None) -> None:
+    """q: [B, T, H, Dh]; k, v: [B, S, KVH, Dh]; lengths: [B]; the mask has num_mask_rows rows; the
+    tree occupies ``region`` scratch slots (default T).
 
-    Shapes are always checked; ``lengths + N <= S`` (prefix + tree fits the cache) is checked
+    Shapes are always checked; ``lengths + region <= S`` (prefix + tree fits the cache) is checked
     whenever the lengths are concrete, i.e. at validation time on the host.
     """
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
@@ -36,6 +37,10 @@ def validate_tree_attention(q, k, v, lengths, num_mask_rows: int, mask_name: str
     if num_mask_rows != num_nodes:
         raise InputError(f"{mask_name} describes {num_mask_rows} nodes but q has {num_nodes} tree tokens")
     max_len = k.shape[1]
+    region = num_nodes if region is None else region
+    if region < num_nodes:
+        raise InputError(f"{num_nodes} query tokens but a tree region of only {region} slots")
+    num_nodes = region
     if num_nodes > max_len:
         raise InputError(f"tree of {num_nodes} nodes does not fit a cache of {max_len} slots")
     concrete = _concrete(lengths)

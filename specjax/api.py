@@ -122,13 +122,30 @@ def _eos_ids(model: Model) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, chat_template: bool = True,
-             ignore_eos: bool = False) -> GenerationResult:
-    """Incremental generation for a batch of prompts (strings or token-id lists).
+MODES = ("incremental", "sequence", "tree")
+MAX_TREE_NODES = 64
+DEFAULT_EXPANSION = (1, 1, 3, 1, 1, 1, 1, 1)  # the paper's default expansion configuration
 
+
+def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, chat_template: bool = True,
+             ignore_eos: bool = False, mode: str | None = None, ssms=(), expansion=None,
+             impl: str = "auto") -> GenerationResult:
+    """Generate for a batch of prompts (strings or token-id lists).
+
+    mode: "incremental" (the reference decoder), "sequence" (one SSM drafts a chain of
+    ``len(expansion)`` tokens) or "tree" (expansion-based with one SSM, merge-based with several).
+    Default: "tree" when SSMs are given, else "incremental". ssms: Models sharing the LLM's
+    tokenizer. expansion: widths <k1, ..., km> (default <1,1,3,1,1,1,1,1>), or one per SSM.
     sampling: None (greedy), a SamplingParams for all prompts, or one per prompt (each carries its
     seed; a request's tokens depend only on its own seed and positions, not on its batch slot).
+    Speculative modes verify greedily: they require temperature 0.
     """
+    mode = mode or ("tree" if ssms else "incremental")
+    if mode not in MODES:
+        raise InputError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode != "incremental":
+        return _generate_speculative(model, prompts, max_new_tokens, sampling, chat_template, ignore_eos, mode,
+                                     list(ssms), expansion, impl)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     ids = encode_prompts(model, prompts, chat_template)
@@ -157,7 +174,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
     texts = [model.tokenizer.decode(t, skip_special_tokens=True) if model.tokenizer is not None else None
              for t in token_ids]
     total = int(counts.sum())
-    stats = {"llm_passes": int(out.llm_passes), "generated_tokens": total, "seconds": seconds,
+    stats = {"mode": "incremental", "llm_passes": int(out.llm_passes), "generated_tokens": total, "seconds": seconds,
              "tokens_per_s": total / seconds if seconds > 0 else float("inf"),
              "prompt_bucket": width, "cache_len": cache_len}
     return GenerationResult(token_ids=token_ids, texts=texts, prompt_token_ids=ids, stats=stats)
@@ -176,3 +193,78 @@ def logits(model: Model, token_ids) -> list[np.ndarray]:
         padded[i, :len(p)] = p
     out = np.asarray(full_logits(model.params, jnp.asarray(padded), cfg=model.config))
     return [out[i, :len(p)] for i, p in enumerate(ids)]
+
+
+def _expansions(mode: str, expansion, n_ssms: int):
+    from specjax.speculate import Expansion
+
+    if expansion is None:
+        expansion = (1,) * 8 if mode == "sequence" else DEFAULT_EXPANSION
+    if isinstance(expansion, str):
+        expansion = Expansion.parse(expansion).widths
+    per_ssm = (list(expansion) if expansion and isinstance(expansion[0], (tuple, list, Expansion))
+               else [expansion] * n_ssms)
+    if len(per_ssm) != n_ssms:
+        raise InputError(f"{len(per_ssm)} expansion configs for {n_ssms} SSMs")
+    exps = [e if isinstance(e, Expansion) else Expansion(tuple(e)) for e in per_ssm]
+    if mode == "sequence" and any(set(e.widths) != {1} for e in exps):
+        raise InputError(f"mode 'sequence' drafts a chain: widths must all be 1, got {[e.widths for e in exps]}")
+    return exps
+
+
+def _generate_speculative(model, prompts, max_new_tokens, sampling, chat_template, ignore_eos, mode, ssms,
+                          expansion, impl) -> GenerationResult:
+    from specjax.kernels.tree_attention import resolve_impl
+    from specjax.speculative import SpecConfig, generate_speculative_jit
+    from specjax.ssm import check_compatible
+
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if not ssms:
+        raise InputError(f"mode {mode!r} needs at least one SSM (ssms=[...])")
+    if mode == "sequence" and len(ssms) != 1:
+        raise InputError(f"mode 'sequence' takes exactly one SSM, got {len(ssms)}")
+    for i, ssm in enumerate(ssms):
+        check_compatible(model, ssm, name=f"SSM {i}")
+    if any(not s.greedy for s in _sampling_list(sampling, 1 if not isinstance(sampling, list) else len(sampling))):
+        raise InputError("speculative modes verify greedily so far: temperature must be 0 "
+                         "(use mode='incremental' to sample)")
+    exps = _expansions(mode, expansion, len(ssms))
+    spec = SpecConfig(ssm_configs=tuple(s.config for s in ssms), expansions=tuple(exps), impl=resolve_impl(impl))
+    if spec.num_nodes > MAX_TREE_NODES:
+        raise InputError(f"the speculated tree has {spec.num_nodes} nodes, more than N_max={MAX_TREE_NODES}")
+    ids = encode_prompts(model, prompts, chat_template)
+    cfg = model.config
+    for i, p in enumerate(ids):
+        if len(p) + max_new_tokens > cfg.max_positions:
+            raise InputError(f"prompt {i}: {len(p)} prompt tokens + max_new_tokens={max_new_tokens} = "
+                             f"{len(p) + max_new_tokens} exceeds the context window of {cfg.max_positions}")
+    lens = np.array([len(p) for p in ids], np.int32)
+    width = _next_pow2(int(lens.max()))
+    padded = np.zeros((len(ids), width), np.int32)
+    for i, p in enumerate(ids):
+        padded[i, :len(p)] = p
+    max_out = _next_pow2(max_new_tokens)
+    cache_len = width + max_out + spec.num_nodes
+    t0 = time.perf_counter()
+    out = generate_speculative_jit(model.params, tuple(s.params for s in ssms), jnp.asarray(padded),
+                                   jnp.asarray(lens), jnp.full((len(ids),), max_new_tokens, jnp.int32), cfg=cfg,
+                                   spec=spec, cache_len=cache_len, max_out=max_out,
+                                   eos_ids=() if ignore_eos else _eos_ids(model))
+    tokens = np.asarray(jax.device_get(out.tokens))
+    seconds = time.perf_counter() - t0
+    counts = np.asarray(out.num_generated)
+    hist = np.asarray(out.tokens_per_pass)
+    token_ids = [tokens[i, :counts[i]].tolist() for i in range(len(ids))]
+    texts = [model.tokenizer.decode(t, skip_special_tokens=True) if model.tokenizer is not None else None
+             for t in token_ids]
+    total = int(counts.sum())
+    request_passes = int(hist.sum())
+    stats = {"mode": mode, "llm_passes": int(out.llm_passes), "generated_tokens": total, "seconds": seconds,
+             "tokens_per_s": total / seconds if seconds > 0 else float("inf"),
+             "tokens_per_pass_histogram": hist.tolist(),
+             "mean_tokens_per_pass": float((hist * np.arange(len(hist))).sum() / max(request_passes, 1)),
+             "accepted_at_depth": np.asarray(out.accepted_at_depth).tolist(),
+             "tree_nodes": spec.num_nodes, "expansions": [e.widths for e in exps],
+             "prompt_bucket": width, "cache_len": cache_len}
+    return GenerationResult(token_ids=token_ids, texts=texts, prompt_token_ids=ids, stats=stats)

@@ -40,30 +40,58 @@ def _cmd_generate(args) -> int:
     import specjax
 
     prompts = _read_prompts(args)
+    args.ssm = args.ssm or ["derived:8"]
+    if args.temperature > 0 and args.mode != "incremental":
+        raise SpecjaxError("speculative modes verify greedily so far; use --mode incremental to sample")
     sampling = specjax.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                       seed=args.seed)
     if args.max_new_tokens < 1:
         raise SpecjaxError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     t0 = time.perf_counter()
     model = specjax.load_model(args.model, dtype=args.dtype, progress=not args.json)
+    ssms = _load_ssms(args, model) if args.mode != "incremental" else []
     load_s = time.perf_counter() - t0
     if not args.json:
-        print(f"# model {args.model} loaded in {load_s:.1f}s", file=sys.stderr)
+        print(f"# model {args.model} loaded in {load_s:.1f}s; mode {args.mode}"
+              + (f", SSMs {args.ssm}, expansion {args.expansion or 'default'}" if ssms else ""), file=sys.stderr)
     for i in range(0, len(prompts), args.batch_size):
         batch = prompts[i:i + args.batch_size]
         result = specjax.generate(model, batch, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                  chat_template=not args.no_chat_template)
+                                  chat_template=not args.no_chat_template, mode=args.mode, ssms=ssms,
+                                  expansion=args.expansion)
         st = result.stats
+        mean = st.get("mean_tokens_per_pass", 1.0)
         for prompt, ids, text in zip(batch, result.token_ids, result.texts):
             if args.json:
-                print(json.dumps({"prompt": prompt, "token_ids": ids, "text": text,
-                                  "llm_passes": st["llm_passes"], "tokens_per_s": round(st["tokens_per_s"], 3),
-                                  "mode": "incremental"}), flush=True)
+                print(json.dumps({"prompt": prompt, "token_ids": ids, "text": text, "mode": st["mode"],
+                                  "llm_passes": st["llm_passes"], "mean_accepted_tokens_per_pass": round(mean, 4),
+                                  "tokens_per_pass_histogram": st.get("tokens_per_pass_histogram"),
+                                  "tokens_per_s": round(st["tokens_per_s"], 3)}), flush=True)
             else:
                 print(text)
-                print(f"# {len(ids)} tokens, {st['tokens_per_s']:.1f} tokens/s (batch of {len(batch)}, "
-                      f"first call includes compilation), {st['llm_passes']} LLM passes", file=sys.stderr)
+                print(f"# {len(ids)} tokens, {st['tokens_per_s']:.1f} tokens/s (batch of {len(batch)}, first call "
+                      f"includes compilation), {st['llm_passes']} LLM passes, {mean:.2f} tokens per pass",
+                      file=sys.stderr)
     return 0
+
+
+def _load_ssms(args, llm):
+    """--ssm entries: 'derived:K' (first K layers), 'derived:0,1,...' (layer list), or a model path."""
+    import specjax
+    from specjax.ssm import derive_ssm
+
+    ssms = []
+    for spec in args.ssm:
+        if spec.startswith("derived:"):
+            body = spec.split(":", 1)[1]
+            try:
+                layers = [int(x) for x in body.split(",")]
+            except ValueError:
+                raise SpecjaxError(f"--ssm {spec!r}: expected derived:K or derived:i,j,k") from None
+            ssms.append(derive_ssm(llm, layers[0] if len(layers) == 1 else layers))
+        else:
+            ssms.append(specjax.load_model(spec, progress=False))
+    return ssms
 
 
 def _cmd_convert(args) -> int:
@@ -90,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--mode", default="tree", choices=["tree", "sequence", "incremental"],
+                   help="tree/sequence speculation (greedy) or the incremental reference decoder (default: %(default)s)")
+    g.add_argument("--ssm", action="append", default=None,
+                   help="SSM: 'derived:K' (the LLM's first K layers), 'derived:i,j,..' or a model path; repeat "
+                        "for a merged pool (default: derived:8)")
+    g.add_argument("--expansion", default=None,
+                   help="expansion widths k1,...,km (default 1,1,3,1,1,1,1,1 for tree, 1,1,1,1,1,1,1,1 for sequence)")
     g.add_argument("--batch-size", type=int, default=1)
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     g.add_argument("--no-chat-template", action="store_true")

@@ -136,7 +136,9 @@ def merge_trees(token_sets: list[jax.Array], expansions: list[Expansion]) -> Tok
     then node order). Jittable; node count padded to 1 + sum(N_s - 1)."""
     batch = token_sets[0].shape[0]
     max_nodes = 1 + sum(e.num_nodes - 1 for e in expansions)
-    max_entries = sum(max(e.widths) for e in expansions)
+    # Entry slots per node: all candidates in the worst case (sampled drafts may repeat a token among
+    # one SSM's siblings, so several drafted nodes can merge and pool their children's entries).
+    max_entries = max_nodes - 1
     # Candidates in depth-major order so every parent is merged before its children.
     cands = []  # (set index, node id, parent id, depth)
     for s, e in enumerate(expansions):

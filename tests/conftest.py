@@ -92,3 +92,14 @@ def smollm2():
 
 def random_ids(rng: np.random.RandomState, vocab: int, length: int) -> list[int]:
     return rng.randint(0, vocab, size=length).tolist()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_executables():
+    """XLA:CPU maps memory for every compiled executable; a long suite that keeps them all alive
+    exceeds the kernel's vm.max_map_count (65530 here) and the process aborts. Drop them per module."""
+    yield
+    jax.clear_caches()
+    import gc
+
+    gc.collect()

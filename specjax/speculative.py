@@ -1,0 +1,209 @@
+"""Tree-speculative generation: prefill, then ONE ``lax.while_loop`` whose body is
+speculate -> tree forward -> verify -> commit -> append / EOS / length bookkeeping.
+
+Pure and jittable (call ``generate_speculative`` inside your own ``jax.jit``); ``specjax.api``
+wraps it for strings. Incremental decoding (empty tree) and sequence speculation (expansion
+<1, ..., 1>) run through the same code path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax.attention import causal_meta
+from specjax.cache import KVCache, init_cache
+from specjax.config import ModelConfig
+from specjax.errors import InputError
+from specjax.generate import PAD_TOKEN, _is_eos, prefill
+from specjax.models import forward
+from specjax.speculate import Expansion, draft_expansion, merge_trees, static_tree
+from specjax.tree import TokenTree
+from specjax.tree_forward import commit_path, tree_forward
+from specjax.verify import verify_greedy
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Static speculation setup: one expansion per SSM (none = incremental decoding)."""
+
+    ssm_configs: tuple[ModelConfig, ...] = ()
+    expansions: tuple[Expansion, ...] = ()
+    impl: str = "auto"  # tree attention implementation
+
+    def __post_init__(self):
+        if len(self.ssm_configs) != len(self.expansions):
+            raise InputError(f"{len(self.ssm_configs)} SSMs but {len(self.expansions)} expansion configs")
+
+    @property
+    def max_depth(self) -> int:
+        return max((e.depth for e in self.expansions), default=0)
+
+    @property
+    def num_nodes(self) -> int:
+        return 1 + sum(e.num_nodes - 1 for e in self.expansions)
+
+
+@struct.dataclass
+class SpecState:
+    """Loop state (B requests, S cache slots, M output slots, D = max tree depth)."""
+
+    llm_cache: KVCache  # committed LLM K/V; llm_cache.length[b] = position of request b's root
+    ssm_caches: tuple  # one KVCache per SSM (kept in step by the re-read chain, see speculate.py)
+    history: jax.Array  # [B, S] int32, prompt + generated tokens; history[b, length[b]] = the root
+    tokens: jax.Array  # [B, M] int32, generated tokens, PAD_TOKEN beyond num_generated
+    num_generated: jax.Array  # [B] int32
+    done: jax.Array  # [B] bool
+    llm_passes: jax.Array  # [] int32, LLM forward passes (prefill included)
+    tokens_per_pass: jax.Array  # [D + 2] int32, histogram over (request, pass) of tokens emitted
+    accepted_at_depth: jax.Array  # [max(D, 1)] int32, accepted nodes at depth d + 1, summed over requests
+
+
+@struct.dataclass
+class SpecOutput:
+    tokens: jax.Array  # [B, M] int32
+    num_generated: jax.Array  # [B] int32
+    llm_passes: jax.Array  # [] int32
+    tokens_per_pass: jax.Array  # [D + 2] int32
+    accepted_at_depth: jax.Array  # [max(D, 1)] int32
+
+
+def build_tree(ssm_params: tuple, state: SpecState, spec: SpecConfig) -> tuple[TokenTree, tuple]:
+    """Draft this step's token tree with every SSM (or the root-only tree with none)."""
+    history, length = state.history, state.llm_cache.length
+    batch = history.shape[0]
+    if not spec.expansions:
+        root = jnp.take_along_axis(history, length[:, None], axis=1)
+        return _root_only(root), ()
+    drafted, caches = [], []
+    for params, cfg, expansion, cache in zip(ssm_params, spec.ssm_configs, spec.expansions, state.ssm_caches):
+        tokens, cache = draft_expansion(params, cfg, cache, history, length, expansion, spec.impl)
+        drafted.append(tokens)
+        caches.append(cache)
+    if len(drafted) == 1:
+        return static_tree(spec.expansions[0], batch, drafted[0]), tuple(caches)
+    return merge_trees(drafted, list(spec.expansions)), tuple(caches)
+
+
+def _root_only(root: jax.Array) -> TokenTree:
+    batch = root.shape[0]
+    return TokenTree(tokens=root.astype(jnp.int32), parent=jnp.full((batch, 1), -1, jnp.int32),
+                     depth=jnp.zeros((batch, 1), jnp.int32), valid=jnp.ones((batch, 1), bool),
+                     ancestor=jnp.ones((batch, 1, 1), jnp.uint32), children=jnp.full((batch, 1, 1), -1, jnp.int32),
+                     law_row=jnp.full((batch, 1, 1), -1, jnp.int32))
+
+
+def spec_step(llm_params, ssm_params: tuple, state: SpecState, max_new_tokens: jax.Array, cfg: ModelConfig,
+              spec: SpecConfig, eos_ids: tuple[int, ...]) -> SpecState:
+    """One speculative step for every request (finished requests are carried along unchanged)."""
+    active = ~state.done
+    depth = spec.max_depth
+    length = state.llm_cache.length
+    tree, ssm_caches = build_tree(ssm_params, state, spec)
+    logits, llm_cache = tree_forward(llm_params, tree, state.llm_cache, cfg, spec.impl)
+    verdict = verify_greedy(logits, tree, depth)
+
+    # Tokens this step emits: accepted nodes then the bonus, cut after an EOS and at max_new_tokens.
+    width = depth + 1
+    j = jnp.arange(width)[None, :]
+    n_emit = verdict.num_accepted + 1
+    eos_at = jnp.where(_is_eos(verdict.emitted, eos_ids) & (j < n_emit[:, None]), j, width)
+    first_eos = jnp.min(eos_at, axis=1)
+    n_emit = jnp.minimum(n_emit, first_eos + 1)
+    n_emit = jnp.minimum(n_emit, max_new_tokens - state.num_generated)
+    n_emit = jnp.where(active, n_emit, 0)
+    emit = j < n_emit[:, None]
+    rows = jnp.arange(state.tokens.shape[0])[:, None]
+    out_slot = jnp.where(emit, state.num_generated[:, None] + j, state.tokens.shape[1])
+    tokens = state.tokens.at[rows, out_slot].set(verdict.emitted, mode="drop")
+    hist_slot = jnp.where(emit, length[:, None] + 1 + j, state.history.shape[1])
+    history = state.history.at[rows, hist_slot].set(verdict.emitted, mode="drop")
+    num_generated = state.num_generated + n_emit
+    done = state.done | (active & ((first_eos < n_emit) | (num_generated >= max_new_tokens)))
+
+    keep = jnp.where(active, verdict.num_accepted + 1, 0)  # root + accepted nodes
+    llm_cache = commit_path(llm_cache, verdict.path, keep)
+
+    hist = state.tokens_per_pass.at[n_emit].add(active.astype(jnp.int32))
+    acc = state.accepted_at_depth
+    if depth:
+        reached = (jnp.arange(depth)[None, :] < verdict.num_accepted[:, None]) & active[:, None]
+        acc = acc + jnp.sum(reached, axis=0).astype(jnp.int32)
+    return SpecState(llm_cache=llm_cache, ssm_caches=ssm_caches, history=history, tokens=tokens,
+                     num_generated=num_generated, done=done, llm_passes=state.llm_passes + 1,
+                     tokens_per_pass=hist, accepted_at_depth=acc)
+
+
+def init_state(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, max_new_tokens, *, cfg: ModelConfig,
+               spec: SpecConfig, cache_len: int, max_out: int, eos_ids: tuple[int, ...]) -> SpecState:
+    """Prefill the LLM and every SSM; the LLM's greedy token after the prompt becomes the first root."""
+    batch, width = prompt_tokens.shape
+    dtype = jax.tree.leaves(llm_params)[0].dtype
+    logits, llm_cache = prefill(llm_params, prompt_tokens, prompt_lens, init_cache(cfg, batch, cache_len, dtype), cfg)
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    history = jnp.zeros((batch, cache_len), jnp.int32).at[:, :width].set(prompt_tokens)
+    history = history.at[jnp.arange(batch), prompt_lens].set(first)
+    ssm_caches = []
+    for params, scfg in zip(ssm_params, spec.ssm_configs):
+        cache = init_cache(scfg, batch, cache_len, jax.tree.leaves(params)[0].dtype)
+        positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+        _, cache = forward(params, prompt_tokens, positions, cache, causal_meta(jnp.zeros((batch,), jnp.int32)),
+                           scfg, logits_indices=jnp.zeros((batch, 1), jnp.int32))
+        ssm_caches.append(cache.replace(length=prompt_lens.astype(jnp.int32)))
+    depth = spec.max_depth
+    return SpecState(llm_cache=llm_cache, ssm_caches=tuple(ssm_caches), history=history,
+                     tokens=jnp.full((batch, max_out), PAD_TOKEN, jnp.int32).at[:, 0].set(first),
+                     num_generated=jnp.ones((batch,), jnp.int32),
+                     done=_is_eos(first, eos_ids) | (max_new_tokens <= 1), llm_passes=jnp.ones((), jnp.int32),
+                     tokens_per_pass=jnp.zeros((depth + 2,), jnp.int32),
+                     accepted_at_depth=jnp.zeros((max(depth, 1),), jnp.int32))
+
+
+def generate_speculative(llm_params, ssm_params: tuple, prompt_tokens: jax.Array, prompt_lens: jax.Array,
+                         max_new_tokens: jax.Array, *, cfg: ModelConfig, spec: SpecConfig, cache_len: int,
+                         max_out: int, eos_ids: tuple[int, ...] = ()) -> SpecOutput:
+    """Greedy tree-speculative generation of right-padded prompts [B, T]. Pure and jittable.
+
+    cache_len must be >= T and >= max(prompt_len + max_new_tokens) + spec.num_nodes (tree scratch).
+    """
+    state = init_state(llm_params, ssm_params, prompt_tokens, prompt_lens, max_new_tokens, cfg=cfg, spec=spec,
+                       cache_len=cache_len, max_out=max_out, eos_ids=eos_ids)
+
+    def cond(state: SpecState):
+        return jnp.any(~state.done)  # some request still needs tokens
+
+    step = functools.partial(spec_step, llm_params, ssm_params, max_new_tokens=max_new_tokens, cfg=cfg, spec=spec,
+                             eos_ids=eos_ids)
+    state = jax.lax.while_loop(cond, step, state)
+    return SpecOutput(tokens=state.tokens, num_generated=state.num_generated, llm_passes=state.llm_passes,
+                      tokens_per_pass=state.tokens_per_pass, accepted_at_depth=state.accepted_at_depth)
+
+
+generate_speculative_jit = jax.jit(generate_speculative,
+                                   static_argnames=("cfg", "spec", "cache_len", "max_out", "eos_ids"))
+step_jit = jax.jit(spec_step, static_argnames=("cfg", "spec", "eos_ids"))
+
+
+def generate_stream(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, max_new_tokens, *, cfg: ModelConfig,
+                    spec: SpecConfig, cache_len: int, max_out: int, eos_ids: tuple[int, ...] = ()):
+    """Host-loop twin of ``generate_speculative``: the same jitted step, one call per LLM pass,
+    yielding each request's newly emitted tokens after every pass (for streaming and debugging)."""
+    state = _init_state_jit(llm_params, ssm_params, prompt_tokens, prompt_lens, max_new_tokens, cfg=cfg, spec=spec,
+                            cache_len=cache_len, max_out=max_out, eos_ids=eos_ids)
+    shown = np.zeros(prompt_tokens.shape[0], np.int64)
+    while True:
+        counts = np.asarray(state.num_generated)
+        tokens = np.asarray(state.tokens)
+        yield [tokens[b, shown[b]:counts[b]].tolist() for b in range(len(counts))]
+        shown = counts
+        if bool(np.all(np.asarray(state.done))):
+            return
+        state = step_jit(llm_params, ssm_params, state, max_new_tokens, cfg=cfg, spec=spec, eos_ids=eos_ids)
+
+
+_init_state_jit = jax.jit(init_state, static_argnames=("cfg", "spec", "cache_len", "max_out", "eos_ids"))

@@ -1,0 +1,88 @@
+"""Small speculative models (SSMs): deriving one from an LLM, checking compatibility, HF export."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+
+from specjax.api import Model
+from specjax.errors import InputError
+
+
+def derive_ssm(llm: Model, layers) -> Model:
+    """An SSM made of a subset of the LLM's layers (in order) plus its embedding, final norm and head.
+
+    ``layers``: an int k (the first k layers) or a sequence of layer indices. Needs no training and
+    shares the tokenizer, so the main job speculates out of the box; trained SSMs replace it later.
+    """
+    cfg = llm.config
+    idx = list(range(layers)) if isinstance(layers, (int, np.integer)) else [int(i) for i in layers]
+    if not idx or len(idx) >= cfg.num_layers or idx != sorted(set(idx)) or idx[0] < 0 or idx[-1] >= cfg.num_layers:
+        raise InputError(f"a derived SSM needs a strictly increasing proper subset of layers 0..{cfg.num_layers - 1}, "
+                         f"got {layers!r}")
+    params = dict(llm.params)
+    take = np.asarray(idx)
+    params["layers"] = jax.tree.map(lambda a: a[take], llm.params["layers"])
+    return Model(dataclasses.replace(cfg, num_layers=len(idx)), params, llm.tokenizer)
+
+
+def check_compatible(llm: Model, ssm: Model, name: str = "SSM") -> None:
+    """An SSM must share the LLM's vocabulary (and tokenizer, when both have one)."""
+    if ssm.config.vocab_size != llm.config.vocab_size:
+        raise InputError(f"{name} has vocab_size {ssm.config.vocab_size} but the LLM has {llm.config.vocab_size}; "
+                         f"an SSM must share the LLM's tokenizer")
+    if llm.tokenizer is not None and ssm.tokenizer is not None:
+        if llm.tokenizer.get_vocab() != ssm.tokenizer.get_vocab():
+            raise InputError(f"{name}'s tokenizer differs from the LLM's (different token-to-id maps)")
+
+
+def export_hf(model: Model, path: str) -> None:
+    """Write a LLaMA-family model as an HF directory (config.json + model.safetensors + tokenizer),
+    e.g. so transformers can use an SSM as ``assistant_model``. Inverse of the loader's key map."""
+    from safetensors.numpy import save_file
+
+    cfg = model.config
+    if cfg.family != "llama":
+        raise InputError(f"HF export supports the llama family only, got {cfg.family!r}")
+    os.makedirs(path, exist_ok=True)
+    p = jax.tree.map(lambda a: np.asarray(a, np.float32), model.params)
+    lay = p["layers"]
+    tensors = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["final_norm"]}
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        tensors[pre + "input_layernorm.weight"] = lay["attn_norm"][i]
+        tensors[pre + "post_attention_layernorm.weight"] = lay["mlp_norm"][i]
+        for name, key in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj")):
+            w = lay[name][i]  # [D, H, Dh]
+            tensors[pre + f"self_attn.{key}.weight"] = w.reshape(w.shape[0], -1).T
+        wo = lay["wo"][i]  # [H, Dh, D]
+        tensors[pre + "self_attn.o_proj.weight"] = wo.reshape(-1, wo.shape[-1]).T
+        for name, key in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+            tensors[pre + f"mlp.{key}.weight"] = lay[name][i].T
+        if cfg.attention_bias or cfg.mlp_bias:
+            raise InputError("HF export of bias terms is not implemented")
+    if not cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = p["lm_head"].T
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
+    hf = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
+          "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+          "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+          "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+          "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_eps,
+          "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_word_embeddings,
+          "hidden_act": "silu", "torch_dtype": "float32", "bos_token_id": cfg.bos_token_id,
+          "eos_token_id": list(cfg.eos_token_ids) or None, "pad_token_id": cfg.pad_token_id}
+    if cfg.rope_scaling is not None:
+        rs = cfg.rope_scaling
+        hf["rope_scaling"] = {"rope_type": rs.kind, "factor": rs.factor} if rs.kind == "linear" else {
+            "rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position_embeddings}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=1)
+    if model.tokenizer is not None:
+        model.tokenizer.save_pretrained(path)

@@ -1,0 +1,222 @@
+"""Greedy tree speculation produces exactly the incremental tokens, with any SSM; merge; one jit."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import specjax
+from specjax.errors import InputError
+from specjax.models import init_params
+from specjax.speculate import Expansion, merge_trees
+from specjax.speculative import SpecConfig, generate_speculative_jit, generate_stream
+from specjax.ssm import derive_ssm, export_hf
+from specjax.tree import root_path
+from tests.conftest import make_hf_model, random_ids
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    return specjax.load_model(tiny_llama_dir, progress=False)
+
+
+@pytest.fixture(scope="module")
+def opt(tiny_opt_dir):
+    return specjax.load_model(tiny_opt_dir, progress=False)
+
+
+def _random_ssm(like, family="llama", seed=0):
+    """A deliberately useless SSM: a random model sharing only the vocabulary."""
+    import dataclasses
+
+    cfg = dataclasses.replace(like.config, family=family, num_layers=1, hidden_size=32, intermediate_size=48,
+                              num_heads=2, num_kv_heads=2 if family == "opt" else 1, head_dim=16,
+                              word_embed_proj_dim=None, tie_word_embeddings=True, rope_scaling=None)
+    return specjax.Model(cfg, init_params(cfg, jax.random.key(seed), scale=0.5), like.tokenizer)
+
+
+PROMPT_LENS = (5, 13, 1, 30)  # a mixed-length batch of 4
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+@pytest.mark.parametrize("setup", ["tree-derived", "tree-random-crossfamily", "sequence", "wide", "merge2", "merge3"])
+def test_speculative_equals_incremental(request, family, setup):
+    llm = request.getfixturevalue(family)
+    rng = np.random.RandomState(hash((family, setup)) % 2**31)
+    prompts = [random_ids(rng, llm.config.vocab_size, n) for n in PROMPT_LENS]
+    derived = derive_ssm(llm, 1)
+    other = "opt" if family == "llama" else "llama"
+    kw = {
+        "tree-derived": dict(mode="tree", ssms=[derived]),
+        "tree-random-crossfamily": dict(mode="tree", ssms=[_random_ssm(llm, other)]),
+        "sequence": dict(mode="sequence", ssms=[derived], expansion=(1, 1, 1, 1, 1)),
+        "wide": dict(mode="tree", ssms=[llm], expansion=(4, 2, 1)),
+        "merge2": dict(mode="tree", ssms=[derived, _random_ssm(llm, family)], expansion=[(1, 1, 3, 1), (2, 2)]),
+        "merge3": dict(mode="tree", ssms=[derived, llm, _random_ssm(llm, other, 1)], expansion=(1, 2, 1)),
+    }[setup]
+    for ignore_eos in (True, False):  # the tiny models declare EOS = 5; both paths must cut identically
+        want = specjax.generate(llm, prompts, max_new_tokens=37, ignore_eos=ignore_eos).token_ids
+        got = specjax.generate(llm, prompts, max_new_tokens=37, ignore_eos=ignore_eos, **kw)
+        assert got.token_ids == want, f"{setup}: speculative output differs from incremental"
+    for p, w in zip(prompts[:2], want[:2]):  # batch 1 as well (one prompt bucket: one compile)
+        assert specjax.generate(llm, [p], max_new_tokens=37, **kw).token_ids[0] == w
+    jax.clear_caches()  # each setup compiles new programs; see conftest._release_compiled_executables
+
+
+def test_perfect_ssm_accepts_every_drafted_token(llama):
+    prompts = [random_ids(np.random.RandomState(1), 128, 9)]
+    res = specjax.generate(llama, prompts, max_new_tokens=41, ignore_eos=True, mode="sequence", ssms=[llama],
+                           expansion=(1, 1, 1, 1))
+    hist = res.stats["tokens_per_pass_histogram"]
+    # 40 tokens after the prefill token, 5 per pass: 8 passes, every one full.
+    assert hist == [0, 0, 0, 0, 0, 8] and res.stats["llm_passes"] == 9
+
+
+def test_empty_tree_loop_equals_reference_decoder(llama):
+    prompts = [random_ids(np.random.RandomState(2), 128, n) for n in (4, 17)]
+    want = specjax.generate(llama, prompts, max_new_tokens=20, ignore_eos=True).token_ids
+    width, max_out = 32, 32
+    padded = np.zeros((2, width), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, :len(p)] = p
+    out = generate_speculative_jit(llama.params, (), jnp.asarray(padded), jnp.asarray([4, 17]),
+                                   jnp.asarray([20, 20]), cfg=llama.config, spec=SpecConfig(), cache_len=80,
+                                   max_out=max_out)
+    got = [np.asarray(out.tokens[i, :20]).tolist() for i in range(2)]
+    assert got == want and int(out.llm_passes) == 20
+
+
+def _raw_args(model, prompts, width=32, max_new=24):
+    padded = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, :len(p)] = p
+    return (jnp.asarray(padded), jnp.asarray([len(p) for p in prompts], jnp.int32),
+            jnp.full((len(prompts),), max_new, jnp.int32))
+
+
+def test_compiles_once_per_bucket_and_no_transfers_inside_the_loop(llama):
+    ssm = derive_ssm(llama, 1)
+    spec = SpecConfig(ssm_configs=(ssm.config,), expansions=(Expansion((1, 2, 1)),), impl="xla")
+    rng = np.random.RandomState(3)
+    kw = dict(cfg=llama.config, spec=spec, cache_len=32 + 32 + spec.num_nodes, max_out=32)
+    args = _raw_args(llama, [random_ids(rng, 128, 20)])
+    jax.block_until_ready(generate_speculative_jit(llama.params, (ssm.params,), *args, **kw))
+    before = generate_speculative_jit._cache_size()
+    for n in (17, 25, 32):
+        args = jax.device_put(_raw_args(llama, [random_ids(rng, 128, n)]))
+        params = jax.device_put((llama.params, (ssm.params,)))
+        with jax.transfer_guard("disallow"):  # the whole loop runs on device: no host round trip
+            out = generate_speculative_jit(params[0], params[1], *args, **kw)
+            jax.block_until_ready(out)
+    assert generate_speculative_jit._cache_size() == before, "a new prompt in the same bucket recompiled"
+
+
+def test_callable_inside_user_jit_and_streaming_twin_agrees(llama):
+    ssm = derive_ssm(llama, 1)
+    spec = SpecConfig(ssm_configs=(ssm.config,), expansions=(Expansion((2, 1, 1)),), impl="xla")
+    prompts = [random_ids(np.random.RandomState(4), 128, n) for n in (6, 11)]
+    args = _raw_args(llama, prompts)
+    kw = dict(cfg=llama.config, spec=spec, cache_len=32 + 32 + spec.num_nodes, max_out=32)
+
+    @jax.jit
+    def user_program(llm_params, ssm_params, *args):
+        from specjax.speculative import generate_speculative
+
+        return generate_speculative(llm_params, ssm_params, *args, **kw).tokens
+
+    tokens = np.asarray(user_program(llama.params, (ssm.params,), *args))
+    streamed = [[], []]
+    for chunk in generate_stream(llama.params, (ssm.params,), *args, **kw):
+        for b, toks in enumerate(chunk):
+            streamed[b] += toks
+    want = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True).token_ids
+    assert streamed == want
+    assert [tokens[b, :24].tolist() for b in range(2)] == want
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(1, 3), min_size=1, max_size=3), st.integers(0, 2**31 - 1)),
+                min_size=2, max_size=3), st.integers(2, 4))
+def test_merge_holds_every_proposed_sequence_exactly_once(drafts, vocab):
+    expansions = [Expansion(tuple(w)) for w, _ in drafts]
+    token_sets = []
+    for e, (_, seed) in zip(expansions, drafts):
+        t = np.random.RandomState(seed).randint(0, vocab, (1, e.num_nodes)).astype(np.int32)  # small vocab: collisions
+        t[:, 0] = 7
+        token_sets.append(jnp.asarray(t))
+    merged = merge_trees(token_sets, expansions)
+    proposals = []
+    for e, toks in zip(expansions, token_sets):
+        parents, _ = e.topology()
+        for node in range(1, e.num_nodes):
+            path = [node]
+            while parents[path[-1]] > 0:
+                path.append(parents[path[-1]])
+            proposals.append(tuple(int(toks[0, j]) for j in reversed(path)))
+    valid = np.asarray(merged.valid[0])
+    seqs = [tuple(int(merged.tokens[0, j]) for j in root_path(merged, 0, i)[1:]) for i in range(valid.size) if valid[i]]
+    assert sorted(seqs) == sorted(set(proposals) | {()}), "merged tree != set of proposed sequences"
+    assert len(seqs) == len(set(seqs)), "a sequence appears twice"
+    entries = np.asarray(merged.children[0])
+    assert (entries >= 0).sum() == len(proposals), "every proposal must stay its own child entry"
+    parent = np.asarray(merged.parent[0])
+    for u, row in enumerate(entries):
+        for c in row[row >= 0]:
+            assert parent[c] == u
+
+
+def test_bad_speculation_configs(llama):
+    ssm = derive_ssm(llama, 1)
+    p = [[1, 2, 3]]
+    with pytest.raises(InputError, match="expansion config is empty"):
+        specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], expansion=())
+    with pytest.raises(InputError, match="positive ints"):
+        specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], expansion=(1, 0, 2))
+    with pytest.raises(InputError, match="more than N_max=64"):
+        specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], expansion=(4, 4, 4))
+    with pytest.raises(InputError, match="needs at least one SSM"):
+        specjax.generate(llama, p, max_new_tokens=4, mode="tree")
+    with pytest.raises(InputError, match="widths must all be 1"):
+        specjax.generate(llama, p, max_new_tokens=4, mode="sequence", ssms=[ssm], expansion=(1, 2))
+    with pytest.raises(InputError, match="temperature must be 0"):
+        specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], sampling=specjax.SamplingParams(temperature=1.0))
+    import dataclasses
+
+    wrong_vocab = specjax.Model(dataclasses.replace(ssm.config, vocab_size=100), ssm.params, None)
+    with pytest.raises(InputError, match="SSM 0 has vocab_size 100 but the LLM has 128"):
+        specjax.generate(llama, p, max_new_tokens=4, ssms=[wrong_vocab])
+
+
+def test_tokenizer_mismatch_is_refused(llama):
+    from specjax.ssm import check_compatible
+
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return self.vocab
+
+    a = specjax.Model(llama.config, llama.params, Tok({"a": 0, "b": 1}))
+    b = specjax.Model(llama.config, llama.params, Tok({"a": 1, "b": 0}))
+    with pytest.raises(InputError, match="tokenizer differs"):
+        check_compatible(a, b)
+
+
+def test_hf_export_round_trip(llama, tmp_path):
+    import transformers
+    import torch
+
+    ssm = derive_ssm(llama, [1])  # the second layer alone: exercises layer selection too
+    export_hf(ssm, str(tmp_path / "ssm"))
+    back = specjax.load_model(str(tmp_path / "ssm"), progress=False)
+    seq = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]]
+    np.testing.assert_allclose(specjax.logits(back, seq)[0], specjax.logits(ssm, seq)[0], rtol=0, atol=1e-6)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ssm"), dtype=torch.float32)
+    with torch.no_grad():
+        want = hf(torch.tensor(seq)).logits[0].numpy()
+    np.testing.assert_allclose(specjax.logits(ssm, seq)[0], want, rtol=0, atol=1e-4)

@@ -127,6 +127,27 @@ MAX_TREE_NODES = 64
 DEFAULT_EXPANSION = (1, 1, 3, 1, 1, 1, 1, 1)  # the paper's default expansion configuration
 
 
+def _check_max_new_tokens(max_new_tokens) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+
+
+def _prepare(model: Model, prompts, max_new_tokens: int, chat_template: bool):
+    """Validate and tokenise; returns (ids, lengths [B], prompts right-padded to a pow2 bucket [B, W])."""
+    _check_max_new_tokens(max_new_tokens)
+    ids = encode_prompts(model, prompts, chat_template)
+    limit = model.config.max_positions
+    for i, p in enumerate(ids):
+        if len(p) + max_new_tokens > limit:
+            raise InputError(f"prompt {i}: {len(p)} prompt tokens + max_new_tokens={max_new_tokens} = "
+                             f"{len(p) + max_new_tokens} exceeds the context window of {limit}")
+    lens = np.array([len(p) for p in ids], np.int32)
+    padded = np.zeros((len(ids), _next_pow2(int(lens.max()))), np.int32)
+    for i, p in enumerate(ids):
+        padded[i, :len(p)] = p
+    return ids, lens, padded
+
+
 def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, chat_template: bool = True,
              ignore_eos: bool = False, mode: str | None = None, ssms=(), expansion=None,
              impl: str = "auto") -> GenerationResult:
@@ -146,20 +167,10 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
     if mode != "incremental":
         return _generate_speculative(model, prompts, max_new_tokens, sampling, chat_template, ignore_eos, mode,
                                      list(ssms), expansion, impl)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    ids = encode_prompts(model, prompts, chat_template)
+    ids, lens, padded = _prepare(model, prompts, max_new_tokens, chat_template)
     cfg = model.config
-    for i, p in enumerate(ids):
-        if len(p) + max_new_tokens > cfg.max_positions:
-            raise InputError(f"prompt {i}: {len(p)} prompt tokens + max_new_tokens={max_new_tokens} = "
-                             f"{len(p) + max_new_tokens} exceeds the context window of {cfg.max_positions}")
     samplings = _sampling_list(sampling, len(ids))
-    lens = np.array([len(p) for p in ids], np.int32)
-    width = _next_pow2(int(lens.max()))
-    padded = np.zeros((len(ids), width), np.int32)
-    for i, p in enumerate(ids):
-        padded[i, :len(p)] = p
+    width = padded.shape[1]
     max_out = _next_pow2(max_new_tokens)
     cache_len = width + max_out  # a function of the two buckets only, so it never forces a recompile
     t0 = time.perf_counter()
@@ -218,8 +229,7 @@ def _generate_speculative(model, prompts, max_new_tokens, sampling, chat_templat
     from specjax.speculative import SpecConfig, generate_speculative_jit
     from specjax.ssm import check_compatible
 
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    _check_max_new_tokens(max_new_tokens)
     if not ssms:
         raise InputError(f"mode {mode!r} needs at least one SSM (ssms=[...])")
     if mode == "sequence" and len(ssms) != 1:
@@ -233,17 +243,9 @@ def _generate_speculative(model, prompts, max_new_tokens, sampling, chat_templat
     spec = SpecConfig(ssm_configs=tuple(s.config for s in ssms), expansions=tuple(exps), impl=resolve_impl(impl))
     if spec.num_nodes > MAX_TREE_NODES:
         raise InputError(f"the speculated tree has {spec.num_nodes} nodes, more than N_max={MAX_TREE_NODES}")
-    ids = encode_prompts(model, prompts, chat_template)
+    ids, lens, padded = _prepare(model, prompts, max_new_tokens, chat_template)
     cfg = model.config
-    for i, p in enumerate(ids):
-        if len(p) + max_new_tokens > cfg.max_positions:
-            raise InputError(f"prompt {i}: {len(p)} prompt tokens + max_new_tokens={max_new_tokens} = "
-                             f"{len(p) + max_new_tokens} exceeds the context window of {cfg.max_positions}")
-    lens = np.array([len(p) for p in ids], np.int32)
-    width = _next_pow2(int(lens.max()))
-    padded = np.zeros((len(ids), width), np.int32)
-    for i, p in enumerate(ids):
-        padded[i, :len(p)] = p
+    width = padded.shape[1]
     max_out = _next_pow2(max_new_tokens)
     cache_len = width + max_out + spec.num_nodes
     t0 = time.perf_counter()

@@ -40,7 +40,7 @@ def _cmd_generate(args) -> int:
     import specjax
 
     prompts = _read_prompts(args)
-    args.ssm = args.ssm or ["derived:8"]
+    args.ssm = args.ssm or ["derived:4"]
     if args.temperature > 0 and args.mode != "incremental":
         raise SpecjaxError("speculative modes verify greedily so far; use --mode incremental to sample")
     sampling = specjax.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tree/sequence speculation (greedy) or the incremental reference decoder (default: %(default)s)")
     g.add_argument("--ssm", action="append", default=None,
                    help="SSM: 'derived:K' (the LLM's first K layers), 'derived:i,j,..' or a model path; repeat "
-                        "for a merged pool (default: derived:8)")
+                        "for a merged pool (default: derived:4)")
     g.add_argument("--expansion", default=None,
                    help="expansion widths k1,...,km (default 1,1,3,1,1,1,1,1 for tree, 1,1,1,1,1,1,1,1 for sequence)")
     g.add_argument("--batch-size", type=int, default=1)

@@ -140,3 +140,39 @@ def test_real_tree_logits_equal_incremental_decoding(smollm2):
         diff = float(np.abs(got - incremental).max())
         assert diff <= min(1e-4, 1.5 * floor), f"{impl}: tree vs incremental {diff}, noise floor {floor}"
         np.testing.assert_array_equal(got.argmax(-1), incremental.argmax(-1))
+
+
+def _useless_ssm(llm):
+    import dataclasses
+
+    import jax
+
+    from specjax.models import init_params
+
+    cfg = dataclasses.replace(llm.config, num_layers=1, hidden_size=64, intermediate_size=96, num_heads=2,
+                              num_kv_heads=1, head_dim=32)
+    return specjax.Model(cfg, init_params(cfg, jax.random.key(0), scale=0.3), llm.tokenizer)
+
+
+def test_speculative_greedy_equals_incremental_on_smollm2(smollm2):
+    """Tree (expansion and merge) and sequence speculation with a derived SSM, a useless random SSM
+    and a perfect one (the LLM itself): batch 1 and a mixed-length batch of 4, dev prompts."""
+    import jax
+
+    from specjax.ssm import derive_ssm
+
+    prompts = dev_prompts()[3::19][:4]
+    want = specjax.generate(smollm2, prompts, max_new_tokens=24).token_ids
+    derived, useless = derive_ssm(smollm2, 8), _useless_ssm(smollm2)
+    setups = [dict(mode="tree", ssms=[derived]),
+              dict(mode="tree", ssms=[useless], expansion=(2, 2, 1)),
+              dict(mode="tree", ssms=[derived, useless], expansion=[(1, 1, 3, 1), (2, 1)]),
+              dict(mode="sequence", ssms=[smollm2], expansion=(1, 1, 1, 1))]
+    for kw in setups:
+        got = specjax.generate(smollm2, prompts, max_new_tokens=24, **kw)
+        assert got.token_ids == want, f"{kw['mode']} with {len(kw['ssms'])} SSMs differs from incremental"
+        assert specjax.generate(smollm2, prompts[:1], max_new_tokens=24, **kw).token_ids[0] == want[0]
+        jax.clear_caches()
+    perfect = specjax.generate(smollm2, prompts[:1], max_new_tokens=24, mode="sequence", ssms=[smollm2],
+                               expansion=(1, 1, 1, 1))
+    assert perfect.stats["mean_tokens_per_pass"] >= 4.0  # a perfect drafter is accepted almost always

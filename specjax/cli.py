@@ -40,7 +40,7 @@ def _cmd_generate(args) -> int:
     import specjax
 
     prompts = _read_prompts(args)
-    args.ssm = args.ssm or ["derived:4"]
+    args.ssm = args.ssm or ["derived:auto"]
     if args.temperature > 0 and args.mode != "incremental":
         raise SpecjaxError("speculative modes verify greedily so far; use --mode incremental to sample")
     sampling = specjax.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -76,13 +76,16 @@ def _cmd_generate(args) -> int:
 
 
 def _load_ssms(args, llm):
-    """--ssm entries: 'derived:K' (first K layers), 'derived:0,1,...' (layer list), or a model path."""
+    """--ssm entries: 'derived:auto' (the first min(4, max(1, L // 4)) of the LLM's L layers),
+    'derived:K' (first K layers), 'derived:0,1,...' (layer list), or a model path."""
     import specjax
     from specjax.ssm import derive_ssm
 
     ssms = []
     for spec in args.ssm:
-        if spec.startswith("derived:"):
+        if spec == "derived:auto":
+            ssms.append(derive_ssm(llm, min(4, max(1, llm.config.num_layers // 4))))
+        elif spec.startswith("derived:"):
             body = spec.split(":", 1)[1]
             try:
                 layers = [int(x) for x in body.split(",")]
@@ -122,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tree/sequence speculation (greedy) or the incremental reference decoder (default: %(default)s)")
     g.add_argument("--ssm", action="append", default=None,
                    help="SSM: 'derived:K' (the LLM's first K layers), 'derived:i,j,..' or a model path; repeat "
-                        "for a merged pool (default: derived:4)")
+                        "for a merged pool (default: derived:auto = the first 4 layers of SmolLM2)")
     g.add_argument("--expansion", default=None,
                    help="expansion widths k1,...,km (default 1,1,3,1,1,1,1,1 for tree, 1,1,1,1,1,1,1,1 for sequence)")
     g.add_argument("--batch-size", type=int, default=1)

@@ -191,5 +191,12 @@ def test_cli_errors(tiny_llama_dir, tmp_path):
     assert r.returncode == 2 and "bad.jsonl:2: expected a JSON object with a 'prompt' key" in r.stderr
     r = _cli("generate", "--model", tiny_llama_dir, "--prompt", "hi", "--top-p", "2")
     assert r.returncode == 2 and "top_p must be in (0, 1]" in r.stderr
-    r = _cli("generate", "--model", tiny_llama_dir, "--prompt", "hi")
-    assert r.returncode == 2 and "has no tokenizer" in r.stderr
+    for mode in ("tree", "incremental"):
+        r = _cli("generate", "--model", tiny_llama_dir, "--prompt", "hi", "--mode", mode)
+        assert r.returncode == 2 and "has no tokenizer" in r.stderr, r.stderr
+    r = _cli("generate", "--model", tiny_llama_dir, "--prompt", "hi", "--ssm", "derived:5")
+    assert r.returncode == 2 and "proper subset of layers 0..1, got 5" in r.stderr
+    r = _cli("generate", "--model", tiny_llama_dir, "--prompt", "hi", "--expansion", "1,0")
+    assert r.returncode == 2 and "expansion widths must be positive ints" in r.stderr
+    r = _cli("generate", "--model", tiny_llama_dir, "--prompt", "hi", "--temperature", "0.5")
+    assert r.returncode == 2 and "use --mode incremental to sample" in r.stderr

@@ -34,7 +34,6 @@ def main() -> None:
     ap.add_argument("--out", default="bench_out/speculative.png")
     args = ap.parse_args()
 
-    import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
 

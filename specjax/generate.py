@@ -40,7 +40,7 @@ class GenerateOutput:
     llm_passes: jax.Array  # [] int32
 
 
-def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     if not eos_ids:
         return jnp.zeros(tokens.shape, bool)
     return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
@@ -70,7 +70,7 @@ def decode_step(params, state: DecodeState, sampling: SamplingArrays, max_new_to
     slot = jnp.where(active, state.num_generated, state.tokens.shape[1])  # out of range -> dropped
     tokens = state.tokens.at[rows, slot].set(next_token, mode="drop")
     num_generated = state.num_generated + active.astype(jnp.int32)
-    done = state.done | _is_eos(next_token, eos_ids) | (num_generated >= max_new_tokens)
+    done = state.done | is_eos(next_token, eos_ids) | (num_generated >= max_new_tokens)
     return DecodeState(cache=cache.replace(length=new_length),
                        last_token=jnp.where(active, next_token, state.last_token),
                        tokens=tokens, num_generated=num_generated, done=done,
@@ -94,7 +94,7 @@ def generate_incremental(params, prompt_tokens: jax.Array, prompt_lens: jax.Arra
     tokens = jnp.full((batch, max_out), PAD_TOKEN, jnp.int32).at[:, 0].set(first)
     state = DecodeState(cache=cache, last_token=first, tokens=tokens,
                         num_generated=jnp.ones((batch,), jnp.int32),
-                        done=_is_eos(first, eos_ids) | (max_new_tokens <= 1),
+                        done=is_eos(first, eos_ids) | (max_new_tokens <= 1),
                         llm_passes=jnp.ones((), jnp.int32))
 
     def cond(state: DecodeState):

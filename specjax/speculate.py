@@ -134,7 +134,6 @@ def merge_trees(token_sets: list[jax.Array], expansions: list[Expansion]) -> Tok
     """Merge several drafted trees (same root) into one: each distinct token sequence becomes exactly
     one node; every proposal remains a child entry (duplicates allowed) in draw order (SSM order,
     then node order). Jittable; node count padded to 1 + sum(N_s - 1)."""
-    batch = token_sets[0].shape[0]
     max_nodes = 1 + sum(e.num_nodes - 1 for e in expansions)
     # Entry slots per node: all candidates in the worst case (sampled drafts may repeat a token among
     # one SSM's siblings, so several drafted nodes can merge and pool their children's entries).

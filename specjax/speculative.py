@@ -20,7 +20,7 @@ from specjax.attention import causal_meta
 from specjax.cache import KVCache, init_cache
 from specjax.config import ModelConfig
 from specjax.errors import InputError
-from specjax.generate import PAD_TOKEN, _is_eos, prefill
+from specjax.generate import PAD_TOKEN, is_eos, prefill
 from specjax.models import forward
 from specjax.speculate import Expansion, draft_expansion, merge_trees, static_tree
 from specjax.tree import TokenTree
@@ -112,7 +112,7 @@ def spec_step(llm_params, ssm_params: tuple, state: SpecState, max_new_tokens: j
     width = depth + 1
     j = jnp.arange(width)[None, :]
     n_emit = verdict.num_accepted + 1
-    eos_at = jnp.where(_is_eos(verdict.emitted, eos_ids) & (j < n_emit[:, None]), j, width)
+    eos_at = jnp.where(is_eos(verdict.emitted, eos_ids) & (j < n_emit[:, None]), j, width)
     first_eos = jnp.min(eos_at, axis=1)
     n_emit = jnp.minimum(n_emit, first_eos + 1)
     n_emit = jnp.minimum(n_emit, max_new_tokens - state.num_generated)
@@ -159,7 +159,7 @@ def init_state(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, max_ne
     return SpecState(llm_cache=llm_cache, ssm_caches=tuple(ssm_caches), history=history,
                      tokens=jnp.full((batch, max_out), PAD_TOKEN, jnp.int32).at[:, 0].set(first),
                      num_generated=jnp.ones((batch,), jnp.int32),
-                     done=_is_eos(first, eos_ids) | (max_new_tokens <= 1), llm_passes=jnp.ones((), jnp.int32),
+                     done=is_eos(first, eos_ids) | (max_new_tokens <= 1), llm_passes=jnp.ones((), jnp.int32),
                      tokens_per_pass=jnp.zeros((depth + 2,), jnp.int32),
                      accepted_at_depth=jnp.zeros((max(depth, 1),), jnp.int32))
 

@@ -149,7 +149,7 @@ def from_paths(root_tokens: Sequence[int], paths: Sequence[Sequence[Sequence[int
     """Build trees from token paths below each request's root: every distinct prefix becomes exactly
     one node (shared prefixes merge), nodes in first-appearance order."""
     all_tokens, all_parents = [], []
-    for b, (root, req_paths) in enumerate(zip(root_tokens, paths, strict=True)):
+    for root, req_paths in zip(root_tokens, paths, strict=True):
         index: dict[tuple[int, ...], int] = {(): 0}
         toks, pars = [int(root)], [-1]
         for path in req_paths:

@@ -16,7 +16,7 @@ from specjax.speculate import Expansion, merge_trees
 from specjax.speculative import SpecConfig, generate_speculative_jit, generate_stream
 from specjax.ssm import derive_ssm, export_hf
 from specjax.tree import root_path
-from tests.conftest import make_hf_model, random_ids
+from tests.conftest import random_ids
 
 
 @pytest.fixture(scope="module")

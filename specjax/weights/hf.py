@@ -8,7 +8,7 @@ import numpy as np
 
 from specjax.config import ModelConfig, config_from_hf_file
 from specjax.errors import CheckpointError
-from specjax.weights.keymap import HEADS_BIAS, HEADS_IN, HEADS_OUT, IDENTITY, LINEAR, KeyMapEntry, load_params
+from specjax.weights.keymap import HEADS_BIAS, HEADS_IN, HEADS_OUT, LINEAR, KeyMapEntry, load_params
 from specjax.weights.safetensors_io import open_hf_weights
 
 E = KeyMapEntry

@@ -13,7 +13,7 @@ import numpy as np
 
 from specjax import registry
 from specjax.config import ModelConfig
-from specjax.errors import CheckpointError, InputError
+from specjax.errors import CheckpointError, InputError, SpecjaxError
 from specjax.generate import full_logits, generate_incremental_jit
 from specjax.sampling import SamplingArrays, SamplingParams
 
@@ -150,7 +150,7 @@ def _prepare(model: Model, prompts, max_new_tokens: int, chat_template: bool):
 
 def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, chat_template: bool = True,
              ignore_eos: bool = False, mode: str | None = None, ssms=(), expansion=None,
-             impl: str = "auto") -> GenerationResult:
+             impl: str = "auto", verifier: str = "auto", draft: str = "auto") -> GenerationResult:
     """Generate for a batch of prompts (strings or token-id lists).
 
     mode: "incremental" (the reference decoder), "sequence" (one SSM drafts a chain of
@@ -159,14 +159,18 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
     tokenizer. expansion: widths <k1, ..., km> (default <1,1,3,1,1,1,1,1>), or one per SSM.
     sampling: None (greedy), a SamplingParams for all prompts, or one per prompt (each carries its
     seed; a request's tokens depend only on its own seed and positions, not on its batch slot).
-    Speculative modes verify greedily: they require temperature 0.
+    verifier (speculative modes): "auto" = greedy for greedy requests, else "seeded" (the output
+    equals incremental sampling with the same seed, token for token); "mss", "rrs", "naive" sample
+    with the exact target distribution but other random numbers. draft: how SSMs draw children,
+    "auto" = the verifier's natural drafting ("topk", "coupled", "iid" for mss, "wor" for rrs).
+    A (draft, verifier) pair that would not be lossless is refused with an InputError.
     """
     mode = mode or ("tree" if ssms else "incremental")
     if mode not in MODES:
         raise InputError(f"mode must be one of {MODES}, got {mode!r}")
     if mode != "incremental":
         return _generate_speculative(model, prompts, max_new_tokens, sampling, chat_template, ignore_eos, mode,
-                                     list(ssms), expansion, impl)
+                                     list(ssms), expansion, impl, verifier, draft)
     ids, lens, padded = _prepare(model, prompts, max_new_tokens, chat_template)
     cfg = model.config
     samplings = _sampling_list(sampling, len(ids))
@@ -223,8 +227,33 @@ def _expansions(mode: str, expansion, n_ssms: int):
     return exps
 
 
+VERIFIER_CHOICES = ("auto", "greedy", "seeded", "mss", "rrs", "naive")
+DRAFT_CHOICES = ("auto", "topk", "iid", "wor", "coupled")
+
+
+def resolve_verifier(verifier: str, draft: str, sampled: bool) -> tuple[str, str]:
+    """(verifier, draft) after resolving "auto"; lossy pairs are refused later by SpecConfig."""
+    from specjax.speculative import DEFAULT_DRAFT
+
+    if verifier not in VERIFIER_CHOICES:
+        raise InputError(f"verifier must be one of {VERIFIER_CHOICES}, got {verifier!r}")
+    if draft not in DRAFT_CHOICES:
+        raise InputError(f"draft must be one of {DRAFT_CHOICES}, got {draft!r}")
+    if verifier == "greedy" and sampled:
+        raise InputError("verifier 'greedy' decodes greedily but a request has temperature > 0; use "
+                         "verifier 'auto', 'seeded', 'mss', 'rrs' or 'naive' to sample")
+    if verifier == "auto":
+        if not sampled:
+            verifier = "greedy" if draft in ("auto", "topk") else "seeded"
+        else:
+            verifier = {"iid": "mss", "wor": "rrs"}.get(draft, "seeded")
+    if draft == "auto":
+        draft = DEFAULT_DRAFT[verifier]
+    return verifier, draft
+
+
 def _generate_speculative(model, prompts, max_new_tokens, sampling, chat_template, ignore_eos, mode, ssms,
-                          expansion, impl) -> GenerationResult:
+                          expansion, impl, verifier="auto", draft="auto") -> GenerationResult:
     from specjax.kernels.tree_attention import resolve_impl
     from specjax.speculative import SpecConfig, generate_speculative_jit
     from specjax.ssm import check_compatible
@@ -236,11 +265,11 @@ def _generate_speculative(model, prompts, max_new_tokens, sampling, chat_templat
         raise InputError(f"mode 'sequence' takes exactly one SSM, got {len(ssms)}")
     for i, ssm in enumerate(ssms):
         check_compatible(model, ssm, name=f"SSM {i}")
-    if any(not s.greedy for s in _sampling_list(sampling, 1 if not isinstance(sampling, list) else len(sampling))):
-        raise InputError("speculative modes verify greedily so far: temperature must be 0 "
-                         "(use mode='incremental' to sample)")
+    samplings_given = _sampling_list(sampling, 1 if not isinstance(sampling, list) else len(sampling))
+    verifier, draft = resolve_verifier(verifier, draft, any(not s.greedy for s in samplings_given))
     exps = _expansions(mode, expansion, len(ssms))
-    spec = SpecConfig(ssm_configs=tuple(s.config for s in ssms), expansions=tuple(exps), impl=resolve_impl(impl))
+    spec = SpecConfig(ssm_configs=tuple(s.config for s in ssms), expansions=tuple(exps), impl=resolve_impl(impl),
+                      verifier=verifier, draft=draft)
     if spec.num_nodes > MAX_TREE_NODES:
         raise InputError(f"the speculated tree has {spec.num_nodes} nodes, more than N_max={MAX_TREE_NODES}")
     ids, lens, padded = _prepare(model, prompts, max_new_tokens, chat_template)
@@ -250,11 +279,16 @@ def _generate_speculative(model, prompts, max_new_tokens, sampling, chat_templat
     cache_len = width + max_out + spec.num_nodes
     t0 = time.perf_counter()
     out = generate_speculative_jit(model.params, tuple(s.params for s in ssms), jnp.asarray(padded),
-                                   jnp.asarray(lens), jnp.full((len(ids),), max_new_tokens, jnp.int32), cfg=cfg,
+                                   jnp.asarray(lens), jnp.full((len(ids),), max_new_tokens, jnp.int32),
+                                   SamplingArrays.from_params(_sampling_list(sampling, len(ids))), cfg=cfg,
                                    spec=spec, cache_len=cache_len, max_out=max_out,
                                    eos_ids=() if ignore_eos else _eos_ids(model))
     tokens = np.asarray(jax.device_get(out.tokens))
     seconds = time.perf_counter() - t0
+    failed = np.flatnonzero(np.asarray(out.failed))
+    if failed.size:
+        raise SpecjaxError(f"requests {failed.tolist()}: the verifier met a distribution without probability mass "
+                           f"(NaN or -inf logits); no token was invented")
     counts = np.asarray(out.num_generated)
     hist = np.asarray(out.tokens_per_pass)
     token_ids = [tokens[i, :counts[i]].tolist() for i in range(len(ids))]
@@ -268,5 +302,6 @@ def _generate_speculative(model, prompts, max_new_tokens, sampling, chat_templat
              "mean_tokens_per_pass": float((hist * np.arange(len(hist))).sum() / max(request_passes, 1)),
              "accepted_at_depth": np.asarray(out.accepted_at_depth).tolist(),
              "tree_nodes": spec.num_nodes, "expansions": [e.widths for e in exps],
+             "verifier": verifier, "draft": draft,
              "prompt_bucket": width, "cache_len": cache_len}
     return GenerationResult(token_ids=token_ids, texts=texts, prompt_token_ids=ids, stats=stats)

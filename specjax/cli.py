@@ -41,8 +41,6 @@ def _cmd_generate(args) -> int:
 
     prompts = _read_prompts(args)
     args.ssm = args.ssm or ["derived:auto"]
-    if args.temperature > 0 and args.mode != "incremental":
-        raise SpecjaxError("speculative modes verify greedily so far; use --mode incremental to sample")
     sampling = specjax.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                       seed=args.seed)
     if args.max_new_tokens < 1:
@@ -58,7 +56,7 @@ def _cmd_generate(args) -> int:
         batch = prompts[i:i + args.batch_size]
         result = specjax.generate(model, batch, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                   chat_template=not args.no_chat_template, mode=args.mode, ssms=ssms,
-                                  expansion=args.expansion)
+                                  expansion=args.expansion, verifier=args.verifier, draft=args.draft)
         st = result.stats
         mean = st.get("mean_tokens_per_pass", 1.0)
         for prompt, ids, text in zip(batch, result.token_ids, result.texts):
@@ -122,7 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--mode", default="tree", choices=["tree", "sequence", "incremental"],
-                   help="tree/sequence speculation (greedy) or the incremental reference decoder (default: %(default)s)")
+                   help="tree/sequence speculation or the incremental reference decoder (default: %(default)s)")
+    g.add_argument("--verifier", default="auto", choices=["auto", "greedy", "seeded", "mss", "rrs", "naive"],
+                   help="auto: greedy at temperature 0, else seeded (same tokens as --mode incremental with the "
+                        "same --seed); mss/rrs/naive: exact sampling distribution, other random numbers")
+    g.add_argument("--draft", default="auto", choices=["auto", "topk", "iid", "wor", "coupled"],
+                   help="how SSMs draw tree children (auto: the verifier's natural choice; a pair that is not "
+                        "lossless is refused)")
     g.add_argument("--ssm", action="append", default=None,
                    help="SSM: 'derived:K' (the LLM's first K layers), 'derived:i,j,..' or a model path; repeat "
                         "for a merged pool (default: derived:auto = the first 4 layers of SmolLM2)")

@@ -16,9 +16,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax.errors import InputError
+from specjax.keys import sampling_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,11 @@ class SamplingArrays:
     top_p: jax.Array  # [B] float32, 1 = off
     seed: jax.Array  # [B] int32
 
+    @property
+    def sampled(self) -> jax.Array:
+        """[B] bool: requests that sample (temperature > 0) rather than decode greedily."""
+        return self.temperature > 0
+
     @classmethod
     def from_params(cls, params: list[SamplingParams]) -> "SamplingArrays":
         return cls(temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
@@ -79,24 +86,30 @@ def _filter_top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax
 
 
 def warp_logits(logits: jax.Array, sampling: SamplingArrays) -> jax.Array:
-    """logits [B, V] -> warped log-probabilities [B, V] float32 (-inf outside top-k/top-p).
+    """logits [B, ..., V] -> warped log-probabilities, same shape, float32 (-inf outside top-k/top-p).
 
-    Rows with temperature 0 are warped as temperature 1 (their token is the raw argmax anyway).
+    Request b's settings apply to every row logits[b, ...]. Rows with temperature 0 are warped as
+    temperature 1 (their token is the raw argmax anyway). This one pipeline serves incremental
+    sampling, the verifier's targets at every tree node and the SSMs' drafting laws.
     """
-    x = logits.astype(jnp.float32)
-    temperature = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
+    shape = logits.shape
+    rows = int(np.prod(shape[1:-1], dtype=np.int64))
+    x = logits.astype(jnp.float32).reshape(shape[0] * rows, shape[-1])
+    per_row = lambda a: jnp.repeat(a, rows, axis=0)  # noqa: E731
+    temperature = per_row(jnp.where(sampling.temperature > 0, sampling.temperature, 1.0))
+    top_k, top_p = per_row(sampling.top_k), per_row(sampling.top_p)
     x = x / temperature[:, None]
-    needs_filter = jnp.any((sampling.top_k > 0) | (sampling.top_p < 1.0))
+    needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
     # The sort costs O(V log V) per row; skip it when no request asks for top-k/top-p.
-    x = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda x, *_: x, x, sampling.top_k, sampling.top_p)
-    return jax.nn.log_softmax(x, axis=-1)
+    x = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda x, *_: x, x, top_k, top_p)
+    return jax.nn.log_softmax(x, axis=-1).reshape(shape)
 
 
 def gumbel_noise(seed: jax.Array, position: jax.Array, vocab: int) -> jax.Array:
     """G(seed, t): [B, V] float32 Gumbel noise keyed ONLY by the request seed and absolute position."""
 
     def one(s, t):
-        return jax.random.gumbel(jax.random.fold_in(jax.random.key(s), t), (vocab,), jnp.float32)
+        return jax.random.gumbel(sampling_key(s, t), (vocab,), jnp.float32)
 
     return jax.vmap(one)(seed, position)
 

@@ -3,7 +3,11 @@
 * Expansion-based: one SSM, a static expansion configuration <k1, ..., km>; at depth i every
   frontier node gets k_i children. The topology is static, so its parent/depth/ancestor arrays are
   built once on the host; the SSM scores a whole frontier per forward pass with tree attention.
-  Children are the SSM's top-k (greedy drafting; every entry's law is recorded as one-hot, -1).
+  How children are drawn (``DRAFTS``), each entry recording the law it was drawn from:
+  ``topk`` the SSM's top-k (deterministic: law one-hot, -1); ``iid`` k samples with replacement
+  from the SSM's warped distribution q; ``wor`` k samples without replacement (Gumbel-top-k, in
+  perturbed-score order = draw order); ``coupled`` the top-k of log q + G(seed, t), the same Gumbel
+  noise seeded verification uses at position t. Greedy requests (temperature 0) always draft top-k.
 * Sequence-based: expansion <1, ..., 1>. Incremental decoding: the empty tree (root only).
 * Merge-based: several SSMs each draft their own tree; ``merge_trees`` builds the tree that holds
   every proposed token sequence exactly once as a node, while each proposal stays its own child
@@ -19,6 +23,7 @@ chain's logits at the root give the depth-1 children.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +32,15 @@ import numpy as np
 from specjax.attention import AttentionMeta, causal_meta
 from specjax.cache import KVCache
 from specjax.config import ModelConfig
+from specjax import _mutation
 from specjax.errors import InputError
+from specjax.keys import DRAFT, purpose_key
 from specjax.models import forward
+from specjax.sampling import SamplingArrays, gumbel_noise, warp_logits
 from specjax.tree import TokenTree, ancestor_bits, from_parents
+
+DRAFTS = ("topk", "iid", "wor", "coupled")
+SAMPLED_DRAFTS = ("iid", "wor")  # drafts whose entries declare the SSM's law q (law_row >= 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,13 +93,84 @@ class Expansion:
         return cls(widths)
 
 
-def static_tree(expansion: Expansion, batch: int, tokens: jax.Array) -> TokenTree:
-    """The expansion's static topology as a TokenTree carrying ``tokens`` [B, N]."""
+def static_tree(expansion: Expansion, batch: int, tokens: jax.Array, entry_ok: jax.Array | None = None,
+                law_rows: jax.Array | None = None) -> TokenTree:
+    """The expansion's static topology as a TokenTree carrying ``tokens`` [B, N].
+
+    entry_ok [B, N]: False drops node i as an entry of its parent (a draw that does not exist, e.g.
+    without replacement from a law with fewer than k tokens). law_rows [B]: True makes every entry
+    of node u declare law row u (sampled drafts); otherwise entries are one-hot (-1)."""
+    t = _topology_tree(expansion)
+    rep = lambda x: jnp.broadcast_to(jnp.asarray(x), (batch,) + x.shape[1:])  # noqa: E731
+    children = rep(t.children)
+    if entry_ok is not None:
+        ok = jnp.take_along_axis(entry_ok, jnp.maximum(children, 0).reshape(batch, -1), axis=1)
+        children = jnp.where(ok.reshape(children.shape), children, -1)
+    node = jnp.arange(children.shape[1], dtype=jnp.int32)[None, :, None]
+    law_row = jnp.full(children.shape, -1, jnp.int32)
+    if law_rows is not None:
+        law_row = jnp.where(law_rows[:, None, None] & (children >= 0), node, -1)
+    return TokenTree(tokens=tokens, parent=rep(t.parent), depth=rep(t.depth), valid=rep(t.valid),
+                     ancestor=rep(t.ancestor), children=children, law_row=law_row)
+
+
+@functools.lru_cache(maxsize=64)
+def _topology_tree(expansion: Expansion) -> TokenTree:
+    """The static topology as host (numpy) arrays, built and validated once per expansion."""
     parents, _ = expansion.topology()
     t = from_parents([[0] * len(parents)], [parents], n_max=len(parents))
-    rep = lambda x: jnp.broadcast_to(x, (batch,) + x.shape[1:])  # noqa: E731
-    return TokenTree(tokens=tokens, parent=rep(t.parent), depth=rep(t.depth), valid=rep(t.valid),
-                     ancestor=rep(t.ancestor), children=rep(t.children), law_row=rep(t.law_row))
+    return jax.tree.map(np.asarray, t)
+
+
+def draft_slot(ssm_index: int, node, draw) -> jax.Array:
+    """Slot of a drafting key: unique per (SSM, node, draw) within one step (node, draw < 2**10)."""
+    return (ssm_index << 20) + (jnp.asarray(node, jnp.int32) << 10) + jnp.asarray(draw, jnp.int32)
+
+
+def draw_children(logits: jax.Array, k: int, draft: str, sampling: SamplingArrays | None, length: jax.Array,
+                  depth: int, nodes: np.ndarray, ssm_index: int):
+    """Children of the frontier ``nodes`` (static ids) from SSM logits [B, F, V]; the children sit
+    at position ``length + depth + 1``. Returns (tokens [B, F, k] in draw order, ok [B, F, k],
+    declared law as warped log-probabilities [B, F, V] or None for one-hot entries)."""
+    top = jax.lax.top_k(logits, k)[1].astype(jnp.int32)
+    always = jnp.ones(top.shape, bool)
+    if draft == "topk":
+        if _mutation.active() == "allow_mss_on_topk":  # the paper's rule: entries declare softmax q
+            return top, always, warp_logits(logits, sampling)
+        return top, always, None
+    batch, frontier, vocab = logits.shape
+    logq = warp_logits(logits, sampling)
+    seed = sampling.seed[:, None]
+    node_ids = jnp.asarray(nodes, jnp.int32)[None, :]
+    if draft == "iid":
+        draws = jnp.arange(k, dtype=jnp.int32)
+        slots = draft_slot(ssm_index, node_ids[:, :, None], draws[None, None, :])  # [1, F, k]
+
+        def one(s, t, slot, lq):
+            return jax.random.categorical(purpose_key(s, DRAFT, t, slot), lq).astype(jnp.int32)
+
+        per_draw = jax.vmap(jax.vmap(jax.vmap(one, (None, None, 0, None)), (None, None, 0, 0)), (0, 0, None, 0))
+        tokens = per_draw(seed[:, 0], length, slots[0], logq)
+        ok = jnp.take_along_axis(logq, tokens, axis=-1) > -jnp.inf
+    else:
+        if draft == "wor":
+            def one(s, t, node):
+                return jax.random.gumbel(purpose_key(s, DRAFT, t, draft_slot(ssm_index, node, 0)), (vocab,))
+
+            noise = jax.vmap(jax.vmap(one, (None, None, 0)), (0, 0, None))(seed[:, 0], length, node_ids[0])
+        elif draft == "coupled":
+            noise = gumbel_noise(sampling.seed, length + depth + 1, vocab)[:, None, :]
+        else:
+            raise InputError(f"unknown drafting mode {draft!r}; choose from {DRAFTS}")
+        scores, tokens = jax.lax.top_k(logq + noise, k)  # perturbed-score order = sequential draw order
+        tokens = tokens.astype(jnp.int32)
+        ok = scores > -jnp.inf  # fewer than k tokens in q's support: the missing draws do not exist
+    sampled = sampling.sampled[:, None, None]
+    tokens = jnp.where(sampled, tokens, top)
+    ok = jnp.where(sampled, ok, always)
+    if _mutation.active() == "law_wrong_temperature":
+        logq = warp_logits(logits, sampling.replace(temperature=jnp.ones_like(sampling.temperature)))
+    return tokens, ok, logq
 
 
 def chain_logits(params, cfg: ModelConfig, cache: KVCache, history: jax.Array, length: jax.Array,
@@ -105,20 +187,30 @@ def chain_logits(params, cfg: ModelConfig, cache: KVCache, history: jax.Array, l
 
 
 def draft_expansion(params, cfg: ModelConfig, cache: KVCache, history: jax.Array, length: jax.Array,
-                    expansion: Expansion, impl: str = "auto") -> tuple[jax.Array, KVCache]:
-    """Greedy (top-k) expansion drafting. Returns tree tokens [B, N] (root = history[length])."""
+                    expansion: Expansion, impl: str = "auto", draft: str = "topk",
+                    sampling: SamplingArrays | None = None, ssm_index: int = 0):
+    """Expansion drafting. Returns (tokens [B, N] (root = history[length]), entry_ok [B, N],
+    laws [B, N, V] warped log q at each drafted-from node (None for top-k drafts), cache)."""
     batch = history.shape[0]
     parents, levels = expansion.topology()
     n = len(parents)
     tree = static_tree(expansion, batch, jnp.zeros((batch, n), jnp.int32))
     root = jnp.take_along_axis(history, length[:, None], axis=1)[:, 0]
     tokens = jnp.zeros((batch, n), jnp.int32).at[:, 0].set(root)
+    entry_ok = jnp.ones((batch, n), bool)
+    laws = None
     logits, cache = chain_logits(params, cfg, cache, history, length, expansion.depth + 1)
     frontier_logits = logits[:, None, :]  # [B, |frontier|, V]
     for depth, k in enumerate(expansion.widths):
+        frontier = np.asarray(levels[depth])
         children = np.asarray(levels[depth + 1])  # static ids, grouped by parent in frontier order
-        top = jax.lax.top_k(frontier_logits, k)[1]  # [B, |frontier|, k], best first (draw order)
-        tokens = tokens.at[:, children].set(top.reshape(batch, -1).astype(jnp.int32))
+        drawn, ok, logq = draw_children(frontier_logits, k, draft, sampling, length, depth, frontier, ssm_index)
+        tokens = tokens.at[:, children].set(drawn.reshape(batch, -1))
+        entry_ok = entry_ok.at[:, children].set(ok.reshape(batch, -1))
+        if logq is not None:
+            if laws is None:
+                laws = jnp.full((batch, n, logq.shape[-1]), -jnp.inf, jnp.float32)
+            laws = laws.at[:, frontier].set(logq)
         if depth + 1 == expansion.depth:
             break  # the deepest frontier needs no SSM pass: nothing is drafted below it
         meta = AttentionMeta(lengths=length, ancestor=tree.ancestor[:, children],
@@ -127,14 +219,23 @@ def draft_expansion(params, cfg: ModelConfig, cache: KVCache, history: jax.Array
         positions = length[:, None] + depth + 1
         frontier_logits, cache = forward(params, tokens[:, children], jnp.broadcast_to(positions, (batch, len(children))),
                                          cache, meta, cfg)
-    return tokens, cache
+    return tokens, entry_ok, laws, cache
 
 
-def merge_trees(token_sets: list[jax.Array], expansions: list[Expansion]) -> TokenTree:
+def merge_trees(token_sets: list[jax.Array], expansions: list[Expansion], entry_oks: list | None = None,
+                law_rows: list | None = None) -> TokenTree:
     """Merge several drafted trees (same root) into one: each distinct token sequence becomes exactly
     one node; every proposal remains a child entry (duplicates allowed) in draw order (SSM order,
-    then node order). Jittable; node count padded to 1 + sum(N_s - 1)."""
+    then node order). Jittable; node count padded to 1 + sum(N_s - 1).
+
+    entry_oks[s] [B, N_s]: False = that draw does not exist (skipped). law_rows[s]: None (one-hot
+    entries) or [B] bool; where True, an entry proposed by node i of set s under its parent p
+    declares law row ``offset_s + p`` of the concatenated per-set law arrays (offset_s = sum of the
+    earlier sets' N)."""
     max_nodes = 1 + sum(e.num_nodes - 1 for e in expansions)
+    entry_oks = entry_oks or [None] * len(expansions)
+    law_rows = law_rows or [None] * len(expansions)
+    offsets = np.cumsum([0] + [e.num_nodes for e in expansions])[:-1]
     # Entry slots per node: all candidates in the worst case (sampled drafts may repeat a token among
     # one SSM's siblings, so several drafted nodes can merge and pool their children's entries).
     max_entries = max_nodes - 1
@@ -146,35 +247,48 @@ def merge_trees(token_sets: list[jax.Array], expansions: list[Expansion]) -> Tok
             for node in level:
                 cands.append((d, s, node, parents[node]))
     cands.sort()
+    batch = token_sets[0].shape[0]
     root = token_sets[0][:, 0]
+    oks = [jnp.ones(t.shape, bool) if o is None else o for t, o in zip(token_sets, entry_oks)]
+    sampled = [jnp.zeros((batch,), bool) if r is None else r for r in law_rows]
+    dedupe = _mutation.active() == "dedupe_merged"
 
-    def merge_one(toks_per_set, root_tok):
+    def merge_one(toks_per_set, ok_per_set, sampled_per_set, root_tok):
         tokens = jnp.zeros((max_nodes,), jnp.int32).at[0].set(root_tok)
         parent = jnp.full((max_nodes,), -1, jnp.int32)
         valid = jnp.zeros((max_nodes,), bool).at[0].set(True)
         children = jnp.full((max_nodes, max_entries), -1, jnp.int32)
+        law_row = jnp.full((max_nodes, max_entries), -1, jnp.int32)
         num_entries = jnp.zeros((max_nodes,), jnp.int32)
         count = jnp.int32(1)
         own_to_merged = [jnp.zeros((e.num_nodes,), jnp.int32) for e in expansions]  # node 0 -> 0
+        own_ok = [jnp.ones((e.num_nodes,), bool) for e in expansions]  # drafted node exists (and its parent)
         for _, s, node, par in cands:
             tok = toks_per_set[s][node]
             mp = own_to_merged[s][par]
+            here = own_ok[s][par] & ok_per_set[s][node]
             same = valid & (parent == mp) & (tokens == tok)
             exists = jnp.any(same)
+            new = here & ~exists
             m = jnp.where(exists, jnp.argmax(same), count)
-            tokens = jnp.where(exists, tokens, tokens.at[count].set(tok))
-            parent = jnp.where(exists, parent, parent.at[count].set(mp))
-            valid = jnp.where(exists, valid, valid.at[count].set(True))
-            count = count + (~exists).astype(jnp.int32)
-            children = children.at[mp, num_entries[mp]].set(m)  # one entry per proposal
-            num_entries = num_entries.at[mp].add(1)
+            tokens = jnp.where(new, tokens.at[count].set(tok), tokens)
+            parent = jnp.where(new, parent.at[count].set(mp), parent)
+            valid = jnp.where(new, valid.at[count].set(True), valid)
+            count = count + new.astype(jnp.int32)
+            add = here & ~exists if dedupe else here  # one entry per proposal (the mutant: per distinct token)
+            slot = jnp.where(add, num_entries[mp], max_entries)  # out of range -> dropped
+            children = children.at[mp, slot].set(m, mode="drop")
+            row = jnp.where(sampled_per_set[s], offsets[s] + par, -1)
+            law_row = law_row.at[mp, slot].set(row, mode="drop")
+            num_entries = num_entries.at[mp].add(add.astype(jnp.int32))
             own_to_merged[s] = own_to_merged[s].at[node].set(m)
-        return tokens, parent, valid, children
+            own_ok[s] = own_ok[s].at[node].set(here)
+        return tokens, parent, valid, children, law_row
 
-    tokens, parent, valid, children = jax.vmap(merge_one)(list(token_sets), root)
+    tokens, parent, valid, children, law_row = jax.vmap(merge_one)(list(token_sets), oks, sampled, root)
     depth = _depths(parent)
     return TokenTree(tokens=tokens, parent=parent, depth=depth, valid=valid, ancestor=ancestor_bits(parent, valid),
-                     children=children, law_row=jnp.full(children.shape, -1, jnp.int32))
+                     children=children, law_row=law_row)
 
 
 def _depths(parent: jax.Array) -> jax.Array:

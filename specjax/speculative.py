@@ -22,10 +22,32 @@ from specjax.config import ModelConfig
 from specjax.errors import InputError
 from specjax.generate import PAD_TOKEN, is_eos, prefill
 from specjax.models import forward
-from specjax.speculate import Expansion, draft_expansion, merge_trees, static_tree
+from specjax import _mutation
+from specjax.sampling import SamplingArrays, sample_tokens
+from specjax.speculate import DRAFTS, SAMPLED_DRAFTS, Expansion, draft_expansion, merge_trees, static_tree
 from specjax.tree import TokenTree
 from specjax.tree_forward import commit_path, tree_forward
-from specjax.verify import verify_greedy
+from specjax.verify import verify_greedy, verify_sampled, verify_seeded
+
+VERIFIERS = ("greedy", "seeded", "mss", "rrs", "naive")
+# Which drafting modes each verifier is lossless for (docs/verification.md, "Which declared law").
+LOSSLESS = {"greedy": DRAFTS, "seeded": DRAFTS, "naive": DRAFTS, "mss": ("iid",), "rrs": ("wor",)}
+DEFAULT_DRAFT = {"greedy": "topk", "seeded": "coupled", "naive": "topk", "mss": "iid", "rrs": "wor"}
+
+
+def check_combination(draft: str, verifier: str) -> None:
+    """Refuse a (drafting, verifier) pair that would not be lossless, naming the exact ones."""
+    if verifier not in VERIFIERS:
+        raise InputError(f"unknown verifier {verifier!r}; choose from {VERIFIERS}")
+    if draft not in DRAFTS:
+        raise InputError(f"unknown drafting mode {draft!r}; choose from {DRAFTS}")
+    if draft in LOSSLESS[verifier] or (_mutation.active() == "allow_mss_on_topk" and verifier == "mss"):
+        return
+    exact = [v for v in VERIFIERS if draft in LOSSLESS[v]]
+    why = {"mss": "MSS needs entries drawn i.i.d. from the declared SSM law",
+           "rrs": "RRS needs entries drawn without replacement (draft 'wor')"}[verifier]
+    raise InputError(f"verifier {verifier!r} is not lossless for drafting mode {draft!r} ({why}); "
+                     f"lossless verifiers for {draft!r}: {exact}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +57,13 @@ class SpecConfig:
     ssm_configs: tuple[ModelConfig, ...] = ()
     expansions: tuple[Expansion, ...] = ()
     impl: str = "auto"  # tree attention implementation
+    verifier: str = "greedy"  # one of VERIFIERS; greedy ignores the sampling settings
+    draft: str = "topk"  # how the SSMs draw children (speculate.DRAFTS)
 
     def __post_init__(self):
         if len(self.ssm_configs) != len(self.expansions):
             raise InputError(f"{len(self.ssm_configs)} SSMs but {len(self.expansions)} expansion configs")
+        check_combination(self.draft, self.verifier)
 
     @property
     def max_depth(self) -> int:
@@ -62,6 +87,7 @@ class SpecState:
     llm_passes: jax.Array  # [] int32, LLM forward passes (prefill included)
     tokens_per_pass: jax.Array  # [D + 2] int32, histogram over (request, pass) of tokens emitted
     accepted_at_depth: jax.Array  # [max(D, 1)] int32, accepted nodes at depth d + 1, summed over requests
+    failed: jax.Array  # [B] bool, a residual without probability mass (NaN logits); the request stops
 
 
 @struct.dataclass
@@ -71,23 +97,33 @@ class SpecOutput:
     llm_passes: jax.Array  # [] int32
     tokens_per_pass: jax.Array  # [D + 2] int32
     accepted_at_depth: jax.Array  # [max(D, 1)] int32
+    failed: jax.Array  # [B] bool
 
 
-def build_tree(ssm_params: tuple, state: SpecState, spec: SpecConfig) -> tuple[TokenTree, tuple]:
-    """Draft this step's token tree with every SSM (or the root-only tree with none)."""
+def build_tree(ssm_params: tuple, state: SpecState, spec: SpecConfig, sampling: SamplingArrays):
+    """Draft this step's token tree with every SSM (or the root-only tree with none).
+    Returns (tree, declared laws [B, R, V] or None, SSM caches)."""
     history, length = state.history, state.llm_cache.length
     batch = history.shape[0]
     if not spec.expansions:
         root = jnp.take_along_axis(history, length[:, None], axis=1)
-        return _root_only(root), ()
-    drafted, caches = [], []
-    for params, cfg, expansion, cache in zip(ssm_params, spec.ssm_configs, spec.expansions, state.ssm_caches):
-        tokens, cache = draft_expansion(params, cfg, cache, history, length, expansion, spec.impl)
+        return _root_only(root), None, ()
+    drafted, oks, laws, caches = [], [], [], []
+    for i, (params, cfg, expansion, cache) in enumerate(zip(ssm_params, spec.ssm_configs, spec.expansions,
+                                                            state.ssm_caches)):
+        tokens, ok, law, cache = draft_expansion(params, cfg, cache, history, length, expansion, spec.impl,
+                                                 spec.draft, sampling, ssm_index=i)
         drafted.append(tokens)
+        oks.append(ok)
+        laws.append(law)
         caches.append(cache)
+    declares = sampling.sampled if (spec.draft in SAMPLED_DRAFTS or laws[0] is not None) else None
+    laws = None if laws[0] is None else jnp.concatenate(laws, axis=1)
     if len(drafted) == 1:
-        return static_tree(spec.expansions[0], batch, drafted[0]), tuple(caches)
-    return merge_trees(drafted, list(spec.expansions)), tuple(caches)
+        tree = static_tree(spec.expansions[0], batch, drafted[0], entry_ok=oks[0], law_rows=declares)
+    else:
+        tree = merge_trees(drafted, list(spec.expansions), oks, [declares] * len(drafted))
+    return tree, laws, tuple(caches)
 
 
 def _root_only(root: jax.Array) -> TokenTree:
@@ -98,15 +134,23 @@ def _root_only(root: jax.Array) -> TokenTree:
                      law_row=jnp.full((batch, 1, 1), -1, jnp.int32))
 
 
-def spec_step(llm_params, ssm_params: tuple, state: SpecState, max_new_tokens: jax.Array, cfg: ModelConfig,
-              spec: SpecConfig, eos_ids: tuple[int, ...]) -> SpecState:
+def verify(logits, tree: TokenTree, laws, sampling: SamplingArrays, length: jax.Array, spec: SpecConfig):
+    if spec.verifier == "greedy":
+        return verify_greedy(logits, tree, spec.max_depth)
+    if spec.verifier == "seeded":
+        return verify_seeded(logits, tree, sampling, length, spec.max_depth)
+    return verify_sampled(logits, tree, laws, sampling, length, spec.verifier, spec.max_depth)
+
+
+def spec_step(llm_params, ssm_params: tuple, state: SpecState, sampling: SamplingArrays, max_new_tokens: jax.Array,
+              cfg: ModelConfig, spec: SpecConfig, eos_ids: tuple[int, ...]) -> SpecState:
     """One speculative step for every request (finished requests are carried along unchanged)."""
     active = ~state.done
     depth = spec.max_depth
     length = state.llm_cache.length
-    tree, ssm_caches = build_tree(ssm_params, state, spec)
+    tree, laws, ssm_caches = build_tree(ssm_params, state, spec, sampling)
     logits, llm_cache = tree_forward(llm_params, tree, state.llm_cache, cfg, spec.impl)
-    verdict = verify_greedy(logits, tree, depth)
+    verdict = verify(logits, tree, laws, sampling, length, spec)
 
     # Tokens this step emits: accepted nodes then the bonus, cut after an EOS and at max_new_tokens.
     width = depth + 1
@@ -124,7 +168,8 @@ def spec_step(llm_params, ssm_params: tuple, state: SpecState, max_new_tokens: j
     hist_slot = jnp.where(emit, length[:, None] + 1 + j, state.history.shape[1])
     history = state.history.at[rows, hist_slot].set(verdict.emitted, mode="drop")
     num_generated = state.num_generated + n_emit
-    done = state.done | (active & ((first_eos < n_emit) | (num_generated >= max_new_tokens)))
+    failed = state.failed | (active & ~verdict.ok)
+    done = state.done | failed | (active & ((first_eos < n_emit) | (num_generated >= max_new_tokens)))
 
     keep = jnp.where(active, verdict.num_accepted + 1, 0)  # root + accepted nodes
     llm_cache = commit_path(llm_cache, verdict.path, keep)
@@ -136,16 +181,20 @@ def spec_step(llm_params, ssm_params: tuple, state: SpecState, max_new_tokens: j
         acc = acc + jnp.sum(reached, axis=0).astype(jnp.int32)
     return SpecState(llm_cache=llm_cache, ssm_caches=ssm_caches, history=history, tokens=tokens,
                      num_generated=num_generated, done=done, llm_passes=state.llm_passes + 1,
-                     tokens_per_pass=hist, accepted_at_depth=acc)
+                     tokens_per_pass=hist, accepted_at_depth=acc, failed=failed)
 
 
-def init_state(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, max_new_tokens, *, cfg: ModelConfig,
-               spec: SpecConfig, cache_len: int, max_out: int, eos_ids: tuple[int, ...]) -> SpecState:
-    """Prefill the LLM and every SSM; the LLM's greedy token after the prompt becomes the first root."""
+def init_state(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, max_new_tokens, sampling: SamplingArrays,
+               *, cfg: ModelConfig, spec: SpecConfig, cache_len: int, max_out: int,
+               eos_ids: tuple[int, ...]) -> SpecState:
+    """Prefill the LLM and every SSM; the LLM's token after the prompt (sampled exactly as incremental
+    decoding samples it) becomes the first root."""
     batch, width = prompt_tokens.shape
     dtype = jax.tree.leaves(llm_params)[0].dtype
     logits, llm_cache = prefill(llm_params, prompt_tokens, prompt_lens, init_cache(cfg, batch, cache_len, dtype), cfg)
-    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    first = sample_tokens(logits, sampling, positions=prompt_lens)
+    if spec.verifier == "greedy" or _mutation.active() == "greedy_first_token":
+        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     history = jnp.zeros((batch, cache_len), jnp.int32).at[:, :width].set(prompt_tokens)
     history = history.at[jnp.arange(batch), prompt_lens].set(first)
     ssm_caches = []
@@ -161,27 +210,36 @@ def init_state(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, max_ne
                      num_generated=jnp.ones((batch,), jnp.int32),
                      done=is_eos(first, eos_ids) | (max_new_tokens <= 1), llm_passes=jnp.ones((), jnp.int32),
                      tokens_per_pass=jnp.zeros((depth + 2,), jnp.int32),
-                     accepted_at_depth=jnp.zeros((max(depth, 1),), jnp.int32))
+                     accepted_at_depth=jnp.zeros((max(depth, 1),), jnp.int32), failed=jnp.zeros((batch,), bool))
 
 
 def generate_speculative(llm_params, ssm_params: tuple, prompt_tokens: jax.Array, prompt_lens: jax.Array,
-                         max_new_tokens: jax.Array, *, cfg: ModelConfig, spec: SpecConfig, cache_len: int,
-                         max_out: int, eos_ids: tuple[int, ...] = ()) -> SpecOutput:
-    """Greedy tree-speculative generation of right-padded prompts [B, T]. Pure and jittable.
+                         max_new_tokens: jax.Array, sampling: SamplingArrays | None = None, *, cfg: ModelConfig,
+                         spec: SpecConfig, cache_len: int, max_out: int, eos_ids: tuple[int, ...] = ()) -> SpecOutput:
+    """Tree-speculative generation of right-padded prompts [B, T]. Pure and jittable.
 
+    sampling: per-request settings (None = greedy). ``spec.verifier`` "greedy" decodes greedily
+    whatever the settings say (the host API refuses temperature > 0 with it); the others sample.
     cache_len must be >= T and >= max(prompt_len + max_new_tokens) + spec.num_nodes (tree scratch).
     """
-    state = init_state(llm_params, ssm_params, prompt_tokens, prompt_lens, max_new_tokens, cfg=cfg, spec=spec,
-                       cache_len=cache_len, max_out=max_out, eos_ids=eos_ids)
+    sampling = greedy_sampling(prompt_tokens.shape[0]) if sampling is None else sampling
+    state = init_state(llm_params, ssm_params, prompt_tokens, prompt_lens, max_new_tokens, sampling, cfg=cfg,
+                       spec=spec, cache_len=cache_len, max_out=max_out, eos_ids=eos_ids)
 
     def cond(state: SpecState):
         return jnp.any(~state.done)  # some request still needs tokens
 
-    step = functools.partial(spec_step, llm_params, ssm_params, max_new_tokens=max_new_tokens, cfg=cfg, spec=spec,
-                             eos_ids=eos_ids)
+    step = functools.partial(spec_step, llm_params, ssm_params, sampling=sampling, max_new_tokens=max_new_tokens,
+                             cfg=cfg, spec=spec, eos_ids=eos_ids)
     state = jax.lax.while_loop(cond, step, state)
     return SpecOutput(tokens=state.tokens, num_generated=state.num_generated, llm_passes=state.llm_passes,
-                      tokens_per_pass=state.tokens_per_pass, accepted_at_depth=state.accepted_at_depth)
+                      tokens_per_pass=state.tokens_per_pass, accepted_at_depth=state.accepted_at_depth,
+                      failed=state.failed)
+
+
+def greedy_sampling(batch: int) -> SamplingArrays:
+    return SamplingArrays(temperature=jnp.zeros((batch,), jnp.float32), top_k=jnp.zeros((batch,), jnp.int32),
+                          top_p=jnp.ones((batch,), jnp.float32), seed=jnp.zeros((batch,), jnp.int32))
 
 
 generate_speculative_jit = jax.jit(generate_speculative,
@@ -189,12 +247,14 @@ generate_speculative_jit = jax.jit(generate_speculative,
 step_jit = jax.jit(spec_step, static_argnames=("cfg", "spec", "eos_ids"))
 
 
-def generate_stream(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, max_new_tokens, *, cfg: ModelConfig,
-                    spec: SpecConfig, cache_len: int, max_out: int, eos_ids: tuple[int, ...] = ()):
+def generate_stream(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, max_new_tokens,
+                    sampling: SamplingArrays | None = None, *, cfg: ModelConfig, spec: SpecConfig, cache_len: int,
+                    max_out: int, eos_ids: tuple[int, ...] = ()):
     """Host-loop twin of ``generate_speculative``: the same jitted step, one call per LLM pass,
     yielding each request's newly emitted tokens after every pass (for streaming and debugging)."""
-    state = _init_state_jit(llm_params, ssm_params, prompt_tokens, prompt_lens, max_new_tokens, cfg=cfg, spec=spec,
-                            cache_len=cache_len, max_out=max_out, eos_ids=eos_ids)
+    sampling = greedy_sampling(prompt_tokens.shape[0]) if sampling is None else sampling
+    state = _init_state_jit(llm_params, ssm_params, prompt_tokens, prompt_lens, max_new_tokens, sampling, cfg=cfg,
+                            spec=spec, cache_len=cache_len, max_out=max_out, eos_ids=eos_ids)
     shown = np.zeros(prompt_tokens.shape[0], np.int64)
     while True:
         counts = np.asarray(state.num_generated)
@@ -203,7 +263,7 @@ def generate_stream(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, m
         shown = counts
         if bool(np.all(np.asarray(state.done))):
             return
-        state = step_jit(llm_params, ssm_params, state, max_new_tokens, cfg=cfg, spec=spec, eos_ids=eos_ids)
+        state = step_jit(llm_params, ssm_params, state, sampling, max_new_tokens, cfg=cfg, spec=spec, eos_ids=eos_ids)
 
 
 _init_state_jit = jax.jit(init_state, static_argnames=("cfg", "spec", "cache_len", "max_out", "eos_ids"))

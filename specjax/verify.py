@@ -1,8 +1,17 @@
-"""Verifiers: walk the tree from the root and accept the longest path the LLM itself produces.
+"""Verifiers: walk the tree from the root and accept the path the LLM itself would produce.
 
-Greedy: at node u the LLM's token is argmax(logits[u]) (first index on ties); follow the child
-whose token equals it; where no child matches, that argmax is the bonus token. The accepted path
-therefore equals what incremental greedy decoding would produce, token for token.
+* ``verify_greedy``: follow the child whose token is the LLM's argmax; that argmax is the bonus.
+* ``verify_seeded``: the LLM's token at node u is argmax(warp(logits[u]) + G(seed, t)) with t the
+  ABSOLUTE position of the next token, exactly the incremental sampler's definition, so the output
+  equals incremental seeded sampling token for token for any tree (drafter-invariant).
+* ``verify_sampled``: multi-step speculative sampling over the entries of every node, in draw order
+  (docs/verification.md): r <- p~[u]; entry j with token x and declared law lam is accepted iff
+  xi_j * lam(x) < r(x) (strict, no division); else r <- norm(max(0, r - lam)) (kept when the mass
+  is 0). ``rule``: "mss" (lam = the entry's stored SSM law), "rrs" (that law with the tokens of
+  earlier entries of the same law removed, renormalised: exact for draws without replacement),
+  "naive" (lam = one-hot; exact for any drafter). No entry accepted: emit y ~ r. A leaf reached by
+  acceptance emits its bonus token y ~ p~[leaf]. Greedy requests get a one-hot target, which makes
+  every rule the greedy walk.
 """
 
 from __future__ import annotations
@@ -11,7 +20,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specjax import _mutation
+from specjax.keys import COIN, DRAFT, RESIDUAL, categorical_from_probs, purpose_key, uniform_coin
+from specjax.sampling import SamplingArrays, sample_tokens, warp_logits
 from specjax.tree import TokenTree
+
+RULES = ("mss", "rrs", "naive")
 
 
 @struct.dataclass
@@ -20,12 +34,13 @@ class Verdict:
     num_accepted: jax.Array  # [B] int32, accepted tree nodes below the root (0..D)
     bonus: jax.Array  # [B] int32, the LLM's own token after the accepted path
     emitted: jax.Array  # [B, D + 1] int32, accepted tokens then the bonus token; garbage beyond
+    ok: jax.Array  # [B] bool, False if a residual had no probability mass (NaN logits): never a silent 0
+    residual: jax.Array | None = None  # [B, V] the law the final token was drawn from (sampled rules only)
 
 
-def verify_greedy(logits: jax.Array, tree: TokenTree, max_depth: int) -> Verdict:
-    """logits: [B, N, V] LLM logits at every node; max_depth: static bound on the tree depth."""
-    batch = logits.shape[0]
-    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, N] the LLM's token after each node
+def _follow(target: jax.Array, tree: TokenTree, max_depth: int) -> Verdict:
+    """Walk down children whose token equals the LLM's token target [B, N] at the current node."""
+    batch = target.shape[0]
     rows = jnp.arange(batch)
     node = jnp.zeros((batch,), jnp.int32)
     alive = jnp.ones((batch,), bool)
@@ -36,7 +51,7 @@ def verify_greedy(logits: jax.Array, tree: TokenTree, max_depth: int) -> Verdict
         want = target[rows, node]  # [B]
         match = tree.valid & (tree.parent == node[:, None]) & (tree.tokens == want[:, None])
         found = alive & jnp.any(match, axis=1)
-        child = jnp.argmax(match, axis=1).astype(jnp.int32)  # merged trees hold each token once per parent
+        child = jnp.argmax(match, axis=1).astype(jnp.int32)  # equal-token siblings: identical contexts
         node = jnp.where(found, child, node)
         path = path.at[:, depth].set(jnp.where(found, child, -1))
         emitted = emitted.at[:, depth - 1].set(jnp.where(found, want, emitted[:, depth - 1]))
@@ -44,4 +59,128 @@ def verify_greedy(logits: jax.Array, tree: TokenTree, max_depth: int) -> Verdict
         alive = found
     bonus = target[rows, node]
     emitted = emitted.at[rows, accepted].set(bonus)
-    return Verdict(path=path, num_accepted=accepted, bonus=bonus, emitted=emitted)
+    return Verdict(path=path, num_accepted=accepted, bonus=bonus, emitted=emitted, ok=jnp.ones((batch,), bool))
+
+
+def verify_greedy(logits: jax.Array, tree: TokenTree, max_depth: int) -> Verdict:
+    """logits: [B, N, V] LLM logits at every node; max_depth: static bound on the tree depth."""
+    return _follow(jnp.argmax(logits, axis=-1).astype(jnp.int32), tree, max_depth)
+
+
+def verify_seeded(logits: jax.Array, tree: TokenTree, sampling: SamplingArrays, length: jax.Array,
+                  max_depth: int) -> Verdict:
+    """Seeded verification: the incremental sampler's token at every node, keyed by the absolute
+    position length + depth + 1 of the token it decides."""
+    batch, n, vocab = logits.shape
+    position = length[:, None] + tree.depth + 1
+    if _mutation.active() == "seeded_by_depth":
+        position = tree.depth + 1
+    flat = lambda a: jnp.repeat(a, n, axis=0)  # noqa: E731
+    per_node = SamplingArrays(temperature=flat(sampling.temperature), top_k=flat(sampling.top_k),
+                              top_p=flat(sampling.top_p), seed=flat(sampling.seed))
+    target = sample_tokens(logits.reshape(batch * n, vocab), per_node, position.reshape(-1)).reshape(batch, n)
+    return _follow(target, tree, max_depth)
+
+
+@struct.dataclass
+class _Walk:
+    node: jax.Array  # current node (accepted so far)
+    entry: jax.Array  # next entry index at node
+    depth: jax.Array
+    r: jax.Array  # [V] residual target at node
+    path: jax.Array  # [D + 1]
+    emitted: jax.Array  # [D + 1]
+    done: jax.Array
+    ok: jax.Array
+    bonus: jax.Array
+    final: jax.Array  # [V] the law the final token was drawn from
+
+
+def verify_sampled(logits: jax.Array, tree: TokenTree, laws: jax.Array | None, sampling: SamplingArrays,
+                   length: jax.Array, rule: str, max_depth: int, injected=None) -> Verdict:
+    """Multi-step speculative sampling over the tree (see the module docstring); one
+    ``lax.while_loop`` per request, one entry per iteration. laws [B, R, V]: declared drafting laws
+    as warped log-probabilities, indexed by ``tree.law_row`` (-1 = one-hot).
+
+    injected (white-box tests only): (coins [B, D + 1, K] used as xi at (depth, entry), Gumbel noise
+    [B, D + 1, V] for the final token at each depth) instead of the keyed random numbers."""
+    if rule not in RULES:
+        raise ValueError(f"unknown verification rule {rule!r}; choose from {RULES}")
+    mutation = _mutation.active()
+    batch, n, vocab = logits.shape
+    warp_with = sampling
+    if mutation == "target_unwarped":
+        warp_with = sampling.replace(top_k=jnp.zeros_like(sampling.top_k), top_p=jnp.ones_like(sampling.top_p))
+    probs = jnp.exp(warp_logits(logits, warp_with))
+    one_hot_argmax = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+    target = jnp.where(sampling.sampled[:, None, None], probs, one_hot_argmax)  # [B, N, V]
+    if laws is None:
+        laws = jnp.full((batch, 1, vocab), -jnp.inf, jnp.float32)
+    # Padding entries (-1) are skipped entirely: move them behind the real entries, order kept.
+    order = jnp.argsort(tree.children < 0, axis=-1, stable=True)
+    children = jnp.take_along_axis(tree.children, order, axis=-1)
+    law_row = jnp.take_along_axis(tree.law_row, order, axis=-1)
+    if mutation == "reorder_by_token":
+        tok = jax.vmap(lambda t, c: jnp.where(c >= 0, t[jnp.maximum(c, 0)], 2**30))(tree.tokens, children)
+        order = jnp.argsort(tok, axis=-1, stable=True)
+        children = jnp.take_along_axis(children, order, axis=-1)
+        law_row = jnp.take_along_axis(law_row, order, axis=-1)
+    num_entries = children.shape[-1]
+    slots = jnp.arange(num_entries)
+
+    if injected is None:
+        injected = (jnp.zeros((batch, 1, 1), jnp.float32), jnp.zeros((batch, 1, 1), jnp.float32))
+        use_injected = False
+    else:
+        use_injected = True
+
+    def one(target_b, tokens_b, children_b, law_row_b, laws_b, seed, length_b, coins_b, gumbel_b):
+        def body(w: _Walk) -> _Walk:
+            t = length_b + w.depth + 1  # absolute position of the token decided at this node
+            j = jnp.minimum(w.entry, num_entries - 1)
+            c = jnp.where(w.entry < num_entries, children_b[w.node, j], -1)
+            has = c >= 0
+            x = tokens_b[jnp.maximum(c, 0)]
+            row = law_row_b[w.node, j]
+            lam = jnp.where(row >= 0, jnp.exp(laws_b[jnp.maximum(row, 0)]), jax.nn.one_hot(x, vocab))
+            if rule == "naive":
+                lam = jax.nn.one_hot(x, vocab, dtype=jnp.float32)
+            elif rule == "rrs" and mutation != "mss_on_wor":
+                kids = children_b[w.node]
+                earlier = (slots < w.entry) & (kids >= 0) & (law_row_b[w.node] == row) & (row >= 0)
+                drawn = jnp.zeros((vocab,), jnp.int32).at[tokens_b[jnp.maximum(kids, 0)]].max(earlier.astype(jnp.int32))
+                lam = jnp.where(drawn > 0, 0.0, lam)
+                lam = lam / jnp.maximum(jnp.sum(lam), jnp.finfo(jnp.float32).tiny)
+            coin_slot = 0 if mutation == "shared_coins" else w.entry
+            xi = coins_b[w.depth, coin_slot] if use_injected else uniform_coin(purpose_key(seed, COIN, t, coin_slot))
+            accept = has & ((xi * lam[x] <= w.r[x]) if mutation == "coin_le" else (xi * lam[x] < w.r[x]))
+            base = target_b[w.node] if mutation == "residual_not_cumulative" else w.r
+            residual = jnp.maximum(base - lam, 0.0)
+            mass = jnp.sum(residual)
+            residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), w.r)  # null event: keep r
+            final_law = target_b[w.node] if mutation == "target_after_rejection" else w.r
+            final_key = purpose_key(seed, RESIDUAL, t)
+            if mutation == "residual_draft_noise":  # the key the wor drafter used for this node's children
+                final_key = purpose_key(seed, DRAFT, length_b, (w.node << 10))
+            y, ok = categorical_from_probs(final_key, final_law, gumbel_b[w.depth] if use_injected else None)
+            stop = ~has
+            child = jnp.maximum(c, 0)
+            next_r = w.r if mutation == "residual_carried" else target_b[child]
+            return _Walk(node=jnp.where(accept, child, w.node),
+                         entry=jnp.where(accept, 0, w.entry + 1),
+                         depth=w.depth + accept.astype(jnp.int32),
+                         r=jnp.where(accept, next_r, jnp.where(has, residual, w.r)),
+                         path=jnp.where(accept, w.path.at[w.depth + 1].set(child), w.path),
+                         emitted=w.emitted.at[w.depth].set(jnp.where(accept, x, jnp.where(stop, y, w.emitted[w.depth]))),
+                         done=stop, ok=jnp.where(stop, ok, w.ok), bonus=jnp.where(stop, y, w.bonus),
+                         final=jnp.where(stop, final_law, w.final))
+
+        start = _Walk(node=jnp.int32(0), entry=jnp.int32(0), depth=jnp.int32(0), r=target_b[0],
+                      path=jnp.full((max_depth + 1,), -1, jnp.int32).at[0].set(0),
+                      emitted=jnp.zeros((max_depth + 1,), jnp.int32), done=jnp.bool_(False), ok=jnp.bool_(True),
+                      bonus=jnp.int32(0), final=target_b[0])
+        return jax.lax.while_loop(lambda w: ~w.done, body, start)
+
+    walk = jax.vmap(one)(target, tree.tokens, children, law_row, laws, sampling.seed, length, *injected)
+    return Verdict(path=walk.path, num_accepted=walk.depth, bonus=walk.bonus, emitted=walk.emitted, ok=walk.ok,
+                   residual=walk.final)

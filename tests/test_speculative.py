@@ -182,8 +182,18 @@ def test_bad_speculation_configs(llama):
         specjax.generate(llama, p, max_new_tokens=4, mode="tree")
     with pytest.raises(InputError, match="widths must all be 1"):
         specjax.generate(llama, p, max_new_tokens=4, mode="sequence", ssms=[ssm], expansion=(1, 2))
-    with pytest.raises(InputError, match="temperature must be 0"):
-        specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], sampling=specjax.SamplingParams(temperature=1.0))
+    hot = specjax.SamplingParams(temperature=1.0)
+    with pytest.raises(InputError, match="verifier 'greedy' decodes greedily but a request has temperature > 0"):
+        specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], sampling=hot, verifier="greedy")
+    with pytest.raises(InputError, match=r"verifier 'mss' is not lossless for drafting mode 'topk'.*"
+                                         r"\['greedy', 'seeded', 'naive'\]"):
+        specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], sampling=hot, verifier="mss", draft="topk")
+    with pytest.raises(InputError, match="verifier 'rrs' is not lossless for drafting mode 'iid'"):
+        specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], sampling=hot, verifier="rrs", draft="iid")
+    with pytest.raises(InputError, match="verifier 'mss' is not lossless for drafting mode 'wor'"):
+        specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], sampling=hot, verifier="mss", draft="wor")
+    with pytest.raises(InputError, match="verifier must be one of"):
+        specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], sampling=hot, verifier="typo")
     import dataclasses
 
     wrong_vocab = specjax.Model(dataclasses.replace(ssm.config, vocab_size=100), ssm.params, None)

@@ -1,0 +1,127 @@
+"""T1 white-box and T2 black-box tests of the jitted verifier on fixed drafted trees, and the
+mutation tests for the verifier-side pitfalls."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import _mutation
+from tests import oracle
+from tests.stats import assert_fits, fits
+from tests.verify_cases import make_case, outcomes, run
+
+N_SAMPLES = 300_000
+
+# Adversarial fixed trees: (seed, vocab, widths per SSM, draft, rule, merged, extra). Seeds chosen
+# so that no outcome has probability > 0.4 and acceptance is frequent (informative laws).
+CASES = {
+    "mss-iid-wide-duplicates": (129, 6, [(4, 1)], "iid", "mss", False, dict(q_kw=dict(scale=0.5))),
+    "mss-iid-depth2-peaked": (60, 6, [(2, 2)], "iid", "mss", False, dict(p_kw=dict(scale=3.0), q_kw=dict(scale=3.0))),
+    "rrs-wor-depth2": (159, 6, [(3, 2)], "wor", "rrs", False, dict(p_kw=dict(top_k=4), q_kw=dict(scale=1.0))),
+    "rrs-wor-short-support": (167, 6, [(4,)], "wor", "rrs", False, dict(q_kw=dict(top_k=2))),
+    "naive-topk-target-warped": (175, 8, [(3, 1)], "topk", "naive", False, dict(top_k=3)),
+    "mss-merged-duplicates": (71, 4, [(2, 1), (2, 1)], "iid", "mss", True, dict(same_q=True, q_kw=dict(scale=0.3))),
+    "rrs-merged": (100, 5, [(2, 1), (2,)], "wor", "rrs", True, {}),
+}
+
+
+def _case(name):
+    seed, vocab, widths, draft, rule, merged, extra = CASES[name]
+    return make_case(seed, vocab, widths, draft, rule, merged, **extra)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_t2_jitted_verifier_law(name):
+    case = _case(name)
+    law = case.exact_law()
+    assert abs(sum(law.values()) - 1) < 1e-6  # float32 inputs
+    verdict = run(case, N_SAMPLES)
+    assert np.asarray(verdict.ok).all()
+    assert_fits(outcomes(verdict), law, name)
+
+
+def _white_box_trees():
+    rng = np.random.default_rng(0)
+    kinds = [("iid", "mss"), ("wor", "rrs"), ("topk", "naive"), ("iid", "naive")]
+    for i in range(200):
+        draft, rule = kinds[i % len(kinds)]
+        widths = [(3,), (2, 2)][(i // len(kinds)) % 2]  # few static shapes: few compilations
+        yield make_case(100 + i, 5, [widths], draft, rule, p_kw=dict(top_k=int(rng.choice([0, 2]))),
+                        q_kw=dict(scale=float(rng.choice([0.5, 2.0]))))
+
+
+def _check_white_box(case, rng) -> None:
+    """Inject coins (random, just below / just above every acceptance threshold, all 0.0) and Gumbel
+    noise, one request per coin policy; compare the accepted path, the emitted tokens and the final
+    law with the oracle's step-by-step simulation of the rule."""
+    tokens, children, law_row, target, laws = case.arrays()
+    k = children.shape[1]
+    vocab = target.shape[1]
+    policies = [lambda d, j, thr, rx: float(rng.random()),
+                lambda d, j, thr, rx: min(thr * (1 - 1e-4), 0.99999),
+                lambda d, j, thr, rx: min(thr * (1 + 1e-4), 0.99999) if thr > 0 else 0.5,
+                lambda d, j, thr, rx: 0.0]
+    coins = np.full((len(policies), case.max_depth + 1, k), 0.5, np.float32)
+    gumbel = rng.gumbel(size=(len(policies), case.max_depth + 1, vocab)).astype(np.float32)
+    expected = []
+    for b, policy in enumerate(policies):
+        path, used, final = oracle.simulate(tokens, children, law_row, target, laws, case.rule, policy)
+        for (d, j), xi in used.items():
+            coins[b, d, j] = xi
+        with np.errstate(divide="ignore"):
+            y = int(np.argmax(np.where(final > 0, np.log(final), -np.inf) + gumbel[b, len(path)]))
+        expected.append((path, final, [int(tokens[c]) for c in path] + [y]))
+    v = run(case, len(policies), injected=(jnp.asarray(coins), jnp.asarray(gumbel)))
+    for b, (path, final, emitted) in enumerate(expected):
+        got_path = [int(x) for x in np.asarray(v.path[b, 1:]) if x >= 0]
+        assert got_path == path, (b, got_path, path)
+        np.testing.assert_allclose(np.asarray(v.residual[b], np.float64), final, atol=2e-6)
+        assert list(np.asarray(v.emitted[b, :len(path) + 1])) == emitted
+
+
+def test_t1_white_box_injected_randomness():
+    rng = np.random.default_rng(1)
+    for case in _white_box_trees():
+        _check_white_box(case, rng)
+
+
+# ---- mutation tests: each verifier-side pitfall, switched on, must fail the tests above ----
+
+VERIFIER_MUTANTS = {  # mutation: the case of T2 that catches it
+    "reorder_by_token": "mss-iid-wide-duplicates",
+    "shared_coins": "naive-topk-target-warped",
+    "residual_not_cumulative": "mss-iid-depth2-peaked",
+    "target_after_rejection": "mss-iid-depth2-peaked",
+    "residual_carried": "mss-iid-depth2-peaked",
+    "mss_on_wor": "rrs-wor-short-support",
+    "target_unwarped": "naive-topk-target-warped",
+    "dedupe_merged": "mss-merged-duplicates",
+}
+
+
+@pytest.mark.parametrize("mutation", list(VERIFIER_MUTANTS))
+def test_mutant_fails_t2(mutation):
+    name = VERIFIER_MUTANTS[mutation]
+    law = _case(name).exact_law()  # the correct law, computed from the correct tree
+    jax.clear_caches()
+    try:
+        with _mutation.inject(mutation):
+            verdict = run(_case(name), N_SAMPLES)
+    finally:
+        jax.clear_caches()
+    assert not fits(outcomes(verdict), law), f"mutation {mutation} was not detected on {name}"
+
+
+def test_mutant_coin_le_fails_t1():
+    """`<=` only differs when xi = 0.0 meets r(x) = 0, which float32 uniforms do produce."""
+    case = make_case(11, 4, [(3,)], "topk", "naive", p_kw=dict(top_k=1))  # r(x) = 0 for all but one token
+    _check_white_box(case, np.random.default_rng(0))
+    jax.clear_caches()
+    try:
+        with _mutation.inject("coin_le"), pytest.raises(AssertionError):
+            _check_white_box(case, np.random.default_rng(0))
+    finally:
+        jax.clear_caches()

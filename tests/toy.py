@@ -1,0 +1,50 @@
+"""Toy LMs for the statistical tests: tiny random LLaMAs over a vocabulary of a few tokens, with
+logits scaled so their distributions are peaked, varied and context dependent."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.generate import full_logits
+from specjax.models import init_params
+from specjax.sampling import SamplingArrays, warp_logits
+
+
+def toy_model(vocab: int, seed: int, layers: int = 1, sharpness: float = 3.0):
+    cfg = ModelConfig(family="llama", vocab_size=vocab, hidden_size=32, intermediate_size=48, num_layers=layers,
+                      num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64)
+    params = init_params(cfg, jax.random.key(seed), scale=0.3)
+    params["lm_head"] = params["lm_head"] * sharpness
+    return cfg, params
+
+
+def sampling_arrays(batch: int, temperature: float, top_k: int = 0, top_p: float = 1.0, seeds=None):
+    seeds = np.arange(batch) if seeds is None else np.asarray(seeds)
+    return SamplingArrays(temperature=jnp.full((batch,), temperature, jnp.float32),
+                          top_k=jnp.full((batch,), top_k, jnp.int32), top_p=jnp.full((batch,), top_p, jnp.float32),
+                          seed=jnp.asarray(seeds, jnp.int32))
+
+
+def exact_sequence_law(cfg, params, prompt: list[int], num_tokens: int, temperature: float, top_k: int = 0,
+                       top_p: float = 1.0) -> dict[tuple[int, ...], float]:
+    """The exact law of the first ``num_tokens`` sampled tokens after ``prompt`` (float64 products of
+    the float32-warped conditionals), by enumerating every prefix."""
+    vocab = cfg.vocab_size
+    law = {(): 1.0}
+    for step in range(num_tokens):
+        prefixes = [k for k, v in law.items() if v > 0]
+        seqs = np.asarray([prompt + list(k) for k in prefixes], np.int32)
+        logits = full_logits(params, jnp.asarray(seqs), cfg=cfg)[:, -1]
+        warped = warp_logits(logits, sampling_arrays(len(prefixes), temperature, top_k, top_p))
+        probs = np.exp(np.asarray(warped, np.float64))
+        probs /= probs.sum(axis=1, keepdims=True)
+        new = {}
+        for i, k in enumerate(prefixes):
+            for v in range(vocab):
+                if probs[i, v] > 0:
+                    new[k + (v,)] = law[k] * probs[i, v]
+        law = new
+    return law

@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import _mutation
 from specjax.attention import AttentionMeta, causal_meta
 from specjax.cache import KVCache
 from specjax.config import ModelConfig
-from specjax import _mutation
 from specjax.errors import InputError
 from specjax.keys import DRAFT, purpose_key
 from specjax.models import forward
@@ -85,7 +85,7 @@ class Expansion:
         return parents, levels
 
     @classmethod
-    def parse(cls, text: str) -> "Expansion":
+    def parse(cls, text: str) -> Expansion:
         try:
             widths = tuple(int(x) for x in text.split(",") if x.strip())
         except ValueError:
@@ -101,7 +101,7 @@ def static_tree(expansion: Expansion, batch: int, tokens: jax.Array, entry_ok: j
     without replacement from a law with fewer than k tokens). law_rows [B]: True makes every entry
     of node u declare law row u (sampled drafts); otherwise entries are one-hot (-1)."""
     t = _topology_tree(expansion)
-    rep = lambda x: jnp.broadcast_to(jnp.asarray(x), (batch,) + x.shape[1:])  # noqa: E731
+    rep = lambda x: jnp.broadcast_to(jnp.asarray(x), (batch,) + x.shape[1:])
     children = rep(t.children)
     if entry_ok is not None:
         ok = jnp.take_along_axis(entry_ok, jnp.maximum(children, 0).reshape(batch, -1), axis=1)
@@ -118,8 +118,9 @@ def static_tree(expansion: Expansion, batch: int, tokens: jax.Array, entry_ok: j
 def _topology_tree(expansion: Expansion) -> TokenTree:
     """The static topology as host (numpy) arrays, built and validated once per expansion."""
     parents, _ = expansion.topology()
-    t = from_parents([[0] * len(parents)], [parents], n_max=len(parents))
-    return jax.tree.map(np.asarray, t)
+    with jax.ensure_compile_time_eval():  # may first be called while tracing a jitted step
+        t = from_parents([[0] * len(parents)], [parents], n_max=len(parents))
+        return jax.tree.map(np.asarray, t)
 
 
 def draft_slot(ssm_index: int, node, draw) -> jax.Array:

@@ -48,3 +48,28 @@ def exact_sequence_law(cfg, params, prompt: list[int], num_tokens: int, temperat
                     new[k + (v,)] = law[k] * probs[i, v]
         law = new
     return law
+
+
+def perturbed(params, seed: int, eps: float):
+    """A related SSM: the LLM's parameters plus relative noise (moderate, imperfect acceptance)."""
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(treedef, [x + eps * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype)
+                                        for x, k in zip(leaves, keys)])
+
+
+class ContextLaw:
+    """ctx (tokens after the prompt) -> the model's warped next-token law, float64 (for the oracle)."""
+
+    def __init__(self, cfg, params, prompt, temperature, top_k=0, top_p=1.0):
+        self.cfg, self.params, self.prompt = cfg, params, list(prompt)
+        self.sampling = sampling_arrays(1, temperature, top_k, top_p)
+        self._memo = {}
+
+    def __call__(self, ctx):
+        if ctx not in self._memo:
+            seq = jnp.asarray([self.prompt + list(ctx)], jnp.int32)
+            logits = full_logits(self.params, seq, cfg=self.cfg)[:, -1]
+            probs = np.exp(np.asarray(warp_logits(logits, self.sampling)[0], np.float64))
+            self._memo[ctx] = probs / probs.sum()
+        return self._memo[ctx]

@@ -15,7 +15,6 @@ from specjax.verify import verify_sampled
 from tests import oracle
 from tests.toy import sampling_arrays
 
-
 _warp_jit = jax.jit(warp_logits)
 
 

@@ -1,0 +1,141 @@
+"""T4: the real multi-step speculative loop on toy LMs (vocabulary 8, warps on) samples exactly the
+target law: chi-square of the first 4 tokens over 3e5 requests, a z-test of the accepted length of
+the first step against its exact value, and mutation tests for the drafting-side pitfalls."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import _mutation
+from specjax.speculate import Expansion
+from specjax.speculative import (
+    SpecConfig,
+    _init_state_jit,
+    generate_speculative_jit,
+    step_jit,
+)
+from tests import oracle
+from tests.stats import assert_fits, fits
+from tests.toy import (
+    ContextLaw,
+    exact_sequence_law,
+    perturbed,
+    sampling_arrays,
+    toy_model,
+)
+
+VOCAB = 8
+PROMPT = [1, 2, 3]
+NUM_TOKENS = 4
+N_SAMPLES = 300_000
+CHUNK = 100_000
+
+# name: (draft, verifier, expansions, temperature, top_k, top_p, SSMs (0 = close to the LLM, 1 = far))
+CONFIGS = {
+    "mss-iid": ("iid", "mss", [(2, 1)], 1.0, 5, 1.0, (0,)),
+    "rrs-wor": ("wor", "rrs", [(3, 1)], 0.7, 0, 0.9, (0,)),
+    "rrs-wor-far": ("wor", "rrs", [(1,)], 1.0, 0, 1.0, (1,)),
+    "naive-topk": ("topk", "naive", [(2, 2)], 1.0, 0, 0.8, (0,)),
+    "mss-merged": ("iid", "mss", [(1, 1), (2,)], 1.0, 6, 1.0, (0, 1)),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _models():
+    cfg, params = toy_model(VOCAB, 0, sharpness=1.5)
+    return cfg, params, [perturbed(params, 1, 0.5), perturbed(params, 2, 1.0)]
+
+
+def _spec(name):
+    draft, verifier, widths, *_, ssm_ids = CONFIGS[name]
+    cfg, _, _ = _models()
+    return SpecConfig((cfg,) * len(ssm_ids), tuple(Expansion(w) for w in widths), impl="xla", verifier=verifier, draft=draft)
+
+
+def _sample(name, n, seed0=0):
+    """First NUM_TOKENS tokens of n requests (seeds seed0...) through generate_speculative."""
+    _, _, widths, temperature, top_k, top_p, ssm_ids = CONFIGS[name]
+    cfg, params, ssms = _models()
+    spec = _spec(name)
+    out = []
+    for start in range(0, n, CHUNK):
+        b = min(CHUNK, n - start)
+        prompts = jnp.asarray(np.tile(np.asarray(PROMPT + [0], np.int32), (b, 1)))
+        res = generate_speculative_jit(params, tuple(ssms[i] for i in ssm_ids), prompts, jnp.full((b,), len(PROMPT), jnp.int32),
+                                       jnp.full((b,), NUM_TOKENS, jnp.int32),
+                                       sampling_arrays(b, temperature, top_k, top_p, seeds=seed0 + start + np.arange(b)),
+                                       cfg=cfg, spec=spec, cache_len=8 + spec.num_nodes, max_out=NUM_TOKENS)
+        assert not np.asarray(res.failed).any()
+        out += list(map(tuple, np.asarray(res.tokens).tolist()))
+    return out
+
+
+def _exact(name):
+    _, _, _, temperature, top_k, top_p, _ = CONFIGS[name]
+    cfg, params, _ = _models()
+    return exact_sequence_law(cfg, params, PROMPT, NUM_TOKENS, temperature, top_k, top_p)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_t4_multi_step_loop_samples_the_target_law(name):
+    assert_fits(_sample(name, N_SAMPLES), _exact(name), name)
+
+
+def test_t4_expected_accepted_length_matches_the_oracle():
+    """z-test: tokens emitted by the first speculative step (accepted + 1) vs its exact expectation,
+    computed by the float64 oracle from the same toy models' conditionals."""
+    name = "mss-iid"
+    _, _, widths, temperature, top_k, top_p, _ = CONFIGS[name]
+    cfg, params, ssms = _models()
+    spec = _spec(name)
+    p0 = ContextLaw(cfg, params, PROMPT, temperature, top_k, top_p)
+    exact = 0.0
+    for y1 in range(VOCAB):  # the first token comes from prefill; the step's root is y1
+        if p0(()) [y1] == 0:
+            continue
+        p = ContextLaw(cfg, params, PROMPT + [y1], temperature, top_k, top_p)
+        q = ContextLaw(cfg, ssms[0], PROMPT + [y1], temperature, top_k, top_p)
+        law = oracle.tree_law(p, [q], [q], widths, "iid", "mss")
+        exact += p0(())[y1] * sum(pr * len(seq) for seq, pr in law.items())
+    n = CHUNK
+    prompts = jnp.asarray(np.tile(np.asarray(PROMPT + [0], np.int32), (n, 1)))
+    s = sampling_arrays(n, temperature, top_k, top_p, seeds=7_000_000 + np.arange(n))
+    max_new = jnp.full((n,), 16, jnp.int32)
+    kw = dict(cfg=cfg, spec=spec, eos_ids=())
+    state = _init_state_jit(params, (ssms[0],), prompts, jnp.full((n,), 3, jnp.int32), max_new, s,
+                            cache_len=24 + spec.num_nodes, max_out=16, **kw)
+    state = step_jit(params, (ssms[0],), state, s, max_new, **kw)
+    emitted = np.asarray(state.num_generated) - 1
+    z = (emitted.mean() - exact) / (emitted.std() / np.sqrt(n))
+    assert abs(z) < 4.9, f"mean tokens per step {emitted.mean():.4f} vs exact {exact:.4f} (z = {z:.1f})"
+    assert 1.3 < exact < 2.9, f"uninformative configuration: exact mean {exact:.3f}"
+
+
+DRAFT_MUTANTS = {  # mutation: (config, how the mutant is set up)
+    "allow_mss_on_topk": "naive-topk",  # run with verifier mss on top-k drafts (the paper's rule)
+    "greedy_first_token": "mss-iid",
+    "law_wrong_temperature": "rrs-wor",
+    "residual_draft_noise": "rrs-wor-far",
+}
+
+
+@pytest.mark.parametrize("mutation", list(DRAFT_MUTANTS))
+def test_mutant_fails_t4(mutation):
+    name = DRAFT_MUTANTS[mutation]
+    exact = _exact(name)
+    jax.clear_caches()
+    try:
+        with _mutation.inject(mutation):
+            if mutation == "allow_mss_on_topk":
+                CONFIGS["mss-on-topk"] = ("topk", "mss") + CONFIGS[name][2:]
+                name = "mss-on-topk"
+            samples = _sample(name, N_SAMPLES, seed0=10_000_000)
+    finally:
+        CONFIGS.pop("mss-on-topk", None)
+        jax.clear_caches()
+    assert not fits(samples, exact), f"mutation {mutation} was not detected on {name}"

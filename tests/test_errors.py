@@ -198,5 +198,10 @@ def test_cli_errors(tiny_llama_dir, tmp_path):
     assert r.returncode == 2 and "proper subset of layers 0..1, got 5" in r.stderr
     r = _cli("generate", "--model", tiny_llama_dir, "--prompt", "hi", "--expansion", "1,0")
     assert r.returncode == 2 and "expansion widths must be positive ints" in r.stderr
-    r = _cli("generate", "--model", tiny_llama_dir, "--prompt", "hi", "--temperature", "0.5")
-    assert r.returncode == 2 and "use --mode incremental to sample" in r.stderr
+    r = _cli("generate", "--model", tiny_llama_dir, "--prompt", "hi", "--temperature", "0.5", "--verifier", "greedy")
+    assert r.returncode == 2 and "verifier 'greedy' decodes greedily but a request has temperature > 0" in r.stderr
+    r = _cli("generate", "--model", tiny_llama_dir, "--prompt", "hi", "--temperature", "0.5", "--verifier", "rrs",
+             "--draft", "iid")
+    assert r.returncode == 2 and "verifier 'rrs' is not lossless for drafting mode 'iid'" in r.stderr
+    r = _cli("generate", "--model", tiny_llama_dir, "--prompt", "hi", "--verifier", "bogus")
+    assert r.returncode == 2 and "invalid choice: 'bogus'" in r.stderr

@@ -57,33 +57,48 @@ def _spec(name):
     return SpecConfig((cfg,) * len(ssm_ids), tuple(Expansion(w) for w in widths), impl="xla", verifier=verifier, draft=draft)
 
 
-def _sample(name, n, seed0=0):
-    """First NUM_TOKENS tokens of n requests (seeds seed0...) through generate_speculative."""
+def _sample(name, n, seed0=0, prompts=(PROMPT,)):
+    """First NUM_TOKENS tokens of n requests (seeds seed0...) through generate_speculative; request i
+    gets prompts[i % len(prompts)] (prompts of different lengths share one batch)."""
     _, _, widths, temperature, top_k, top_p, ssm_ids = CONFIGS[name]
     cfg, params, ssms = _models()
     spec = _spec(name)
+    width = max(len(p) for p in prompts) + 1
+    table = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        table[i, :len(p)] = p
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
     out = []
     for start in range(0, n, CHUNK):
         b = min(CHUNK, n - start)
-        prompts = jnp.asarray(np.tile(np.asarray(PROMPT + [0], np.int32), (b, 1)))
-        res = generate_speculative_jit(params, tuple(ssms[i] for i in ssm_ids), prompts, jnp.full((b,), len(PROMPT), jnp.int32),
-                                       jnp.full((b,), NUM_TOKENS, jnp.int32),
+        which = (start + np.arange(b)) % len(prompts)
+        res = generate_speculative_jit(params, tuple(ssms[i] for i in ssm_ids), jnp.asarray(table[which]),
+                                       jnp.asarray(lengths[which]), jnp.full((b,), NUM_TOKENS, jnp.int32),
                                        sampling_arrays(b, temperature, top_k, top_p, seeds=seed0 + start + np.arange(b)),
-                                       cfg=cfg, spec=spec, cache_len=8 + spec.num_nodes, max_out=NUM_TOKENS)
+                                       cfg=cfg, spec=spec, cache_len=width + 8 + spec.num_nodes, max_out=NUM_TOKENS)
         assert not np.asarray(res.failed).any()
         out += list(map(tuple, np.asarray(res.tokens).tolist()))
     return out
 
 
-def _exact(name):
+def _exact(name, prompt=PROMPT):
     _, _, _, temperature, top_k, top_p, _ = CONFIGS[name]
     cfg, params, _ = _models()
-    return exact_sequence_law(cfg, params, PROMPT, NUM_TOKENS, temperature, top_k, top_p)
+    return exact_sequence_law(cfg, params, list(prompt), NUM_TOKENS, temperature, top_k, top_p)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_t4_multi_step_loop_samples_the_target_law(name):
     assert_fits(_sample(name, N_SAMPLES), _exact(name), name)
+
+
+def test_t4_requests_with_different_prompts_in_one_batch():
+    """Each request is verified against its own target and its own draft laws (pitfall 12): two
+    prompts of different lengths alternate in one batch; each half fits its own exact law."""
+    other = [6, 0, 2, 5, 7]
+    samples = _sample("mss-merged", 200_000, seed0=3_000_000, prompts=(PROMPT, other))
+    assert_fits(samples[0::2], _exact("mss-merged"), "prompt A")
+    assert_fits(samples[1::2], _exact("mss-merged", other), "prompt B")
 
 
 def test_t4_expected_accepted_length_matches_the_oracle():

@@ -125,3 +125,18 @@ def test_mutant_coin_le_fails_t1():
             _check_white_box(case, np.random.default_rng(0))
     finally:
         jax.clear_caches()
+
+
+def test_no_probability_mass_is_reported_never_token_0():
+    """NaN logits (or a residual without mass) must not silently become token 0."""
+    from specjax.keys import categorical_from_probs
+
+    key = jax.random.key(0)
+    assert int(categorical_from_probs(key, jnp.zeros(5))[0]) == -2
+    assert int(categorical_from_probs(key, jnp.asarray([0.5, jnp.nan, 0.5]))[0]) == -2
+    assert not bool(categorical_from_probs(key, jnp.zeros(5))[1])
+    case = _case("mss-iid-depth2-peaked")
+    case.logits = jnp.full_like(case.logits, jnp.nan)
+    verdict = run(case, 4)
+    assert not np.asarray(verdict.ok).any()
+    assert (np.asarray(verdict.bonus) == -2).all()

@@ -53,3 +53,14 @@ def load_hf_reference(gguf_path: str):
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
                                                  dtype=torch.float32)
     return model.eval()
+
+
+def load_ssm(llm, spec: str):
+    """--ssm: 'derived:K' (the LLM's first K layers), 'derived:i,j,..' (a layer list) or a model path."""
+    import specjax
+    from specjax.ssm import derive_ssm
+
+    if spec.startswith("derived:"):
+        layers = [int(x) for x in spec.split(":", 1)[1].split(",")]
+        return derive_ssm(llm, layers[0] if len(layers) == 1 else layers)
+    return specjax.load_model(spec, progress=False)

@@ -41,17 +41,13 @@ def main() -> None:
 
     import specjax
     from specjax.registry import resolve
-    from specjax.ssm import derive_ssm, export_hf
+    from specjax.ssm import export_hf
 
     common.print_header("stochastic speculative decoding: naive vs MSS vs RRS vs seeded (float32, batch 1)")
     records = common.load_prompts(common.DEFAULT_PROMPTS, args.num_dev_prompts, args.stride)
     records += common.load_prompts(OTHER_TASKS, args.other_tasks)
     llm = specjax.load_model("smollm2-135m-instruct", progress=False)
-    if args.ssm.startswith("derived:"):
-        layers = [int(x) for x in args.ssm.split(":", 1)[1].split(",")]
-        ssm = derive_ssm(llm, layers[0] if len(layers) == 1 else layers)
-    else:
-        ssm = specjax.load_model(args.ssm, progress=False)
+    ssm = common.load_ssm(llm, args.ssm)
     prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in records])
     n = args.max_new_tokens
     widths = tuple(int(x) for x in args.expansion.split(","))

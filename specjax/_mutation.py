@@ -34,12 +34,17 @@ def active() -> str | None:
 
 @contextlib.contextmanager
 def inject(name: str):
-    """Enable one mutation (tests only). Callers must re-trace: use fresh jit wrappers."""
+    """Enable one mutation (tests only). Compiled code is dropped on entry and exit, so jitted
+    functions re-trace with the mutation inside and without it afterwards."""
+    import jax
+
     global _active
     if name not in MUTATIONS:
         raise ValueError(f"unknown mutation {name!r}; known: {MUTATIONS}")
     previous, _active = _active, name
+    jax.clear_caches()
     try:
         yield
     finally:
         _active = previous
+        jax.clear_caches()

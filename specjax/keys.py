@@ -10,7 +10,9 @@ Two disjoint key families hang off ``key(seed)``:
   both: JAX's random bits and ``fold_in`` run the same hash, so drawing from a parent could
   correlate with its children.
 
-Keys are never reused: coins and residual noise are keyed by the absolute position they decide,
+A request is identified by its seed: two requests with the same seed (and prompt) draw the same
+random numbers, exactly as incremental sampling does; give requests distinct seeds for independent
+samples. Keys are never reused: coins and residual noise are keyed by the absolute position they decide,
 and each position is decided once; drafting noise is keyed by the root position of the step that
 drafts (strictly increasing from step to step) plus the node and draw slot.
 """

@@ -79,7 +79,10 @@ def _filter_top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax
     sorted_x = jnp.where(sorted_x < kth, -jnp.inf, sorted_x)
     probs = jax.nn.softmax(sorted_x, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = mass_before < top_p[:, None]  # the top token always has mass_before 0 < top_p
+    # The top token always has mass_before 0 < top_p. top_p = 1 keeps everything exactly: the float32
+    # cumulative sum can round to 1.0 before the tail, and a request's law must not depend on whether
+    # another request in its batch switched the filter on.
+    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
     last_kept = jnp.sum(keep, axis=-1) - 1
     threshold = jnp.take_along_axis(sorted_x, last_kept[:, None], axis=-1)
     return jnp.where(x < threshold, -jnp.inf, x)

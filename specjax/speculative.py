@@ -30,6 +30,7 @@ from specjax.tree_forward import commit_path, tree_forward
 from specjax.verify import verify_greedy, verify_sampled, verify_seeded
 
 VERIFIERS = ("greedy", "seeded", "mss", "rrs", "naive")
+MAX_NODES_PER_SSM = 1024
 # Which drafting modes each verifier is lossless for (docs/verification.md, "Which declared law").
 LOSSLESS = {"greedy": DRAFTS, "seeded": DRAFTS, "naive": DRAFTS, "mss": ("iid",), "rrs": ("wor",)}
 DEFAULT_DRAFT = {"greedy": "topk", "seeded": "coupled", "naive": "topk", "mss": "iid", "rrs": "wor"}
@@ -64,6 +65,9 @@ class SpecConfig:
         if len(self.ssm_configs) != len(self.expansions):
             raise InputError(f"{len(self.ssm_configs)} SSMs but {len(self.expansions)} expansion configs")
         check_combination(self.draft, self.verifier)
+        too_big = [e.widths for e in self.expansions if e.num_nodes > MAX_NODES_PER_SSM]
+        if too_big:  # drafting keys give node and draw 10 bits each (speculate.draft_slot)
+            raise InputError(f"expansions {too_big} exceed {MAX_NODES_PER_SSM} nodes per SSM")
 
     @property
     def max_depth(self) -> int:
@@ -117,8 +121,11 @@ def build_tree(ssm_params: tuple, state: SpecState, spec: SpecConfig, sampling: 
         oks.append(ok)
         laws.append(law)
         caches.append(cache)
-    declares = sampling.sampled if (spec.draft in SAMPLED_DRAFTS or laws[0] is not None) else None
-    laws = None if laws[0] is None else jnp.concatenate(laws, axis=1)
+    # Only i.i.d. and without-replacement entries declare the SSM's law; top-k and coupled entries are
+    # one-hot (the mutant "allow_mss_on_topk" re-creates the paper's rule: top-k entries declaring q).
+    declares_q = spec.draft in SAMPLED_DRAFTS or _mutation.active() == "allow_mss_on_topk"
+    declares = sampling.sampled if declares_q else None
+    laws = jnp.concatenate(laws, axis=1) if declares_q else None
     if len(drafted) == 1:
         tree = static_tree(spec.expansions[0], batch, drafted[0], entry_ok=oks[0], law_rows=declares)
     else:
@@ -160,7 +167,7 @@ def spec_step(llm_params, ssm_params: tuple, state: SpecState, sampling: Samplin
     first_eos = jnp.min(eos_at, axis=1)
     n_emit = jnp.minimum(n_emit, first_eos + 1)
     n_emit = jnp.minimum(n_emit, max_new_tokens - state.num_generated)
-    n_emit = jnp.where(active, n_emit, 0)
+    n_emit = jnp.where(active & verdict.ok, n_emit, 0)  # a failed request emits nothing (no -2 sentinel)
     emit = j < n_emit[:, None]
     rows = jnp.arange(state.tokens.shape[0])[:, None]
     out_slot = jnp.where(emit, state.num_generated[:, None] + j, state.tokens.shape[1])

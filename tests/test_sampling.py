@@ -77,3 +77,19 @@ def test_sampled_law_matches_warped_distribution():
     assert counts[~support].sum() == 0, "a zero-probability token was sampled"
     chi2 = (((counts - n * law) ** 2)[support] / (n * law[support])).sum()
     assert scipy_stats.chi2.sf(chi2, support.sum() - 1) > 1e-6
+
+
+def test_a_requests_warp_does_not_depend_on_its_batch_mates():
+    """top_p = 1 and top_k = 0 mean off, exactly, even when another request switches the filter on
+    (the float32 cumulative sum may reach 1.0 before the tail of the vocabulary)."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.sampling import SamplingArrays, warp_logits
+
+    logits = jax.random.normal(jax.random.key(3), (2, 4096)) * 6.0
+    both = SamplingArrays(temperature=jnp.asarray([1.0, 1.0]), top_k=jnp.asarray([0, 5]),
+                          top_p=jnp.asarray([1.0, 0.5]), seed=jnp.asarray([0, 1]))
+    alone = jax.tree.map(lambda a: a[:1], both)
+    np.testing.assert_array_equal(np.asarray(warp_logits(logits, both))[0], np.asarray(warp_logits(logits[:1], alone))[0])
+    assert np.isfinite(np.asarray(warp_logits(logits, both))[0]).all()

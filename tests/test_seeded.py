@@ -99,10 +99,6 @@ def test_t5_batch_slot_invariance():
 
 def test_mutant_seeded_by_depth_breaks_identity():
     expected = _incremental()
-    jax.clear_caches()
-    try:
-        with _mutation.inject("seeded_by_depth"):
-            tokens, _ = _speculative("chain", *_batch())
-    finally:
-        jax.clear_caches()
+    with _mutation.inject("seeded_by_depth"):
+        tokens, _ = _speculative("chain", *_batch())
     assert (tokens != expected).any(axis=1).mean() > 0.5

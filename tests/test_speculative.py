@@ -192,6 +192,8 @@ def test_bad_speculation_configs(llama):
         specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], sampling=hot, verifier="rrs", draft="iid")
     with pytest.raises(InputError, match="verifier 'mss' is not lossless for drafting mode 'wor'"):
         specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], sampling=hot, verifier="mss", draft="wor")
+    with pytest.raises(InputError, match=r"exceed 1024 nodes per SSM"):
+        SpecConfig((ssm.config,), (Expansion((32, 32)),))
     with pytest.raises(InputError, match="verifier must be one of"):
         specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], sampling=hot, verifier="typo")
     import dataclasses

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -33,6 +32,7 @@ VOCAB = 8
 PROMPT = [1, 2, 3]
 NUM_TOKENS = 4
 N_SAMPLES = 300_000
+N_MUTANT = 100_000  # fewer samples only make a mutant harder to catch
 CHUNK = 100_000
 
 # name: (draft, verifier, expansions, temperature, top_k, top_p, SSMs (0 = close to the LLM, 1 = far))
@@ -143,14 +143,12 @@ DRAFT_MUTANTS = {  # mutation: (config, how the mutant is set up)
 def test_mutant_fails_t4(mutation):
     name = DRAFT_MUTANTS[mutation]
     exact = _exact(name)
-    jax.clear_caches()
     try:
         with _mutation.inject(mutation):
             if mutation == "allow_mss_on_topk":
                 CONFIGS["mss-on-topk"] = ("topk", "mss") + CONFIGS[name][2:]
                 name = "mss-on-topk"
-            samples = _sample(name, N_SAMPLES, seed0=10_000_000)
+            samples = _sample(name, N_MUTANT, seed0=10_000_000)
     finally:
         CONFIGS.pop("mss-on-topk", None)
-        jax.clear_caches()
     assert not fits(samples, exact), f"mutation {mutation} was not detected on {name}"

@@ -107,8 +107,7 @@ _verify_jit = jax.jit(verify_sampled, static_argnames=("rule", "max_depth"))
 
 
 def run(case: Case, n: int, injected=None, seed0: int = 0):
-    """Verify the fixed tree for n requests (seeds seed0 .. seed0 + n - 1). Mutation tests must call
-    jax.clear_caches() around this so the mutation is traced in."""
+    """Verify the fixed tree for n requests (seeds seed0 .. seed0 + n - 1)."""
     s = sampling_arrays(n, 1.0, case.top_k, seeds=seed0 + np.arange(n))
     return _verify_jit(jnp.broadcast_to(case.logits, (n,) + case.logits.shape[1:]), broadcast(case.tree, n),
                        jnp.broadcast_to(case.laws, (n,) + case.laws.shape[1:]), s, jnp.full((n,), 7, jnp.int32),

@@ -156,7 +156,8 @@ def _useless_ssm(llm):
 
 def test_speculative_greedy_equals_incremental_on_smollm2(smollm2):
     """Tree (expansion and merge) and sequence speculation with a derived SSM, a useless random SSM
-    and a perfect one (the LLM itself): batch 1 and a mixed-length batch of 4, dev prompts."""
+    and a perfect one (the LLM itself): a mixed-length batch of 4 dev prompts (batch 1
+    is covered by the perfect-SSM check below and batch-slot invariance by the toy tests)."""
     import jax
 
     from specjax.ssm import derive_ssm
@@ -172,7 +173,6 @@ def test_speculative_greedy_equals_incremental_on_smollm2(smollm2):
     for kw in setups:
         got = specjax.generate(smollm2, prompts, max_new_tokens=24, **kw)
         assert got.token_ids == want, f"{kw['mode']} with {len(kw['ssms'])} SSMs differs from incremental"
-        assert specjax.generate(smollm2, prompts[:1], max_new_tokens=24, **kw).token_ids[0] == want[0]
         jax.clear_caches()
     perfect = specjax.generate(smollm2, prompts[:1], max_new_tokens=24, mode="sequence", ssms=[smollm2],
                                expansion=(1, 1, 1, 1))
@@ -180,7 +180,7 @@ def test_speculative_greedy_equals_incremental_on_smollm2(smollm2):
 
 
 def test_seeded_speculative_equals_seeded_incremental_on_smollm2(smollm2):
-    """T6: seeded tree speculation (coupled drafts, and top-k drafts merged with a useless SSM)
+    """T6: seeded tree speculation (coupled drafts from a merged pool of a derived and a useless SSM)
     reproduces incremental seeded sampling token for token; one seed per prompt, warps on; RRS runs
     and stays inside the warped support."""
     import jax
@@ -194,12 +194,11 @@ def test_seeded_speculative_equals_seeded_incremental_on_smollm2(smollm2):
     greedy = specjax.generate(smollm2, prompts, max_new_tokens=24).token_ids
     assert want != greedy, "the sampled reference must actually sample"
     derived, useless = derive_ssm(smollm2, 8), _useless_ssm(smollm2)
-    for kw in (dict(ssms=[derived], draft="coupled", verifier="seeded"),
-               dict(ssms=[derived, useless], expansion=[(1, 1, 3, 1), (2, 1)], draft="topk")):  # verifier auto
-        got = specjax.generate(smollm2, prompts, max_new_tokens=24, sampling=sampling, **kw)
-        assert got.token_ids == want, f"seeded speculation with {kw} differs from incremental sampling"
-        assert got.stats["verifier"] == "seeded"
-        jax.clear_caches()
+    got = specjax.generate(smollm2, prompts, max_new_tokens=24, sampling=sampling, ssms=[derived, useless],
+                           expansion=[(1, 1, 3, 1), (2, 1)], draft="coupled")  # verifier auto -> seeded
+    assert got.token_ids == want, "seeded speculation differs from incremental sampling"
+    assert got.stats["verifier"] == "seeded"
+    jax.clear_caches()
     # RRS (MSS runs through the CLI test below): sampled, so only the support can be checked here
     got = specjax.generate(smollm2, prompts[:2], max_new_tokens=16, sampling=sampling[:2], ssms=[derived],
                            verifier="rrs")

@@ -107,7 +107,7 @@ def test_mutant_fails_t2(mutation):
     name = VERIFIER_MUTANTS[mutation]
     law = _case(name).exact_law()  # the correct law, computed from the correct tree
     with _mutation.inject(mutation):
-        verdict = run(_case(name), N_SAMPLES)
+        verdict = run(_case(name), N_SAMPLES // 3)  # fewer samples only make a mutant harder to catch
     assert not fits(outcomes(verdict), law), f"mutation {mutation} was not detected on {name}"
 
 

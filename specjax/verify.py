@@ -75,9 +75,7 @@ def verify_seeded(logits: jax.Array, tree: TokenTree, sampling: SamplingArrays, 
     position = length[:, None] + tree.depth + 1
     if _mutation.active() == "seeded_by_depth":
         position = tree.depth + 1
-    flat = lambda a: jnp.repeat(a, n, axis=0)  # noqa: E731
-    per_node = SamplingArrays(temperature=flat(sampling.temperature), top_k=flat(sampling.top_k),
-                              top_p=flat(sampling.top_p), seed=flat(sampling.seed))
+    per_node = jax.tree.map(lambda a: jnp.repeat(a, n, axis=0), sampling)  # request b's settings at its nodes
     target = sample_tokens(logits.reshape(batch * n, vocab), per_node, position.reshape(-1)).reshape(batch, n)
     return _follow(target, tree, max_depth)
 
@@ -89,11 +87,8 @@ class _Walk:
     depth: jax.Array
     r: jax.Array  # [V] residual target at node
     path: jax.Array  # [D + 1]
-    emitted: jax.Array  # [D + 1]
+    emitted: jax.Array  # [D + 1] accepted tokens so far
     done: jax.Array
-    ok: jax.Array
-    bonus: jax.Array
-    final: jax.Array  # [V] the law the final token was drawn from
 
 
 def verify_sampled(logits: jax.Array, tree: TokenTree, laws: jax.Array | None, sampling: SamplingArrays,
@@ -158,12 +153,6 @@ def verify_sampled(logits: jax.Array, tree: TokenTree, laws: jax.Array | None, s
             residual = jnp.maximum(base - lam, 0.0)
             mass = jnp.sum(residual)
             residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), w.r)  # null event: keep r
-            final_law = target_b[w.node] if mutation == "target_after_rejection" else w.r
-            final_key = purpose_key(seed, RESIDUAL, t)
-            if mutation == "residual_draft_noise":  # the key the wor drafter used for this node's children
-                final_key = purpose_key(seed, DRAFT, length_b, (w.node << 10))
-            y, ok = categorical_from_probs(final_key, final_law, gumbel_b[w.depth] if use_injected else None)
-            stop = ~has
             child = jnp.maximum(c, 0)
             next_r = w.r if mutation == "residual_carried" else target_b[child]
             return _Walk(node=jnp.where(accept, child, w.node),
@@ -171,16 +160,20 @@ def verify_sampled(logits: jax.Array, tree: TokenTree, laws: jax.Array | None, s
                          depth=w.depth + accept.astype(jnp.int32),
                          r=jnp.where(accept, next_r, jnp.where(has, residual, w.r)),
                          path=jnp.where(accept, w.path.at[w.depth + 1].set(child), w.path),
-                         emitted=w.emitted.at[w.depth].set(jnp.where(accept, x, jnp.where(stop, y, w.emitted[w.depth]))),
-                         done=stop, ok=jnp.where(stop, ok, w.ok), bonus=jnp.where(stop, y, w.bonus),
-                         final=jnp.where(stop, final_law, w.final))
+                         emitted=jnp.where(accept, w.emitted.at[w.depth].set(x), w.emitted), done=~has)
 
         start = _Walk(node=jnp.int32(0), entry=jnp.int32(0), depth=jnp.int32(0), r=target_b[0],
                       path=jnp.full((max_depth + 1,), -1, jnp.int32).at[0].set(0),
-                      emitted=jnp.zeros((max_depth + 1,), jnp.int32), done=jnp.bool_(False), ok=jnp.bool_(True),
-                      bonus=jnp.int32(0), final=target_b[0])
-        return jax.lax.while_loop(lambda w: ~w.done, body, start)
+                      emitted=jnp.zeros((max_depth + 1,), jnp.int32), done=jnp.bool_(False))
+        w = jax.lax.while_loop(lambda w: ~w.done, body, start)
+        # Entries exhausted (or a leaf reached): the final token, drawn once, after the walk.
+        final_law = target_b[w.node] if mutation == "target_after_rejection" else w.r
+        final_key = purpose_key(seed, RESIDUAL, length_b + w.depth + 1)
+        if mutation == "residual_draft_noise":  # the key the wor drafter used for this node's children
+            final_key = purpose_key(seed, DRAFT, length_b, (w.node << 10))
+        y, ok = categorical_from_probs(final_key, final_law, gumbel_b[w.depth] if use_injected else None)
+        return w.path, w.depth, y, w.emitted.at[w.depth].set(y), ok, final_law
 
-    walk = jax.vmap(one)(target, tree.tokens, children, law_row, laws, sampling.seed, length, *injected)
-    return Verdict(path=walk.path, num_accepted=walk.depth, bonus=walk.bonus, emitted=walk.emitted, ok=walk.ok,
-                   residual=walk.final)
+    path, depth, bonus, emitted, ok, final = jax.vmap(one)(target, tree.tokens, children, law_row, laws,
+                                                           sampling.seed, length, *injected)
+    return Verdict(path=path, num_accepted=depth, bonus=bonus, emitted=emitted, ok=ok, residual=final)

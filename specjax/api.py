@@ -29,14 +29,22 @@ class Model(NamedTuple):
 
 
 def load_model(name_or_path: str = registry.DEFAULT_MODEL, dtype: str = "float32", shardings=None,
-               progress: bool = True) -> Model:
-    """Load a registered model name, an HF directory, a .gguf file or a specjax orbax checkpoint."""
+               progress: bool = True, parallel=None) -> Model:
+    """Load a registered model name, an HF directory, a .gguf file or a specjax orbax checkpoint.
+
+    parallel: a ``specjax.sharding.Parallel``; the params are placed on its mesh under its rules
+    (a checkpoint restores straight into that sharding, whatever mesh it was saved from).
+    ``shardings``: an explicit pytree (or function cfg -> pytree) of shardings instead."""
     from specjax import checkpoint, tokenizer as tok_lib
     from specjax.weights.gguf_loader import load_gguf
     from specjax.weights.hf import load_hf_dir
 
     if dtype not in _DTYPES:
         raise InputError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if parallel is not None:
+        if shardings is not None:
+            raise InputError("pass either shardings or parallel, not both")
+        shardings = parallel.param_shardings
     path = registry.resolve(name_or_path) if registry.is_registered(name_or_path) else name_or_path
     if not os.path.exists(path):
         raise CheckpointError(f"{name_or_path!r} is neither a registered model {registry.registered_names()} "
@@ -55,9 +63,12 @@ def load_model(name_or_path: str = registry.DEFAULT_MODEL, dtype: str = "float32
         raise CheckpointError(f"{path}: unsupported model file (expected an HF directory, a .gguf file "
                               f"or a specjax checkpoint directory)")
     cast = lambda a: a.astype(_DTYPES[dtype])  # noqa: E731
-    if shardings is None:
+    if parallel is not None:
+        params = parallel.put_params(jax.tree.map(lambda a: np.asarray(a).astype(_DTYPES[dtype]), np_params), cfg)
+    elif shardings is None:
         params = jax.tree.map(lambda a: cast(jnp.asarray(a)), np_params)
     else:
+        shardings = shardings(cfg) if callable(shardings) else shardings
         params = jax.tree.map(lambda a, s: jax.device_put(cast(jnp.asarray(a)), s), np_params, shardings)
     return Model(cfg, params, tokenizer)
 
@@ -150,7 +161,7 @@ def _prepare(model: Model, prompts, max_new_tokens: int, chat_template: bool):
 
 def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, chat_template: bool = True,
              ignore_eos: bool = False, mode: str | None = None, ssms=(), expansion=None,
-             impl: str = "auto", verifier: str = "auto", draft: str = "auto") -> GenerationResult:
+             impl: str = "auto", verifier: str = "auto", draft: str = "auto", parallel=None) -> GenerationResult:
     """Generate for a batch of prompts (strings or token-id lists).
 
     mode: "incremental" (the reference decoder), "sequence" (one SSM drafts a chain of
@@ -164,35 +175,60 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
     with the exact target distribution but other random numbers. draft: how SSMs draw children,
     "auto" = the verifier's natural drafting ("topk", "coupled", "iid" for mss, "wor" for rrs).
     A (draft, verifier) pair that would not be lossless is refused with an InputError.
+    parallel: a ``specjax.sharding.Parallel`` to run on its mesh (LLM under its rules, pipelined
+    when pp > 1; SSMs under its ssm_rules). The batch is padded with inert requests to a multiple of
+    dp x microbatches; the output is the same as on one device.
     """
     mode = mode or ("tree" if ssms else "incremental")
     if mode not in MODES:
         raise InputError(f"mode must be one of {MODES}, got {mode!r}")
     if mode != "incremental":
         return _generate_speculative(model, prompts, max_new_tokens, sampling, chat_template, ignore_eos, mode,
-                                     list(ssms), expansion, impl, verifier, draft)
+                                     list(ssms), expansion, impl, verifier, draft, parallel)
     ids, lens, padded = _prepare(model, prompts, max_new_tokens, chat_template)
     cfg = model.config
     samplings = _sampling_list(sampling, len(ids))
     width = padded.shape[1]
     max_out = _next_pow2(max_new_tokens)
     cache_len = width + max_out  # a function of the two buckets only, so it never forces a recompile
+    params, _, inputs, host = _place(parallel, model, (), padded, lens, max_new_tokens, samplings)
     t0 = time.perf_counter()
-    out = generate_incremental_jit(model.params, jnp.asarray(padded), jnp.asarray(lens),
-                                   jnp.full((len(ids),), max_new_tokens, jnp.int32),
-                                   SamplingArrays.from_params(samplings), cfg=cfg, cache_len=cache_len,
-                                   max_out=max_out, eos_ids=() if ignore_eos else _eos_ids(model))
-    tokens = np.asarray(jax.device_get(out.tokens))
+    out = generate_incremental_jit(params, *inputs, cfg=cfg, cache_len=cache_len, max_out=max_out,
+                                   eos_ids=() if ignore_eos else _eos_ids(model), parallel=parallel)
+    tokens = host(out.tokens)
     seconds = time.perf_counter() - t0
-    counts = np.asarray(out.num_generated)
+    counts = host(out.num_generated)[:len(ids)]
     token_ids = [tokens[i, :counts[i]].tolist() for i in range(len(ids))]
     texts = [model.tokenizer.decode(t, skip_special_tokens=True) if model.tokenizer is not None else None
              for t in token_ids]
     total = int(counts.sum())
-    stats = {"mode": "incremental", "llm_passes": int(out.llm_passes), "generated_tokens": total, "seconds": seconds,
+    stats = {"mode": "incremental", "llm_passes": int(host(out.llm_passes)), "generated_tokens": total,
+             "seconds": seconds,
              "tokens_per_s": total / seconds if seconds > 0 else float("inf"),
              "prompt_bucket": width, "cache_len": cache_len}
     return GenerationResult(token_ids=token_ids, texts=texts, prompt_token_ids=ids, stats=stats)
+
+
+def _place(parallel, model: Model, ssms, padded, lens, max_new_tokens: int, samplings):
+    """(LLM params, SSM params, per-request inputs, fetch-to-host function), on the mesh when given.
+
+    On a mesh the batch is padded with inert copies of request 0 (budget of 1 token, dropped from the
+    results) to a multiple of dp x microbatches, so any batch size runs."""
+    n = len(lens)
+    if parallel is None:
+        inputs = (jnp.asarray(padded), jnp.asarray(lens), jnp.full((n,), max_new_tokens, jnp.int32),
+                  SamplingArrays.from_params(samplings))
+        return model.params, tuple(s.params for s in ssms), inputs, lambda x: np.asarray(jax.device_get(x))
+    extra = (-n) % parallel.batch_multiple()
+    padded = np.concatenate([padded, np.repeat(padded[:1], extra, axis=0)])
+    lens = np.concatenate([lens, np.repeat(lens[:1], extra)]).astype(np.int32)
+    budget = np.array([max_new_tokens] * n + [1] * extra, np.int32)
+    parallel.validate(model.config, n + extra, [s.config for s in ssms])
+    params = parallel.put_params(model.params, model.config)
+    ssm_params = tuple(parallel.put_params(s.params, s.config, parallel.ssm_rules) for s in ssms)
+    sampling = SamplingArrays.from_params(list(samplings) + [samplings[0]] * extra)
+    inputs = parallel.put_batch((padded, lens, budget, sampling))
+    return params, ssm_params, inputs, parallel.fetch
 
 
 def logits(model: Model, token_ids) -> list[np.ndarray]:
@@ -253,7 +289,7 @@ def resolve_verifier(verifier: str, draft: str, sampled: bool) -> tuple[str, str
 
 
 def _generate_speculative(model, prompts, max_new_tokens, sampling, chat_template, ignore_eos, mode, ssms,
-                          expansion, impl, verifier="auto", draft="auto") -> GenerationResult:
+                          expansion, impl, verifier="auto", draft="auto", parallel=None) -> GenerationResult:
     from specjax.kernels.tree_attention import resolve_impl
     from specjax.speculative import SpecConfig, generate_speculative_jit
     from specjax.ssm import check_compatible
@@ -277,30 +313,29 @@ def _generate_speculative(model, prompts, max_new_tokens, sampling, chat_templat
     width = padded.shape[1]
     max_out = _next_pow2(max_new_tokens)
     cache_len = width + max_out + spec.num_nodes
+    params, ssm_params, inputs, host = _place(parallel, model, ssms, padded, lens, max_new_tokens,
+                                              _sampling_list(sampling, len(ids)))
     t0 = time.perf_counter()
-    out = generate_speculative_jit(model.params, tuple(s.params for s in ssms), jnp.asarray(padded),
-                                   jnp.asarray(lens), jnp.full((len(ids),), max_new_tokens, jnp.int32),
-                                   SamplingArrays.from_params(_sampling_list(sampling, len(ids))), cfg=cfg,
-                                   spec=spec, cache_len=cache_len, max_out=max_out,
-                                   eos_ids=() if ignore_eos else _eos_ids(model))
-    tokens = np.asarray(jax.device_get(out.tokens))
+    out = generate_speculative_jit(params, ssm_params, *inputs, cfg=cfg, spec=spec, cache_len=cache_len,
+                                   max_out=max_out, eos_ids=() if ignore_eos else _eos_ids(model), parallel=parallel)
+    tokens = host(out.tokens)
     seconds = time.perf_counter() - t0
-    failed = np.flatnonzero(np.asarray(out.failed))
+    failed = np.flatnonzero(host(out.failed)[:len(ids)])
     if failed.size:
         raise SpecjaxError(f"requests {failed.tolist()}: the verifier met a distribution without probability mass "
                            f"(NaN or -inf logits); no token was invented")
-    counts = np.asarray(out.num_generated)
-    hist = np.asarray(out.tokens_per_pass)
+    counts = host(out.num_generated)[:len(ids)]
+    hist = host(out.tokens_per_pass)
     token_ids = [tokens[i, :counts[i]].tolist() for i in range(len(ids))]
     texts = [model.tokenizer.decode(t, skip_special_tokens=True) if model.tokenizer is not None else None
              for t in token_ids]
     total = int(counts.sum())
     request_passes = int(hist.sum())
-    stats = {"mode": mode, "llm_passes": int(out.llm_passes), "generated_tokens": total, "seconds": seconds,
+    stats = {"mode": mode, "llm_passes": int(host(out.llm_passes)), "generated_tokens": total, "seconds": seconds,
              "tokens_per_s": total / seconds if seconds > 0 else float("inf"),
              "tokens_per_pass_histogram": hist.tolist(),
              "mean_tokens_per_pass": float((hist * np.arange(len(hist))).sum() / max(request_passes, 1)),
-             "accepted_at_depth": np.asarray(out.accepted_at_depth).tolist(),
+             "accepted_at_depth": host(out.accepted_at_depth).tolist(),
              "tree_nodes": spec.num_nodes, "expansions": [e.widths for e in exps],
              "verifier": verifier, "draft": draft,
              "prompt_bucket": width, "cache_len": cache_len}

@@ -38,7 +38,8 @@ def save_checkpoint(path: str, cfg: ModelConfig, params, tokenizer=None) -> None
 
 def restore_checkpoint(path: str, shardings=None, dtype=None):
     """Returns (cfg, params, tokenizer_dir or None). ``shardings``: a pytree of jax.sharding objects
-    matching the params (e.g. from specjax.sharding), or None for the default device."""
+    matching the params, a function cfg -> such a pytree (e.g. ``Parallel.param_shardings``: the
+    mesh may differ from the one the checkpoint was saved from), or None for the default device."""
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(path)
@@ -50,6 +51,8 @@ def restore_checkpoint(path: str, shardings=None, dtype=None):
         raise CheckpointError(f"{path}: unreadable {CONFIG_FILE} ({type(e).__name__}: {e})") from None
     dtype = np.dtype(dtype or meta.get("dtype", "float32"))
     specs = param_specs(cfg)
+    if callable(shardings):
+        shardings = shardings(cfg)
     if shardings is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda s: device, specs, is_leaf=_is_spec)

@@ -15,3 +15,7 @@ class CheckpointError(SpecjaxError):
 
 class InputError(SpecjaxError):
     """A generation request (prompts, lengths, sampling parameters) is invalid."""
+
+
+class ShardingError(SpecjaxError):
+    """A mesh, sharding rule or multi-host setup does not fit the model, the devices or the peers."""

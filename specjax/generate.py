@@ -46,24 +46,25 @@ def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
 
 
-def prefill(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, cache: KVCache, cfg: ModelConfig):
+def prefill(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, cache: KVCache, cfg: ModelConfig,
+            parallel=None):
     """Run the padded prompts [B, T] through the model; returns (logits at each last prompt token
     [B, V], cache with length = prompt_lens). Padding slots are written but never committed."""
     batch, num_tokens = prompt_tokens.shape
     positions = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (batch, num_tokens))
     meta = causal_meta(jnp.zeros((batch,), jnp.int32))
     logits, cache = forward(params, prompt_tokens, positions, cache, meta, cfg,
-                            logits_indices=(prompt_lens - 1)[:, None])
+                            logits_indices=(prompt_lens - 1)[:, None], parallel=parallel)
     return logits[:, 0], cache.replace(length=prompt_lens.astype(jnp.int32))
 
 
 def decode_step(params, state: DecodeState, sampling: SamplingArrays, max_new_tokens: jax.Array,
-                cfg: ModelConfig, eos_ids: tuple[int, ...]) -> DecodeState:
+                cfg: ModelConfig, eos_ids: tuple[int, ...], parallel=None) -> DecodeState:
     """Feed each request's last token, commit it, sample the next one (for active requests)."""
     active = ~state.done
     cache = state.cache
     logits, cache = forward(params, state.last_token[:, None], cache.length[:, None], cache,
-                            causal_meta(cache.length), cfg)
+                            causal_meta(cache.length), cfg, parallel=parallel)
     new_length = cache.length + active.astype(jnp.int32)
     next_token = sample_tokens(logits[:, 0], sampling, positions=new_length)
     rows = jnp.arange(state.tokens.shape[0])
@@ -79,17 +80,22 @@ def decode_step(params, state: DecodeState, sampling: SamplingArrays, max_new_to
 
 def generate_incremental(params, prompt_tokens: jax.Array, prompt_lens: jax.Array,
                          max_new_tokens: jax.Array, sampling: SamplingArrays, *, cfg: ModelConfig,
-                         cache_len: int, max_out: int, eos_ids: tuple[int, ...] = ()) -> GenerateOutput:
+                         cache_len: int, max_out: int, eos_ids: tuple[int, ...] = (),
+                         parallel=None) -> GenerateOutput:
     """Incremental decoding of a batch of right-padded prompts. Pure and jittable.
 
     prompt_tokens: [B, T] int32 (right-padded); prompt_lens: [B] >= 1; max_new_tokens: [B] in
-    [1, max_out]. Static: cfg, cache_len (>= T and >= max(prompt_len + max_new_tokens)), max_out.
+    [1, max_out]. Static: cfg, cache_len (>= T and >= max(prompt_len + max_new_tokens)), max_out,
+    parallel (a ``specjax.sharding.Parallel``: the cache is pinned to its sharding and pp > 1 runs
+    the layers as a pipeline; None = whatever device the inputs are on).
     The host wrapper validates these bounds; inside jit they are the caller's contract.
     """
     batch = prompt_tokens.shape[0]
     dtype = jax.tree.leaves(params)[0].dtype
     cache = init_cache(cfg, batch, cache_len, dtype)
-    logits, cache = prefill(params, prompt_tokens, prompt_lens, cache, cfg)
+    if parallel is not None:
+        cache = parallel.constrain_cache(cache, cfg)
+    logits, cache = prefill(params, prompt_tokens, prompt_lens, cache, cfg, parallel)
     first = sample_tokens(logits, sampling, positions=prompt_lens)
     tokens = jnp.full((batch, max_out), PAD_TOKEN, jnp.int32).at[:, 0].set(first)
     state = DecodeState(cache=cache, last_token=first, tokens=tokens,
@@ -101,21 +107,24 @@ def generate_incremental(params, prompt_tokens: jax.Array, prompt_lens: jax.Arra
         return jnp.any(~state.done)  # some request still needs tokens
 
     step = functools.partial(decode_step, params, sampling=sampling, max_new_tokens=max_new_tokens,
-                             cfg=cfg, eos_ids=eos_ids)
+                             cfg=cfg, eos_ids=eos_ids, parallel=parallel)
     state = jax.lax.while_loop(cond, step, state)
     return GenerateOutput(tokens=state.tokens, num_generated=state.num_generated, llm_passes=state.llm_passes)
 
 
 generate_incremental_jit = jax.jit(generate_incremental,
-                                   static_argnames=("cfg", "cache_len", "max_out", "eos_ids"))
+                                   static_argnames=("cfg", "cache_len", "max_out", "eos_ids", "parallel"))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def full_logits(params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("cfg", "parallel"))
+def full_logits(params, tokens: jax.Array, cfg: ModelConfig, parallel=None) -> jax.Array:
     """Logits [B, T, V] of a full (right-padded) sequence, recomputed from scratch (no reuse)."""
     batch, num_tokens = tokens.shape
     dtype = jax.tree.leaves(params)[0].dtype
     cache = init_cache(cfg, batch, num_tokens, dtype)
+    if parallel is not None:
+        cache = parallel.constrain_cache(cache, cfg)
     positions = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (batch, num_tokens))
-    logits, _ = forward(params, tokens, positions, cache, causal_meta(jnp.zeros((batch,), jnp.int32)), cfg)
+    logits, _ = forward(params, tokens, positions, cache, causal_meta(jnp.zeros((batch,), jnp.int32)), cfg,
+                        parallel=parallel)
     return logits

@@ -150,13 +150,13 @@ def verify(logits, tree: TokenTree, laws, sampling: SamplingArrays, length: jax.
 
 
 def spec_step(llm_params, ssm_params: tuple, state: SpecState, sampling: SamplingArrays, max_new_tokens: jax.Array,
-              cfg: ModelConfig, spec: SpecConfig, eos_ids: tuple[int, ...]) -> SpecState:
+              cfg: ModelConfig, spec: SpecConfig, eos_ids: tuple[int, ...], parallel=None) -> SpecState:
     """One speculative step for every request (finished requests are carried along unchanged)."""
     active = ~state.done
     depth = spec.max_depth
     length = state.llm_cache.length
     tree, laws, ssm_caches = build_tree(ssm_params, state, spec, sampling)
-    logits, llm_cache = tree_forward(llm_params, tree, state.llm_cache, cfg, spec.impl)
+    logits, llm_cache = tree_forward(llm_params, tree, state.llm_cache, cfg, spec.impl, parallel)
     verdict = verify(logits, tree, laws, sampling, length, spec)
 
     # Tokens this step emits: accepted nodes then the bonus, cut after an EOS and at max_new_tokens.
@@ -193,12 +193,16 @@ def spec_step(llm_params, ssm_params: tuple, state: SpecState, sampling: Samplin
 
 def init_state(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, max_new_tokens, sampling: SamplingArrays,
                *, cfg: ModelConfig, spec: SpecConfig, cache_len: int, max_out: int,
-               eos_ids: tuple[int, ...]) -> SpecState:
+               eos_ids: tuple[int, ...], parallel=None) -> SpecState:
     """Prefill the LLM and every SSM; the LLM's token after the prompt (sampled exactly as incremental
-    decoding samples it) becomes the first root."""
+    decoding samples it) becomes the first root. With ``parallel`` the LLM cache is pinned to the LLM's
+    sharding (stage-local layers) and each SSM cache to the SSM rules (requests over dp)."""
     batch, width = prompt_tokens.shape
     dtype = jax.tree.leaves(llm_params)[0].dtype
-    logits, llm_cache = prefill(llm_params, prompt_tokens, prompt_lens, init_cache(cfg, batch, cache_len, dtype), cfg)
+    llm_cache = init_cache(cfg, batch, cache_len, dtype)
+    if parallel is not None:
+        llm_cache = parallel.constrain_cache(llm_cache, cfg)
+    logits, llm_cache = prefill(llm_params, prompt_tokens, prompt_lens, llm_cache, cfg, parallel)
     first = sample_tokens(logits, sampling, positions=prompt_lens)
     if spec.verifier == "greedy" or _mutation.active() == "greedy_first_token":
         first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -207,6 +211,8 @@ def init_state(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, max_ne
     ssm_caches = []
     for params, scfg in zip(ssm_params, spec.ssm_configs):
         cache = init_cache(scfg, batch, cache_len, jax.tree.leaves(params)[0].dtype)
+        if parallel is not None:
+            cache = parallel.constrain_cache(cache, scfg, parallel.ssm_rules)
         positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
         _, cache = forward(params, prompt_tokens, positions, cache, causal_meta(jnp.zeros((batch,), jnp.int32)),
                            scfg, logits_indices=jnp.zeros((batch, 1), jnp.int32))
@@ -222,22 +228,25 @@ def init_state(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, max_ne
 
 def generate_speculative(llm_params, ssm_params: tuple, prompt_tokens: jax.Array, prompt_lens: jax.Array,
                          max_new_tokens: jax.Array, sampling: SamplingArrays | None = None, *, cfg: ModelConfig,
-                         spec: SpecConfig, cache_len: int, max_out: int, eos_ids: tuple[int, ...] = ()) -> SpecOutput:
+                         spec: SpecConfig, cache_len: int, max_out: int, eos_ids: tuple[int, ...] = (),
+                         parallel=None) -> SpecOutput:
     """Tree-speculative generation of right-padded prompts [B, T]. Pure and jittable.
 
     sampling: per-request settings (None = greedy). ``spec.verifier`` "greedy" decodes greedily
     whatever the settings say (the host API refuses temperature > 0 with it); the others sample.
     cache_len must be >= T and >= max(prompt_len + max_new_tokens) + spec.num_nodes (tree scratch).
+    parallel: a ``specjax.sharding.Parallel`` (static): the LLM runs under its rules (pp > 1 =
+    pipelined layers), the SSMs under its ssm_rules; the whole loop stays one jitted program.
     """
     sampling = greedy_sampling(prompt_tokens.shape[0]) if sampling is None else sampling
     state = init_state(llm_params, ssm_params, prompt_tokens, prompt_lens, max_new_tokens, sampling, cfg=cfg,
-                       spec=spec, cache_len=cache_len, max_out=max_out, eos_ids=eos_ids)
+                       spec=spec, cache_len=cache_len, max_out=max_out, eos_ids=eos_ids, parallel=parallel)
 
     def cond(state: SpecState):
         return jnp.any(~state.done)  # some request still needs tokens
 
     step = functools.partial(spec_step, llm_params, ssm_params, sampling=sampling, max_new_tokens=max_new_tokens,
-                             cfg=cfg, spec=spec, eos_ids=eos_ids)
+                             cfg=cfg, spec=spec, eos_ids=eos_ids, parallel=parallel)
     state = jax.lax.while_loop(cond, step, state)
     return SpecOutput(tokens=state.tokens, num_generated=state.num_generated, llm_passes=state.llm_passes,
                       tokens_per_pass=state.tokens_per_pass, accepted_at_depth=state.accepted_at_depth,
@@ -250,27 +259,29 @@ def greedy_sampling(batch: int) -> SamplingArrays:
 
 
 generate_speculative_jit = jax.jit(generate_speculative,
-                                   static_argnames=("cfg", "spec", "cache_len", "max_out", "eos_ids"))
-step_jit = jax.jit(spec_step, static_argnames=("cfg", "spec", "eos_ids"))
+                                   static_argnames=("cfg", "spec", "cache_len", "max_out", "eos_ids", "parallel"))
+step_jit = jax.jit(spec_step, static_argnames=("cfg", "spec", "eos_ids", "parallel"))
 
 
 def generate_stream(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, max_new_tokens,
                     sampling: SamplingArrays | None = None, *, cfg: ModelConfig, spec: SpecConfig, cache_len: int,
-                    max_out: int, eos_ids: tuple[int, ...] = ()):
+                    max_out: int, eos_ids: tuple[int, ...] = (), parallel=None):
     """Host-loop twin of ``generate_speculative``: the same jitted step, one call per LLM pass,
     yielding each request's newly emitted tokens after every pass (for streaming and debugging)."""
     sampling = greedy_sampling(prompt_tokens.shape[0]) if sampling is None else sampling
     state = _init_state_jit(llm_params, ssm_params, prompt_tokens, prompt_lens, max_new_tokens, sampling, cfg=cfg,
-                            spec=spec, cache_len=cache_len, max_out=max_out, eos_ids=eos_ids)
+                            spec=spec, cache_len=cache_len, max_out=max_out, eos_ids=eos_ids, parallel=parallel)
     shown = np.zeros(prompt_tokens.shape[0], np.int64)
+    host = np.asarray if parallel is None else parallel.fetch  # fetch: arrays spanning several processes
     while True:
-        counts = np.asarray(state.num_generated)
-        tokens = np.asarray(state.tokens)
+        counts = host(state.num_generated)
+        tokens = host(state.tokens)
         yield [tokens[b, shown[b]:counts[b]].tolist() for b in range(len(counts))]
         shown = counts
-        if bool(np.all(np.asarray(state.done))):
+        if bool(np.all(host(state.done))):
             return
-        state = step_jit(llm_params, ssm_params, state, sampling, max_new_tokens, cfg=cfg, spec=spec, eos_ids=eos_ids)
+        state = step_jit(llm_params, ssm_params, state, sampling, max_new_tokens, cfg=cfg, spec=spec, eos_ids=eos_ids,
+                         parallel=parallel)
 
 
-_init_state_jit = jax.jit(init_state, static_argnames=("cfg", "spec", "cache_len", "max_out", "eos_ids"))
+_init_state_jit = jax.jit(init_state, static_argnames=("cfg", "spec", "cache_len", "max_out", "eos_ids", "parallel"))

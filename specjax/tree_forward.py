@@ -12,14 +12,14 @@ from specjax.models import forward
 from specjax.tree import TokenTree
 
 
-def tree_forward(params, tree: TokenTree, cache: KVCache, cfg: ModelConfig, impl: str = "auto"):
+def tree_forward(params, tree: TokenTree, cache: KVCache, cfg: ModelConfig, impl: str = "auto", parallel=None):
     """Logits [B, N, V] for every node, and the cache with the tree's K/V in scratch slots
     ``[length, length + N)`` (slot = node index). Node positions are ``length + depth`` (RoPE
     angles for LLaMA, learned-position rows for OPT), never the slot index. ``length`` is unchanged.
     """
     positions = cache.length[:, None] + tree.depth
     meta = AttentionMeta(lengths=cache.length, ancestor=tree.ancestor, impl=impl)
-    return forward(params, tree.tokens, positions, cache, meta, cfg)
+    return forward(params, tree.tokens, positions, cache, meta, cfg, parallel=parallel)
 
 
 def commit_path(cache: KVCache, path: jax.Array, num_keep: jax.Array) -> KVCache:

@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# Eight simulated CPU devices for the mesh tests (tests/test_sharding.py); everything else runs on
+# device 0 as before. Must happen before the backend starts.
+jax.config.update("jax_num_cpu_devices", 8)
 
 DEV_PROMPTS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "dev_prompts.jsonl")
 

@@ -1,6 +1,6 @@
 """Functional model families. ``forward`` dispatches on ``cfg.family``; all share one signature:
 
-    forward(params, tokens [B, T], positions [B, T], cache, meta, cfg, logits_indices=None)
+    forward(params, tokens [B, T], positions [B, T], cache, meta, cfg, logits_indices=None, parallel=None)
         -> (logits [B, T or K, V] float32, cache)
 
 The block's K/V is written to the cache scratch slots; ``cache.length`` is not advanced here.
@@ -15,8 +15,8 @@ from specjax.models.params import (ParamSpec, check_params, init_params, param_l
 _FAMILIES = {"llama": llama.forward, "opt": opt.forward}
 
 
-def forward(params, tokens, positions, cache, meta, cfg, logits_indices=None):
-    return _FAMILIES[cfg.family](params, tokens, positions, cache, meta, cfg, logits_indices)
+def forward(params, tokens, positions, cache, meta, cfg, logits_indices=None, parallel=None):
+    return _FAMILIES[cfg.family](params, tokens, positions, cache, meta, cfg, logits_indices, parallel)
 
 
 __all__ = ["forward", "init_params", "param_specs", "param_logical_axes", "check_params", "ParamSpec"]

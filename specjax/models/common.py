@@ -1,4 +1,6 @@
-"""Pieces shared by the model families: norms, RoPE, the cached attention block, the layer scan."""
+"""Pieces shared by the model families: norms, RoPE, the cached attention block.
+
+The layers run through ``specjax.sharding.pipeline.run_layers`` (one scan, or the pipeline)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.attention import AttentionMeta, attend_xla
-from specjax.cache import KVCache
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import tree_attention
 
@@ -101,25 +102,6 @@ def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMe
     if bias:
         out = out + lp["bo"]
     return out, k_cache, v_cache
-
-
-def scan_layers(layer_fn, h, layer_params, cache: KVCache):
-    """Run ``layer_fn(h, lp, k_all, v_all, layer) -> (h, k_all, v_all)`` over the stacked layers.
-
-    The full cache rides in the carry and each layer scatters only its new block into it, so a
-    forward pass never copies the whole cache (a scanned-out cache would be rebuilt every call).
-    """
-
-    def body(carry, xs):
-        h, k_all, v_all = carry
-        lp, i = xs
-        h, k_all, v_all = layer_fn(h, lp, k_all, v_all, i)
-        return (h, k_all, v_all), None
-
-    num_layers = cache.k.shape[0]
-    (h, k_all, v_all), _ = jax.lax.scan(body, (h, cache.k, cache.v),
-                                        (layer_params, jnp.arange(num_layers)))
-    return h, cache.replace(k=k_all, v=v_all)
 
 
 def select_positions(h: jax.Array, logits_indices: jax.Array | None) -> jax.Array:

@@ -8,16 +8,19 @@ import jax.numpy as jnp
 from specjax.attention import AttentionMeta
 from specjax.cache import KVCache
 from specjax.config import ModelConfig
-from specjax.models.common import attention_block, rms_norm, rope_inv_freq, scan_layers, select_positions
+from specjax.sharding.pipeline import run_layers
+from specjax.models.common import attention_block, rms_norm, rope_inv_freq, select_positions
 
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, meta: AttentionMeta,
-            cfg: ModelConfig, logits_indices: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
-    """tokens, positions: [B, T] -> (logits [B, T or K, V] float32, cache with the block written)."""
+            cfg: ModelConfig, logits_indices: jax.Array | None = None, parallel=None) -> tuple[jax.Array, KVCache]:
+    """tokens, positions: [B, T] -> (logits [B, T or K, V] float32, cache with the block written).
+    parallel: a ``specjax.sharding.Parallel`` whose pp > 1 pipelines the layers (None = one scan)."""
     inv_freq = rope_inv_freq(cfg)
     h = params["embed"][tokens]  # [B, T, D]
 
-    def layer(h, lp, k_all, v_all, i):
+    def layer(h, lp, k_all, v_all, i, per_request):
+        positions, meta = per_request
         with jax.named_scope("attention"):
             x = rms_norm(h, lp["attn_norm"], cfg.norm_eps)
             attn, k_all, v_all = attention_block(x, lp, k_all, v_all, i, positions, meta, cfg, inv_freq,
@@ -35,7 +38,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
             h = h + down
         return h, k_all, v_all
 
-    h, cache = scan_layers(layer, h, params["layers"], cache)
+    h, cache = run_layers(layer, h, params["layers"], cache, (positions, meta), parallel)
     h = rms_norm(select_positions(h, logits_indices), params["final_norm"], cfg.norm_eps)
     if cfg.tie_word_embeddings:
         logits = jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=jnp.float32)

@@ -8,19 +8,22 @@ import jax.numpy as jnp
 from specjax.attention import AttentionMeta
 from specjax.cache import KVCache
 from specjax.config import ModelConfig
-from specjax.models.common import attention_block, layer_norm, scan_layers, select_positions
+from specjax.sharding.pipeline import run_layers
+from specjax.models.common import attention_block, layer_norm, select_positions
 
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, meta: AttentionMeta,
-            cfg: ModelConfig, logits_indices: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
-    """tokens, positions: [B, T] -> (logits [B, T or K, V] float32, cache with the block written)."""
+            cfg: ModelConfig, logits_indices: jax.Array | None = None, parallel=None) -> tuple[jax.Array, KVCache]:
+    """tokens, positions: [B, T] -> (logits [B, T or K, V] float32, cache with the block written).
+    parallel: a ``specjax.sharding.Parallel`` whose pp > 1 pipelines the layers (None = one scan)."""
     eps, pre_ln, bias = cfg.norm_eps, cfg.do_layer_norm_before, cfg.enable_bias
     h = params["embed"][tokens]  # [B, T, E]
     if cfg.has_projections:
         h = h @ params["project_in"]  # [B, T, D]
     h = h + params["pos_embed"][positions + cfg.position_offset]
 
-    def layer(h, lp, k_all, v_all, i):
+    def layer(h, lp, k_all, v_all, i, per_request):
+        positions, meta = per_request
         with jax.named_scope("attention"):
             x = layer_norm(h, lp["attn_norm_scale"], lp["attn_norm_bias"], eps) if pre_ln else h
             attn, k_all, v_all = attention_block(x, lp, k_all, v_all, i, positions, meta, cfg, None, bias=bias)
@@ -37,7 +40,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
                 h = layer_norm(h, lp["mlp_norm_scale"], lp["mlp_norm_bias"], eps)
         return h, k_all, v_all
 
-    h, cache = scan_layers(layer, h, params["layers"], cache)
+    h, cache = run_layers(layer, h, params["layers"], cache, (positions, meta), parallel)
     h = select_positions(h, logits_indices)
     if cfg.final_layer_norm:
         h = layer_norm(h, params["final_norm_scale"], params["final_norm_bias"], eps)

@@ -1,6 +1,12 @@
-"""Sharding: mesh construction and the logical-axis rules (the scale-out issue builds this).
+"""Sharding: meshes ("pp", "dp", "tp"), logical-axis rules, the layer pipeline, multi-host init.
 
-Every parameter and cache leaf already declares its logical axes
-(``specjax.models.param_logical_axes``, ``specjax.cache.cache_logical_axes``); the rules object that
-maps them to mesh axes lives here once tensor/pipeline parallelism lands. Nothing is exported yet.
+    parallel = Parallel.create("pp=2,tp=4")          # 8 devices
+    params = parallel.put_params(params, cfg)        # NamedShardings from the logical axes
+    specjax.generate(model, prompts, parallel=parallel)
 """
+
+from specjax.sharding.mesh import AXES, MeshShape, make_mesh, mesh_shape
+from specjax.sharding.parallel import Parallel
+from specjax.sharding.rules import LOGICAL_AXES, ShardingRules
+
+__all__ = ["AXES", "LOGICAL_AXES", "MeshShape", "Parallel", "ShardingRules", "make_mesh", "mesh_shape"]

@@ -1,0 +1,149 @@
+"""``Parallel``: a mesh plus the rules for the LLM and for the SSMs, passed (static) to generation.
+
+It produces NamedShardings for params, caches and per-request arrays, places host data on the mesh
+(also across processes), and tells the model how to run its layers: ``pp > 1`` -> the shard_map
+pipeline (``specjax.sharding.pipeline``), otherwise one scan under GSPMD.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from specjax.cache import CACHE_AXES, LENGTH_AXES, KVCache
+from specjax.config import ModelConfig
+from specjax.errors import ShardingError
+from specjax.models.params import _is_spec, param_specs
+from specjax.sharding.mesh import MeshShape, make_mesh, mesh_shape
+from specjax.sharding.rules import ShardingRules
+
+SCHEDULES = ("pipeline", "sequential")
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """mesh: axes ("pp", "dp", "tp"); rules: the LLM's; ssm_rules: the SSMs' (replicated weights,
+    requests over dp). microbatches: request groups in flight in the pipeline (None = pp).
+    schedule: "pipeline" (shard_map + ppermute when pp > 1) or "sequential" (the same sharded
+    weights run as one scan; XLA moves whatever it needs: the reference the pipeline is tested against)."""
+
+    
+
+    mesh: Mesh
+    rules: ShardingRules = ShardingRules()
+    ssm_rules: ShardingRules = ShardingRules.replicated_model()
+    microbatches: int | None = None
+    schedule: str = "pipeline"  # or "sequential": one GSPMD scan over the pp-split layers (the reference)
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ShardingError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.pp > 1 and self.rules.layers != "pp":
+            raise ShardingError(f"a mesh with pp={self.pp} pipelines the layers: rules.layers must be 'pp', "
+                                f"got {self.rules.layers!r}")
+        if self.microbatches is not None and (isinstance(self.microbatches, bool) or self.microbatches < 1):
+            raise ShardingError(f"microbatches must be a positive int, got {self.microbatches!r}")
+
+    @classmethod
+    def create(cls, shape: MeshShape | str, devices=None, **kwargs) -> "Parallel":
+        return cls(make_mesh(shape, devices), **kwargs)
+
+    @property
+    def shape(self) -> MeshShape:
+        return mesh_shape(self.mesh)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pp > 1 and self.schedule == "pipeline"
+
+    @property
+    def pp(self) -> int:
+        return self.shape.pp
+
+    @property
+    def dp(self) -> int:
+        return self.shape.dp
+
+    def batch_multiple(self) -> int:
+        """Batches that are a multiple of this split evenly over dp and the pipeline microbatches."""
+        per_replica = (self.microbatches or self.pp) if self.pipelined else 1
+        return (self.dp if self.rules.batch else 1) * per_replica
+
+    def num_microbatches(self, batch: int) -> int:
+        """Request groups for a batch of ``batch``: ``microbatches`` or pp, which must divide the batch."""
+        groups = self.microbatches or min(self.pp, batch)
+        if batch % groups:
+            raise ShardingError(f"a batch of {batch} requests does not split into {groups} pipeline microbatches; "
+                                f"pad the batch to a multiple of {groups} or set microbatches")
+        return groups
+
+    def validate(self, cfg: ModelConfig, batch: int, ssm_configs=()) -> None:
+        """Raise ShardingError now (naming the leaf) for anything the mesh cannot split."""
+        self.param_shardings(cfg)
+        self.cache_shardings(cfg, batch, 1)
+        for scfg in ssm_configs:
+            self.param_shardings(scfg, self.ssm_rules)
+        self.batch_sharding((batch,), "batch")
+        if self.pipelined:  # each dp replica cuts its own requests into microbatches
+            self.num_microbatches(batch // (self.dp if self.rules.batch else 1))
+
+    def _named(self, axes, shape, leaf, rules) -> NamedSharding:
+        return NamedSharding(self.mesh, rules.partition_spec(tuple(axes), tuple(shape), self.mesh, leaf))
+
+    def param_shardings(self, cfg: ModelConfig, rules: ShardingRules | None = None):
+        """Pytree of NamedSharding matching the params of ``cfg``."""
+        rules = rules or self.rules
+        flat, treedef = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=_is_spec)
+        out = [self._named(s.axes, s.shape, f"param {jax.tree_util.keystr(p)}", rules) for p, s in flat]
+        return jax.tree.unflatten(treedef, out)
+
+    def cache_shardings(self, cfg: ModelConfig, batch: int, max_len: int, rules: ShardingRules | None = None):
+        rules = rules or self.rules
+        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        kv = self._named(CACHE_AXES, shape, "cache k/v", rules)
+        return KVCache(k=kv, v=kv, length=self._named(LENGTH_AXES, (batch,), "cache length", rules))
+
+    def batch_sharding(self, shape: tuple, leaf: str = "batch array") -> NamedSharding:
+        """Requests (leading axis) over dp, everything else replicated."""
+        axes = ("batch",) + (None,) * (len(shape) - 1)
+        return self._named(axes, shape, leaf, self.rules)
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def constrain_cache(self, cache: KVCache, cfg: ModelConfig, rules: ShardingRules | None = None) -> KVCache:
+        """Inside jit: pin a freshly created cache to its sharding (stage-local layers, split KV heads)."""
+        shardings = self.cache_shardings(cfg, cache.batch, cache.max_len, rules)
+        return jax.lax.with_sharding_constraint(cache, shardings)
+
+    def put(self, tree, shardings):
+        """Place host or device arrays on the mesh; with several processes each one passes the same
+        full values and keeps only its own shards."""
+        if jax.process_count() == 1:
+            return jax.device_put(tree, shardings)
+
+        def place(x, sharding):
+            if isinstance(x, jax.Array) and x.sharding == sharding:
+                return x
+            host = np.asarray(x)
+            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+        return jax.tree.map(place, tree, shardings)
+
+    def put_params(self, params, cfg: ModelConfig, rules: ShardingRules | None = None):
+        return self.put(params, self.param_shardings(cfg, rules))
+
+    def put_batch(self, tree):
+        """Per-request arrays (leading axis = batch) over dp."""
+        return self.put(tree, jax.tree.map(lambda x: self.batch_sharding(np.shape(x)), tree))
+
+    def fetch(self, x) -> np.ndarray:
+        """The full value of a (possibly multi-process) array, as numpy on every process."""
+        if x.is_fully_addressable:
+            return np.asarray(jax.device_get(x))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))

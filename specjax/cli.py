@@ -1,9 +1,10 @@
-"""The ``specjax`` command: generate, convert."""
+"""The ``specjax`` command: generate, convert, launch."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -36,9 +37,30 @@ def _read_prompts(args) -> list[str]:
     return prompts
 
 
+def _parallel(args):
+    """Join the cluster (when there is one) and build the mesh from --mesh; None without --mesh."""
+    from specjax.sharding import Parallel, ShardingRules, distributed
+
+    cluster = distributed.detect_cluster(args.coordinator, args.num_processes, args.process_id,
+                                         slurm=args.distributed == "slurm")
+    if cluster is not None and args.distributed == "off":
+        raise SpecjaxError(f"--distributed off, but a cluster is configured ({cluster.source})")
+    distributed.initialize(cluster, timeout_s=args.init_timeout)
+    if args.mesh is None:
+        if cluster is not None and cluster.num_processes > 1:
+            raise SpecjaxError("several processes need a --mesh that spans them (e.g. --mesh pp=2,tp=4)")
+        return None
+    rules = ShardingRules(heads=None, kv_heads=None) if args.replicate_attention else ShardingRules()
+    return Parallel.create(args.mesh, rules=rules, microbatches=args.microbatches)
+
+
 def _cmd_generate(args) -> int:
     import specjax
 
+    parallel = _parallel(args)
+    import jax
+
+    printing = jax.process_index() == 0  # every process computes; process 0 reports
     prompts = _read_prompts(args)
     args.ssm = args.ssm or ["derived:auto"]
     sampling = specjax.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -48,7 +70,12 @@ def _cmd_generate(args) -> int:
     t0 = time.perf_counter()
     model = specjax.load_model(args.model, dtype=args.dtype, progress=not args.json)
     ssms = _load_ssms(args, model) if args.mode != "incremental" else []
+    if parallel is not None:  # place once; generate() then finds everything where it belongs
+        model = model._replace(params=parallel.put_params(model.params, model.config))
+        ssms = [s._replace(params=parallel.put_params(s.params, s.config, parallel.ssm_rules)) for s in ssms]
     load_s = time.perf_counter() - t0
+    if not printing:
+        args.json, sys.stdout = True, open(os.devnull, "w")
     if not args.json:
         print(f"# model {args.model} loaded in {load_s:.1f}s; mode {args.mode}"
               + (f", SSMs {args.ssm}, expansion {args.expansion or 'default'}" if ssms else ""), file=sys.stderr)
@@ -56,7 +83,8 @@ def _cmd_generate(args) -> int:
         batch = prompts[i:i + args.batch_size]
         result = specjax.generate(model, batch, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                   chat_template=not args.no_chat_template, mode=args.mode, ssms=ssms,
-                                  expansion=args.expansion, verifier=args.verifier, draft=args.draft)
+                                  expansion=args.expansion, verifier=args.verifier, draft=args.draft,
+                                  parallel=parallel)
         st = result.stats
         mean = st.get("mean_tokens_per_pass", 1.0)
         for prompt, ids, text in zip(batch, result.token_ids, result.texts):
@@ -105,6 +133,13 @@ def _cmd_convert(args) -> int:
     return 0
 
 
+def _cmd_launch(args) -> int:
+    from specjax.sharding.launch import launch
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    return launch(cmd, args.num_processes, cpu_devices=args.cpu_devices, port=args.port, timeout_s=args.timeout)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specjax", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -137,6 +172,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-chat-template", action="store_true")
     g.add_argument("--json", action="store_true", help="one JSON record per prompt on stdout")
     g.set_defaults(func=_cmd_generate)
+    m = g.add_argument_group("mesh and multi-host")
+    m.add_argument("--mesh", help="device mesh, e.g. 'tp=8', 'pp=2,tp=4', 'dp=2,tp=4' (default: one device)")
+    m.add_argument("--microbatches", type=int, default=None, help="pipeline request groups (default: pp)")
+    m.add_argument("--replicate-attention", action="store_true",
+                   help="keep attention heads whole on every tensor shard (for head counts tp does not divide)")
+    m.add_argument("--distributed", default="auto", choices=["auto", "slurm", "off"],
+                   help="auto: join a cluster given by flags or SPECJAX_* variables (specjax launch); "
+                        "slurm: also read SLURM's variables")
+    m.add_argument("--coordinator", help="HOST:PORT of process 0")
+    m.add_argument("--num-processes", type=int)
+    m.add_argument("--process-id", type=int)
+    m.add_argument("--init-timeout", type=float, default=60.0, help="seconds to wait for the coordinator and peers")
+
+    la = sub.add_parser("launch", help="run a command as N local processes forming one JAX cluster")
+    la.add_argument("-n", "--num-processes", type=int, required=True)
+    la.add_argument("--cpu-devices", type=int, default=None, help="simulated CPU devices per process")
+    la.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")
+    la.add_argument("--timeout", type=float, default=600.0, help="stop everything after this many seconds")
+    la.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND ARGS... (e.g. -- specjax generate --mesh ...)")
+    la.set_defaults(func=_cmd_launch)
+
     c = sub.add_parser("convert", help="convert a model (name, HF dir, .gguf) to a specjax orbax checkpoint")
     c.add_argument("src")
     c.add_argument("dst")

@@ -17,22 +17,16 @@ from specjax.cache import init_cache
 from specjax.config import ModelConfig
 from specjax.errors import ShardingError
 from specjax.generate import full_logits, prefill
-from specjax.models import init_params
 from specjax.sharding import MeshShape, Parallel, ShardingRules, make_mesh
 from specjax.ssm import derive_ssm
 from specjax.tree import from_parents
 from specjax.tree_forward import tree_forward
+from tests.toy import mesh_model, mesh_prompts
 
 MESHES = ("tp=8", "pp=2,tp=4", "pp=4,tp=2", "dp=2,tp=4")
-PROMPT_LENS = (7, 3, 12, 5)
 
 
-def tiny(family: str) -> specjax.Model:
-    """4 layers, 8 heads (LLaMA: 2 KV heads), vocabulary 256; weights large enough to avoid near-ties."""
-    cfg = ModelConfig(family=family, vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4,
-                      num_heads=8, num_kv_heads=2 if family == "llama" else 8, head_dim=8,
-                      max_position_embeddings=256, word_embed_proj_dim=32 if family == "opt" else None)
-    return specjax.Model(cfg, init_params(cfg, jax.random.key(3), scale=0.1), None)
+tiny = mesh_model
 
 
 @pytest.fixture(scope="module", params=["llama", "opt"])
@@ -55,8 +49,7 @@ def reference(model):
 
 
 def _prompts(cfg):
-    rng = np.random.RandomState(0)
-    return [rng.randint(0, cfg.vocab_size, n).tolist() for n in PROMPT_LENS]
+    return mesh_prompts(cfg.vocab_size)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "parallel"))
@@ -143,7 +136,7 @@ def test_rules_errors_name_the_leaf():
     with pytest.raises(ShardingError, match=r"\['layers'\]\['wk'\]: dimension 2 \(kv_heads\) has size 2"):
         Parallel.create("tp=8", rules=ShardingRules(kv_fallback="error")).param_shardings(cfg)
     replicated = Parallel.create("tp=8").param_shardings(cfg)["layers"]["wk"].spec  # GQA fallback
-    assert tuple(replicated) == ("pp", None, None, None)
+    assert tuple(replicated) == (None, None, None, None)
     with pytest.raises(ShardingError, match=r"dimension \d \(heads\) has size 9.*heads=None, kv_heads=None"):
         Parallel.create("tp=4", devices=jax.devices()[:4]).param_shardings(ModelConfig(
             family="llama", vocab_size=64, hidden_size=36, intermediate_size=64, num_layers=2, num_heads=9,
@@ -156,3 +149,30 @@ def test_rules_errors_name_the_leaf():
         ShardingRules(mlp="model")
     with pytest.raises(ShardingError, match="does not split into 3 pipeline microbatches"):
         Parallel.create("pp=2,tp=4", microbatches=3).validate(cfg, batch=4)
+
+
+def test_checkpoint_saved_on_pp2_tp4_restores_on_tp8_and_one_device(tmp_path):
+    from specjax.checkpoint import save_checkpoint
+
+    model = tiny("llama")
+    cfg = model.config
+    prompts = _prompts(cfg)
+    source = Parallel.create("pp=2,tp=4")
+    sharded = source.put_params(model.params, cfg)
+    assert tuple(sharded["layers"]["w_up"].sharding.spec) == ("pp", None, "tp")
+    save_checkpoint(str(tmp_path / "ckpt"), cfg, sharded)
+    saved_run = specjax.generate(model._replace(params=sharded), prompts, **GEN, parallel=source).token_ids
+
+    tp8 = Parallel.create("tp=8")
+    on_tp8 = specjax.load_model(str(tmp_path / "ckpt"), parallel=tp8)
+    on_one = specjax.load_model(str(tmp_path / "ckpt"))
+    assert tuple(on_tp8.params["layers"]["w_up"].sharding.spec) == (None, None, "tp")
+    assert len(on_one.params["layers"]["w_up"].sharding.device_set) == 1
+    for restored in (on_tp8, on_one):
+        for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(model.params)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert specjax.generate(on_tp8, prompts, **GEN, parallel=tp8).token_ids == saved_run
+    assert specjax.generate(on_one, prompts, **GEN).token_ids == saved_run
+    prefix = jnp.asarray(_inputs(cfg)[0])
+    np.testing.assert_allclose(np.asarray(full_logits(on_tp8.params, tp8.put_batch(prefix), cfg=cfg, parallel=tp8)),
+                               np.asarray(full_logits(on_one.params, prefix, cfg=cfg)), rtol=0, atol=1e-5)

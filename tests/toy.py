@@ -73,3 +73,20 @@ class ContextLaw:
             probs = np.exp(np.asarray(warp_logits(logits, self.sampling)[0], np.float64))
             self._memo[ctx] = probs / probs.sum()
         return self._memo[ctx]
+
+
+def mesh_model(family: str):
+    """A tiny random model whose sizes every test mesh of 8 devices divides: 4 layers, 8 heads
+    (LLaMA: 2 KV heads, so KV heads are replicated at tp >= 4), vocabulary 256. Same weights in every
+    process that builds it (fixed key)."""
+    import specjax
+
+    cfg = ModelConfig(family=family, vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4,
+                      num_heads=8, num_kv_heads=2 if family == "llama" else 8, head_dim=8,
+                      max_position_embeddings=256, word_embed_proj_dim=32 if family == "opt" else None)
+    return specjax.Model(cfg, init_params(cfg, jax.random.key(3), scale=0.1), None)
+
+
+def mesh_prompts(vocab: int, lens=(7, 3, 12, 5)) -> list[list[int]]:
+    rng = np.random.RandomState(0)
+    return [rng.randint(0, vocab, n).tolist() for n in lens]

@@ -83,7 +83,7 @@ class ShardingRules:
                 raise ShardingError(f"{leaf}: dimension {dim} ({logical}) has size {size}, which mesh axis "
                                     f"{target!r} of size {shards} does not divide{_hint(logical)}")
             used[target] = logical
-            spec.append(target)
+            spec.append(target if shards > 1 else None)  # a size-1 axis splits nothing: keep specs readable
         return PartitionSpec(*spec)
 
 

@@ -1,0 +1,98 @@
+"""Multi-host on one machine: ``specjax launch`` starts 2 processes x 4 CPU devices (gloo), the
+pipeline axis across the processes and the tensor axis inside; tree-speculative generation gives
+exactly the single-process tokens. Misconfigurations end with a clear error in bounded time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import specjax
+from specjax.errors import ShardingError
+from specjax.sharding.distributed import Cluster, check_coordinator, detect_cluster, first_slurm_host
+from specjax.sharding.launch import free_port, launch
+from specjax.ssm import derive_ssm
+from tests.toy import mesh_model, mesh_prompts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _launch(n: int, *child_args: str, timeout: float = 300, env: dict | None = None):
+    cmd = [sys.executable, "-m", "specjax", "launch", "-n", str(n), "--cpu-devices", "4", "--timeout", str(timeout),
+           "--", sys.executable, "-m", "tests.multihost_child", *child_args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 60,
+                          env=dict(os.environ, **(env or {})))
+
+
+def test_two_processes_pipeline_across_them_match_single_process():
+    model = mesh_model("llama")
+    prompts = mesh_prompts(model.config.vocab_size)
+    kw = dict(max_new_tokens=12, ignore_eos=True)
+    incremental = specjax.generate(model, prompts, **kw)
+    tree = specjax.generate(model, prompts, mode="tree", ssms=[derive_ssm(model, 2)], expansion=(1, 2, 1), **kw)
+    out = _launch(2, "pp=2,tp=4")
+    assert out.returncode == 0, out.stderr[-4000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["process_count"] == 2 and got["devices"] == 8
+    assert got["stage_processes"] == [[0], [1]]  # stage 0 lives in process 0, stage 1 in process 1
+    assert got["incremental"] == incremental.token_ids
+    assert got["tree"] == tree.token_ids == incremental.token_ids
+    assert got["tree_passes"] == tree.stats["llm_passes"]
+
+
+def test_process_count_mismatch_fails_within_the_timeout(monkeypatch):
+    """2 processes started, each told there are 3: the coordinator waits for a third that never comes."""
+    monkeypatch.chdir(ROOT)
+    t0 = time.monotonic()
+    with pytest.raises(ShardingError, match=r"process \d exited with code -6 \(SIGABRT\): not every process reached "
+                                            r"the coordinator in time"):
+        launch([sys.executable, "-m", "tests.multihost_child", "pp=2,tp=4", "5"], num_processes=2, cpu_devices=4,
+               timeout_s=120, env_overrides={"SPECJAX_NUM_PROCESSES": "3"})
+    assert time.monotonic() - t0 < 90
+
+
+def test_dead_peer_stops_the_others_and_names_it():
+    child = "import os, sys, time; sys.exit(3) if os.environ['SPECJAX_PROCESS_ID'] == '1' else time.sleep(120)"
+    t0 = time.monotonic()
+    with pytest.raises(ShardingError, match=r"process 1 exited with code 3.*stopped the other 2"):
+        launch([sys.executable, "-c", child], num_processes=3, timeout_s=100)
+    assert time.monotonic() - t0 < 30
+
+
+def test_launch_time_limit():
+    with pytest.raises(ShardingError, match="still running after 1s; stopped all of them"):
+        launch([sys.executable, "-c", "import time; time.sleep(60)"], num_processes=2, timeout_s=1)
+
+
+def test_unreachable_coordinator_is_a_clear_error_in_bounded_time():
+    cluster = Cluster(f"127.0.0.1:{free_port()}", num_processes=2, process_id=1)
+    t0 = time.monotonic()
+    with pytest.raises(ShardingError, match=r"process 1: coordinator 127.0.0.1:\d+ .* unreachable for 1.5s"):
+        check_coordinator(cluster, timeout_s=1.5)
+    assert time.monotonic() - t0 < 10
+
+
+def test_cluster_detection_flags_environment_slurm():
+    assert detect_cluster(environ={}) is None
+    assert detect_cluster("10.0.0.1:1234", 4, 2, environ={}) == Cluster("10.0.0.1:1234", 4, 2, "flags")
+    env = {"SPECJAX_COORDINATOR": "127.0.0.1:99", "SPECJAX_NUM_PROCESSES": "2", "SPECJAX_PROCESS_ID": "1"}
+    assert detect_cluster(environ=env).process_id == 1
+    slurm = {"SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_STEP_NODELIST": "gpu[003-004,007],cpu1"}
+    assert detect_cluster(slurm=True, environ=slurm) == Cluster("gpu003:12355", 8, 5, "SLURM")
+    assert detect_cluster(environ=slurm) is None  # SLURM variables are read only when asked for
+    assert first_slurm_host("node17") == "node17"
+    with pytest.raises(ShardingError, match=r"\['num_processes', 'process_id'\] missing"):
+        detect_cluster("10.0.0.1:1234", environ={})
+    with pytest.raises(ShardingError, match=r"\['SPECJAX_PROCESS_ID'\] missing"):
+        detect_cluster(environ={k: v for k, v in env.items() if k != "SPECJAX_PROCESS_ID"})
+    with pytest.raises(ShardingError, match=r"process_id \(flags\) must be in \[0, 2\), got 2"):
+        detect_cluster("10.0.0.1:1234", 2, 2, environ={})
+    with pytest.raises(ShardingError, match="must be HOST:PORT"):
+        detect_cluster("10.0.0.1", 2, 0, environ={})
+    with pytest.raises(ShardingError, match="SLURM_NTASKS / SLURM_PROCID are not set"):
+        detect_cluster(slurm=True, environ={})

@@ -226,3 +226,34 @@ def test_cli_sampling_flags_seeded_tree_equals_incremental(capsys):
     assert records[0]["token_ids"] == records[1]["token_ids"]
     assert records[0]["mode"] == "tree" and records[1]["mode"] == "incremental"
     assert len(records[2]["token_ids"]) == 12
+
+
+def test_cli_mesh_pp2_tp4_equals_one_device(smollm2, capsys):
+    """SmolLM2 (9 heads / 3 KV heads: tp never divides them, so attention is replicated and the MLP
+    and vocabulary are split) as PP=2 x TP=4 on 8 simulated devices through ``specjax generate
+    --mesh``: tree-speculative tokens identical to one device; logits at the float32 noise floor of a
+    30-layer model (one device vs itself with another reduction order differs by ~8e-5, see
+    test_real_tree_logits_equal_incremental_decoding) with the same argmax everywhere."""
+    import json
+
+    import jax.numpy as jnp
+
+    from specjax import cli
+    from specjax.generate import full_logits
+    from specjax.sharding import Parallel, ShardingRules
+
+    prompt = dev_prompts()[5]
+    want = specjax.generate(smollm2, [prompt], max_new_tokens=16).token_ids[0]
+    rc = cli.main(["generate", "--prompt", prompt, "--max-new-tokens", "16", "--mode", "tree", "--ssm", "derived:8",
+                   "--expansion", "1,2,1", "--mesh", "pp=2,tp=4", "--replicate-attention", "--json"])
+    assert rc == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["token_ids"] == want
+
+    parallel = Parallel.create("pp=2,tp=4", rules=ShardingRules(heads=None, kv_heads=None))
+    ids = jnp.asarray([specjax.api.encode_prompts(smollm2, [prompt])[0] + want] * 2)
+    one = np.asarray(full_logits(smollm2.params, ids, cfg=smollm2.config))
+    mesh = np.asarray(full_logits(parallel.put_params(smollm2.params, smollm2.config), parallel.put_batch(ids),
+                                  cfg=smollm2.config, parallel=parallel))
+    assert float(np.abs(mesh - one).max()) <= 2e-4
+    np.testing.assert_array_equal(mesh.argmax(-1), one.argmax(-1))

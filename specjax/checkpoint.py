@@ -54,7 +54,7 @@ def restore_checkpoint(path: str, shardings=None, dtype=None):
     if callable(shardings):
         shardings = shardings(cfg)
     if shardings is None:
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         shardings = jax.tree.map(lambda s: device, specs, is_leaf=_is_spec)
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh),
                             specs, shardings, is_leaf=_is_spec)

@@ -68,10 +68,10 @@ def _cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise SpecjaxError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     t0 = time.perf_counter()
-    model = specjax.load_model(args.model, dtype=args.dtype, progress=not args.json)
+    # With a mesh the LLM goes straight to its sharding (a model larger than one device never sits on one).
+    model = specjax.load_model(args.model, dtype=args.dtype, progress=not args.json and printing, parallel=parallel)
     ssms = _load_ssms(args, model) if args.mode != "incremental" else []
     if parallel is not None:  # place once; generate() then finds everything where it belongs
-        model = model._replace(params=parallel.put_params(model.params, model.config))
         ssms = [s._replace(params=parallel.put_params(s.params, s.config, parallel.ssm_rules)) for s in ssms]
     load_s = time.perf_counter() - t0
     if not printing:

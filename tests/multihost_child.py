@@ -1,16 +1,26 @@
-"""One process of the 2-process test (tests/test_multihost.py), started by ``specjax launch``:
+"""One process of the 2-process tests (tests/test_multihost.py), started by ``specjax launch``:
 joins the cluster from the SPECJAX_* variables, builds the same tiny model as every other process,
-and runs incremental and tree-speculative generation on a PP=2 x TP=4 mesh whose pipeline axis
-runs across the processes. Process 0 prints one JSON line."""
+and runs incremental and tree-speculative generation on each given mesh (PP=2 x TP=4: the pipeline
+axis across the processes; DP=2 x TP=4: the requests across them). Process 0 prints one JSON line.
+
+    python -m tests.multihost_child "pp=2,tp=4;dp=2,tp=4" [INIT_TIMEOUT_S] [die]
+
+``die``: process 1 crashes (exit code 3) right after joining, while process 0 goes on into collectives.
+"""
 
 import json
+import os
 import sys
 
 from specjax.sharding import distributed
 
+meshes = (sys.argv[1] if len(sys.argv) > 1 else "pp=2,tp=4").split(";")
 distributed.initialize(distributed.detect_cluster(), timeout_s=float(sys.argv[2]) if len(sys.argv) > 2 else 60.0)
 
 import jax  # noqa: E402
+
+if sys.argv[3:] == ["die"] and jax.process_index() == 1:
+    os._exit(3)  # a crash: no interpreter shutdown, so no JAX shutdown barrier either
 
 import specjax  # noqa: E402
 from specjax.sharding import Parallel  # noqa: E402
@@ -18,18 +28,23 @@ from specjax.ssm import derive_ssm  # noqa: E402
 from tests.toy import mesh_model, mesh_prompts  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-parallel = Parallel.create(sys.argv[1] if len(sys.argv) > 1 else "pp=2,tp=4")
-stage_processes = [sorted({d.process_index for d in parallel.mesh.devices[s].flat}) for s in range(parallel.pp)]
 model = mesh_model("llama")
 prompts = mesh_prompts(model.config.vocab_size)
-kw = dict(max_new_tokens=12, ignore_eos=True, parallel=parallel)
-tree_kw = dict(mode="tree", ssms=[derive_ssm(model, 2)], expansion=(1, 2, 1), **kw)
-specjax.generate(model, prompts, **kw), specjax.generate(model, prompts, **tree_kw)  # compile
-incremental = specjax.generate(model, prompts, **kw)  # warm: timed for docs/scale_out.md
-tree = specjax.generate(model, prompts, **tree_kw)
+report = {"process_count": jax.process_count(), "devices": jax.device_count()}
+for shape in meshes:
+    parallel = Parallel.create(shape)
+    kw = dict(max_new_tokens=12, ignore_eos=True, parallel=parallel)
+    tree_kw = dict(mode="tree", ssms=[derive_ssm(model, 2)], expansion=(1, 2, 1), **kw)
+    specjax.generate(model, prompts, **kw), specjax.generate(model, prompts, **tree_kw)  # compile
+    incremental = specjax.generate(model, prompts, **kw)  # warm: timed for docs/scale_out.md
+    tree = specjax.generate(model, prompts, **tree_kw)
+    mesh = parallel.mesh.devices  # [pp, dp, tp]
+    report[shape] = {
+        "stage_processes": [sorted({d.process_index for d in mesh[s].flat}) for s in range(mesh.shape[0])],
+        "replica_processes": [sorted({d.process_index for d in mesh[:, r].flat}) for r in range(mesh.shape[1])],
+        "incremental": incremental.token_ids, "tree": tree.token_ids, "tree_passes": tree.stats["llm_passes"],
+        "histogram": tree.stats["tokens_per_pass_histogram"],
+        "incremental_ms_per_pass": 1e3 * incremental.stats["seconds"] / incremental.stats["llm_passes"],
+        "tree_ms_per_pass": 1e3 * tree.stats["seconds"] / tree.stats["llm_passes"]}
 if jax.process_index() == 0:
-    print(json.dumps({"process_count": jax.process_count(), "devices": jax.device_count(),
-                      "stage_processes": stage_processes, "incremental": incremental.token_ids,
-                      "tree": tree.token_ids, "tree_passes": tree.stats["llm_passes"],
-                      "incremental_ms_per_pass": 1e3 * incremental.stats["seconds"] / incremental.stats["llm_passes"],
-                      "tree_ms_per_pass": 1e3 * tree.stats["seconds"] / tree.stats["llm_passes"]}), flush=True)
+    print(json.dumps(report), flush=True)

@@ -29,20 +29,35 @@ def _launch(n: int, *child_args: str, timeout: float = 300, env: dict | None = N
                           env=dict(os.environ, **(env or {})))
 
 
-def test_two_processes_pipeline_across_them_match_single_process():
+def test_two_processes_pipeline_and_replicas_across_them_match_single_process():
     model = mesh_model("llama")
     prompts = mesh_prompts(model.config.vocab_size)
     kw = dict(max_new_tokens=12, ignore_eos=True)
     incremental = specjax.generate(model, prompts, **kw)
     tree = specjax.generate(model, prompts, mode="tree", ssms=[derive_ssm(model, 2)], expansion=(1, 2, 1), **kw)
-    out = _launch(2, "pp=2,tp=4")
+    out = _launch(2, "pp=2,tp=4;dp=2,tp=4")
     assert out.returncode == 0, out.stderr[-4000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["process_count"] == 2 and got["devices"] == 8
-    assert got["stage_processes"] == [[0], [1]]  # stage 0 lives in process 0, stage 1 in process 1
-    assert got["incremental"] == incremental.token_ids
-    assert got["tree"] == tree.token_ids == incremental.token_ids
-    assert got["tree_passes"] == tree.stats["llm_passes"]
+    pipeline, replicas = got["pp=2,tp=4"], got["dp=2,tp=4"]
+    assert pipeline["stage_processes"] == [[0], [1]]  # stage 0 lives in process 0, stage 1 in process 1
+    assert replicas["replica_processes"] == [[0], [1]]  # requests split across the processes
+    for run in (pipeline, replicas):
+        assert run["incremental"] == incremental.token_ids
+        assert run["tree"] == tree.token_ids == incremental.token_ids
+        assert run["tree_passes"] == tree.stats["llm_passes"]
+        assert run["histogram"] == tree.stats["tokens_per_pass_histogram"]
+
+
+def test_dead_peer_after_joining_stops_the_cluster_and_is_named(monkeypatch):
+    """Process 1 dies after jax.distributed.initialize while process 0 enters collectives: no hang,
+    the launcher names process 1 (not process 0, which JAX may take down as collateral)."""
+    monkeypatch.chdir(ROOT)
+    t0 = time.monotonic()
+    with pytest.raises(ShardingError, match=r"process 1 exited with code 3.*stopped the other 1"):
+        launch([sys.executable, "-m", "tests.multihost_child", "pp=2,tp=4", "20", "die"], num_processes=2,
+               cpu_devices=4, timeout_s=120)
+    assert time.monotonic() - t0 < 60
 
 
 def test_process_count_mismatch_fails_within_the_timeout(monkeypatch):
@@ -56,7 +71,7 @@ def test_process_count_mismatch_fails_within_the_timeout(monkeypatch):
     assert time.monotonic() - t0 < 90
 
 
-def test_dead_peer_stops_the_others_and_names_it():
+def test_dead_process_stops_the_others_and_names_it():
     child = "import os, sys, time; sys.exit(3) if os.environ['SPECJAX_PROCESS_ID'] == '1' else time.sleep(120)"
     t0 = time.monotonic()
     with pytest.raises(ShardingError, match=r"process 1 exited with code 3.*stopped the other 2"):

@@ -24,6 +24,8 @@ from specjax.tree_forward import tree_forward
 from tests.toy import mesh_model, mesh_prompts
 
 MESHES = ("tp=8", "pp=2,tp=4", "pp=4,tp=2", "dp=2,tp=4")
+pytestmark = pytest.mark.skipif(jax.device_count() != 8 or jax.devices()[0].platform != "cpu",
+                                reason="needs the 8 simulated CPU devices of tests/conftest.py (JAX_PLATFORMS=cpu)")
 
 
 tiny = mesh_model
@@ -99,15 +101,25 @@ def test_greedy_tokens_match_one_device(model, reference, shape):
 
 
 def test_pipeline_with_dp_and_odd_batch_pads_requests():
-    """PP x DP x TP at once, a batch of 3 (padded to dp x microbatches = 4 inside, 3 returned)."""
+    """PP x DP x TP at once, a batch of 3 (padded to dp x microbatches = 4 inside, 3 returned): tokens,
+    LLM passes and acceptance statistics equal one device's, so the padding requests leak nowhere."""
     model = tiny("llama")
     parallel = Parallel.create("pp=2,dp=2,tp=2")
     prompts = _prompts(model.config)[:3]
-    ref = specjax.generate(model, prompts, max_new_tokens=8, ignore_eos=True)
-    out = specjax.generate(model, prompts, max_new_tokens=8, ignore_eos=True, mode="tree",
-                           ssms=[derive_ssm(model, 1)], expansion=(2, 1), parallel=parallel)
-    assert out.token_ids == ref.token_ids
-    assert out.stats["generated_tokens"] == ref.stats["generated_tokens"] == 24
+    spec_kw = dict(mode="tree", ssms=[derive_ssm(model, 1)], expansion=(2, 1))
+    ref = specjax.generate(model, prompts, max_new_tokens=8, ignore_eos=True, **spec_kw)
+    out = specjax.generate(model, prompts, max_new_tokens=8, ignore_eos=True, parallel=parallel, **spec_kw)
+    inc = specjax.generate(model, prompts, max_new_tokens=8, ignore_eos=True, parallel=parallel)
+    assert out.token_ids == inc.token_ids == ref.token_ids
+    assert out.stats["generated_tokens"] == inc.stats["generated_tokens"] == 24
+    for key in ("llm_passes", "tokens_per_pass_histogram", "accepted_at_depth", "mean_tokens_per_pass"):
+        assert out.stats[key] == ref.stats[key], key
+    prefix, lens, tree = _inputs(model.config)
+    got = _tree_logits(parallel.put_params(model.params, model.config), *parallel.put_batch((prefix, lens, tree)),
+                       cfg=model.config, parallel=parallel)
+    want = _tree_logits(model.params, jnp.asarray(prefix), jnp.asarray(lens), tree, model.config)
+    valid = np.asarray(tree.valid)
+    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=0, atol=1e-5)
 
 
 def test_pipeline_equals_sequential_reference():
@@ -123,8 +135,11 @@ def test_pipeline_equals_sequential_reference():
     a = _tree_logits(params, *inputs, cfg=cfg, parallel=piped)
     b = _tree_logits(params, *inputs, cfg=cfg, parallel=sequential)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
-    hlo = _tree_logits.lower(params, *inputs, cfg=cfg, parallel=piped).compile().as_text()
-    assert "collective-permute" in hlo  # the stages really hand activations over with ppermute
+    def program(parallel):
+        return _tree_logits.lower(params, *inputs, cfg=cfg, parallel=parallel).as_text()
+
+    # The pipelined program hands activations over with ppermute; the sequential one has none.
+    assert "collective_permute" in program(piped) and "collective_permute" not in program(sequential)
 
 
 def test_rules_errors_name_the_leaf():
@@ -147,8 +162,11 @@ def test_rules_errors_name_the_leaf():
         MeshShape.parse("pp=2,xp=4")
     with pytest.raises(ShardingError, match="mesh axes are"):
         ShardingRules(mlp="model")
-    with pytest.raises(ShardingError, match="does not split into 3 pipeline microbatches"):
-        Parallel.create("pp=2,tp=4", microbatches=3).validate(cfg, batch=4)
+    with pytest.raises(ShardingError, match=r"a batch of 4 requests \(2 per dp replica\) does not split into 3 "
+                                            r"pipeline microbatches per replica; pad the batch to a multiple of 6"):
+        Parallel.create("pp=2,dp=2,tp=2", microbatches=3).validate(cfg, batch=4)
+    with pytest.raises(ShardingError, match="rules.batch must be 'dp' or None"):
+        Parallel.create("tp=8", rules=ShardingRules(batch="tp"))
 
 
 def test_checkpoint_saved_on_pp2_tp4_restores_on_tp8_and_one_device(tmp_path):

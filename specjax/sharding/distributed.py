@@ -7,9 +7,11 @@ Where the cluster comes from, first match wins:
 3. SLURM (``SLURM_NTASKS``, ``SLURM_PROCID``, first host of ``SLURM_STEP_NODELIST`` or
    ``SLURM_JOB_NODELIST``, port ``SPECJAX_COORDINATOR_PORT`` or 12355), only when asked for.
 
-Every wait is bounded: a coordinator that cannot be reached (or a port that cannot be bound) is a
-ShardingError before JAX is touched; peers that never arrive end JAX's initialisation after
-``timeout_s`` (JAX then terminates the process with DEADLINE_EXCEEDED; ``specjax launch`` reports it).
+Every wait is bounded (by about twice ``timeout_s`` in all): a coordinator that cannot be reached
+within ``timeout_s`` (or a port that cannot be bound) is a ShardingError before JAX is touched;
+peers that never arrive end JAX's initialisation after another ``timeout_s`` (JAX then terminates
+the process with DEADLINE_EXCEEDED; ``specjax launch`` reports it); a peer that dies later is
+detected by the heartbeat (``max(10, timeout_s)``) and shutdown waits at most ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ def initialize(cluster: Cluster | None, timeout_s: float = 60.0, cpu_devices: in
     try:
         jax.distributed.initialize(cluster.coordinator, num_processes=cluster.num_processes,
                                    process_id=cluster.process_id, initialization_timeout=timeout,
-                                   heartbeat_timeout_seconds=max(10, timeout))
+                                   heartbeat_timeout_seconds=max(10, timeout), shutdown_timeout_seconds=timeout)
     except RuntimeError as e:  # e.g. called after the backend started
         raise ShardingError(f"jax.distributed.initialize failed for process {cluster.process_id}: {e}") from None
     if jax.process_count() != cluster.num_processes:

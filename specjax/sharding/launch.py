@@ -5,6 +5,7 @@ Each process gets ``SPECJAX_COORDINATOR=127.0.0.1:PORT``, ``SPECJAX_NUM_PROCESSE
 ``SPECJAX_PROCESS_ID`` (read by ``specjax.sharding.distributed.detect_cluster``) and, with
 ``--cpu-devices K``, ``JAX_NUM_CPU_DEVICES=K`` and ``JAX_PLATFORMS=cpu``. Process 0's stdout is
 passed through unchanged; every other stream is copied to stderr prefixed with ``[process i]``.
+If the launcher itself is interrupted or terminated, it stops its processes first.
 On a real cluster use srun/mpirun with ``specjax generate --distributed slurm`` or explicit flags.
 """
 
@@ -66,41 +67,63 @@ def launch(command: list[str], num_processes: int, cpu_devices: int | None = Non
         p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
         procs.append(p)
-        for stream, sink, prefix in ((p.stdout, sys.stdout, "" if i == 0 else f"[process {i}] "),
-                                     (p.stderr, sys.stderr, f"[process {i}] ")):
+        label = f"[process {i}] "
+        for stream, sink, prefix in ((p.stdout, sys.stdout, "") if i == 0 else (p.stdout, sys.stderr, label),
+                                     (p.stderr, sys.stderr, label)):
             tail: list = []
             tails.append((i, tail))
             t = threading.Thread(target=_pump, args=(stream, sink, prefix, tail), daemon=True)
             t.start()
             pumps.append(t)
-    deadline = time.monotonic() + timeout_s
-    failure = None
-    while failure is None:
-        codes = [p.poll() for p in procs]
-        bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-        if bad:
-            failure = bad[0]
-        elif all(c == 0 for c in codes):
-            break
-        elif time.monotonic() > deadline:
-            failure = (None, None)
-        else:
-            time.sleep(0.1)
-    if failure is not None:
+    in_main = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main else None
+    try:
+        failed = _watch(procs, time.monotonic() + timeout_s)
+    finally:  # also on Ctrl-C / SIGTERM of the launcher: never leave a cluster half running
         _stop(procs)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     for t in pumps:
         t.join(timeout=5)
-    if failure is None:
+    if not failed:
         return 0
-    index, code = failure
-    if index is None:
+    if failed == "timeout":
         raise ShardingError(f"specjax launch: {num_processes} processes still running after {timeout_s:g}s; "
                             f"stopped all of them")
-    text = "".join("".join(tail) for i, tail in tails if i == index)
-    why = next((d for key, d in _DIAGNOSES if key in text), "see its output above")
+    text: dict = {}
+    for i, tail in tails:  # stdout and stderr of each process
+        text[i] = text.get(i, "") + "".join(tail)
+    collateral = [i for i, _ in failed if "another task died" in text.get(i, "")]
+    index, code = next(((i, c) for i, c in failed if i not in collateral), failed[0])  # blame the first real death
+    why = next((d for key, d in _DIAGNOSES if key in text.get(index, "")), "see its output above")
     signame = f" ({signal.Signals(-code).name})" if code < 0 and -code in signal.Signals._value2member_map_ else ""
     raise ShardingError(f"specjax launch: process {index} exited with code {code}{signame}: {why}; "
                         f"stopped the other {num_processes - 1}")
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"specjax launch received signal {signum}")
+
+
+def _watch(procs, deadline: float):
+    """Poll until all succeed ([]), some fail ([(index, code), ...] in the order seen) or the deadline ("timeout").
+    After the first failure, wait briefly so that the processes it takes down are told apart from it."""
+    failed: list = []
+    settle = None
+    while True:
+        for i, p in enumerate(procs):
+            code = p.poll()
+            if code not in (None, 0) and all(i != j for j, _ in failed):
+                failed.append((i, code))
+        if failed:
+            settle = settle or time.monotonic() + 1.0
+            if time.monotonic() > settle or all(p.poll() is not None for p in procs):
+                return failed
+        elif all(p.poll() == 0 for p in procs):
+            return []
+        elif time.monotonic() > deadline:
+            return "timeout"
+        time.sleep(0.05)
 
 
 def _stop(procs, grace_s: float = 5.0) -> None:

@@ -44,6 +44,8 @@ class Parallel:
         if self.pp > 1 and self.rules.layers != "pp":
             raise ShardingError(f"a mesh with pp={self.pp} pipelines the layers: rules.layers must be 'pp', "
                                 f"got {self.rules.layers!r}")
+        if self.rules.batch not in (None, "dp"):  # the pipeline splits requests over dp only
+            raise ShardingError(f"rules.batch must be 'dp' or None, got {self.rules.batch!r}")
         if self.microbatches is not None and (isinstance(self.microbatches, bool) or self.microbatches < 1):
             raise ShardingError(f"microbatches must be a positive int, got {self.microbatches!r}")
 
@@ -72,12 +74,14 @@ class Parallel:
         per_replica = (self.microbatches or self.pp) if self.pipelined else 1
         return (self.dp if self.rules.batch else 1) * per_replica
 
-    def num_microbatches(self, batch: int) -> int:
-        """Request groups for a batch of ``batch``: ``microbatches`` or pp, which must divide the batch."""
-        groups = self.microbatches or min(self.pp, batch)
-        if batch % groups:
-            raise ShardingError(f"a batch of {batch} requests does not split into {groups} pipeline microbatches; "
-                                f"pad the batch to a multiple of {groups} or set microbatches")
+    def num_microbatches(self, local_batch: int) -> int:
+        """Request groups for one dp replica's ``local_batch`` requests: ``microbatches`` or pp."""
+        groups = self.microbatches or min(self.pp, local_batch)
+        if local_batch % groups:
+            replicas = self.dp if self.rules.batch else 1
+            raise ShardingError(f"a batch of {local_batch * replicas} requests ({local_batch} per dp replica) does "
+                                f"not split into {groups} pipeline microbatches per replica; pad the batch to a "
+                                f"multiple of {replicas * groups} or set microbatches")
         return groups
 
     def validate(self, cfg: ModelConfig, batch: int, ssm_configs=()) -> None:
@@ -128,6 +132,8 @@ class Parallel:
         def place(x, sharding):
             if isinstance(x, jax.Array) and x.sharding == sharding:
                 return x
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:  # already global: reshard on device
+                return jax.jit(lambda a: a, out_shardings=sharding)(x)
             host = np.asarray(x)
             return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 

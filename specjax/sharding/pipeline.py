@@ -6,7 +6,8 @@ strided: request b is in group b % M, which keeps each group's rows spread over 
 stage s runs group t - s through its layers and ppermutes the activations to stage s + 1; after
 M + P - 1 ticks the last stage holds every group's output, and one psum over "pp" hands it to all
 stages (the other stages contribute exact zeros). Ticks outside [0, M) for a stage are the pipeline
-bubble: they compute on a clamped group and their cache writes are discarded.
+bubble: they compute on a clamped group, their output is ignored and their cache writes are harmless
+(see ``tick``).
 
 "pp" and "dp" are manual inside the shard_map (each dp replica pipelines its own requests); "tp"
 stays automatic, so tensor parallelism inside a stage is the same GSPMD partitioning as without a
@@ -77,8 +78,12 @@ def pipeline_layers(layer_fn, h, layer_params, cache: KVCache, per_request, para
             k_g, v_g = take(km, 2), take(vm, 2)
             y, k_new, v_new = sequential_layers(layer_fn, x, layer_params, k_g, v_g,
                                                 jax.tree.map(lambda a: take(a, 1), reqm))
-            km = jax.lax.dynamic_update_index_in_dim(km, jnp.where(valid, k_new, k_g), g, 2)
-            vm = jax.lax.dynamic_update_index_in_dim(vm, jnp.where(valid, v_new, v_g), g, 2)
+            # Bubble ticks may write back unmasked: before a stage's first group arrives it writes
+            # garbage to group 0's scratch slots, which group 0 overwrites (same slots) before any
+            # read; after its last group it recomputes group M - 1 from identical inputs, writing
+            # identical values. Masking would cost a copy of the group's cache slice per tick.
+            km = jax.lax.dynamic_update_index_in_dim(km, k_new, g, 2)
+            vm = jax.lax.dynamic_update_index_in_dim(vm, v_new, g, 2)
             last = valid & (stage == stages - 1)
             out = jax.lax.dynamic_update_index_in_dim(out, jnp.where(last, y, take(out, 1)), g, 1)
             received = jax.lax.ppermute(y, AXIS, [(s, s + 1) for s in range(stages - 1)])

@@ -50,9 +50,9 @@ def main() -> None:
     llm = specjax.load_model(args.model, progress=False)
     models = {"LLM": (llm.config, llm.params)}
     for name, (layers, width, heads, kv, mlp, vocab) in CANDIDATES.items():
-        cfg = dataclasses.replace(llm.config, num_layers=layers, hidden_size=width, num_heads=heads, num_kv_heads=kv,
-                                  head_dim=width // heads, intermediate_size=mlp, vocab_size=vocab or llm.config.vocab_size,
-                                  tie_word_embeddings=True)
+        cfg = dataclasses.replace(llm.config, num_layers=layers, hidden_size=width, num_heads=heads,
+                                  num_kv_heads=kv, head_dim=width // heads, intermediate_size=mlp,
+                                  vocab_size=vocab or llm.config.vocab_size, tie_word_embeddings=True)
         models[name] = (cfg, init_params(cfg, jax.random.key(0)))
     prompt = jnp.asarray(np.arange(1, 17, dtype=np.int32)[None, :])
     n = args.max_new_tokens

@@ -1,0 +1,49 @@
+"""Boost-tuning corpus: synthetic training prompts stay clear of the held-out dev prompts; the corpus
+holds exactly the LLM's greedy / seeded continuations, and an interrupted run resumes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import specjax
+from specjax.boost import TEMPLATES, TOPICS, generate_corpus, read_shard, training_prompts
+from specjax.errors import InputError
+from specjax.sampling import SamplingParams
+from tests.conftest import dev_prompts
+from tests.toy import mesh_model, mesh_prompts
+
+
+def test_training_prompts_are_seeded_distinct_and_exclude_held_out():
+    held_out = dev_prompts() + [TEMPLATES["writing"][0].format(t=TOPICS[0])]
+    a = training_prompts(300, seed=1, exclude=held_out)
+    assert a == training_prompts(300, seed=1, exclude=held_out) != training_prompts(300, seed=2, exclude=held_out)
+    assert len(set(a)) == 300 and not set(a) & set(held_out)
+    with pytest.raises(InputError, match="templates give"):
+        training_prompts(10**6)
+
+
+def test_corpus_is_the_llm_own_continuations_and_resumes(tmp_path):
+    model = mesh_model("llama")
+    prompts = mesh_prompts(model.config.vocab_size, lens=(5, 9, 3))
+    out = str(tmp_path / "corpus")
+    paths = generate_corpus(model, prompts, out, max_new_tokens=6, batch_size=2, temperatures=(0.0, 1.0), seed=7,
+                            chat_template=False, progress=False)
+    assert len(paths) == 4  # 2 temperatures x 2 batches
+    greedy = specjax.generate(model, prompts, max_new_tokens=6).token_ids
+    rows = read_shard(paths[0]) + read_shard(paths[1])
+    assert [seq[n:] for seq, n in rows] == greedy and [seq[:n] for seq, n in rows] == prompts
+    sampled = read_shard(paths[2]) + read_shard(paths[3])
+    want = specjax.generate(model, prompts, max_new_tokens=6,
+                            sampling=[SamplingParams(temperature=1.0, seed=7 + 2 * 2 + 0),
+                                      SamplingParams(temperature=1.0, seed=7 + 2 * 2 + 1),
+                                      SamplingParams(temperature=1.0, seed=7 + 3 * 2)]).token_ids
+    assert [seq[n:] for seq, n in sampled] == want
+    os.remove(paths[3])
+    stamp = os.path.getmtime(paths[0])
+    assert generate_corpus(model, prompts, out, max_new_tokens=6, batch_size=2, temperatures=(0.0, 1.0), seed=7,
+                           chat_template=False, progress=False) == paths
+    assert os.path.getmtime(paths[0]) == stamp and os.path.exists(paths[3])  # only the missing shard is redone
+    with pytest.raises(InputError, match="use another directory"):
+        generate_corpus(model, prompts, out, max_new_tokens=8, batch_size=2, chat_template=False, progress=False)

@@ -112,3 +112,41 @@ def read_shard(path: str) -> list[tuple[list[int], int]]:
     with np.load(path) as z:
         tokens, offsets, lens = z["tokens"], z["offsets"], z["prompt_lens"]
     return [(tokens[offsets[i]:offsets[i + 1]].tolist(), int(lens[i])) for i in range(len(lens))]
+
+
+def teacher_targets(model, sequences, top_k: int = 32, batch_size: int = 16, width_multiple: int = 64):
+    """The LLM's top-k next-token log-probabilities at every continuation position.
+
+    sequences: [(token ids, prompt length), ...] as ``read_shard`` returns them. Returns one
+    (ids [T, k] int32, logprobs [T, k] float32) pair per sequence, where row j is the LLM's
+    distribution for token ``prompt_len + j`` given everything before it (T = continuation length).
+    Full-sequence logits (``specjax.generate.full_logits``) in padded batches of ``batch_size``.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.generate import full_logits
+
+    if top_k < 1 or top_k > model.config.vocab_size:
+        raise InputError(f"top_k must be in [1, {model.config.vocab_size}], got {top_k}")
+
+    @jax.jit
+    def top(logits):
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        values, ids = jax.lax.top_k(logp, top_k)
+        return ids.astype(jnp.int32), values
+
+    out = []
+    for start in range(0, len(sequences), batch_size):
+        chunk = sequences[start:start + batch_size]
+        longest = max(len(s) for s, _ in chunk)
+        width = -(-longest // width_multiple) * width_multiple  # few distinct shapes -> few compiles
+        padded = np.zeros((len(chunk), width), np.int32)
+        for i, (seq, _) in enumerate(chunk):
+            padded[i, :len(seq)] = seq
+        ids, logp = top(full_logits(model.params, jnp.asarray(padded), cfg=model.config))
+        ids, logp = np.asarray(ids), np.asarray(logp)
+        for i, (seq, n) in enumerate(chunk):
+            rows = slice(n - 1, len(seq) - 1)  # logits at position p predict token p + 1
+            out.append((ids[i, rows], logp[i, rows]))
+    return out

@@ -47,3 +47,26 @@ def test_corpus_is_the_llm_own_continuations_and_resumes(tmp_path):
     assert os.path.getmtime(paths[0]) == stamp and os.path.exists(paths[3])  # only the missing shard is redone
     with pytest.raises(InputError, match="use another directory"):
         generate_corpus(model, prompts, out, max_new_tokens=8, batch_size=2, chat_template=False, progress=False)
+
+
+def test_teacher_targets_are_the_llm_top_k_at_each_continuation_token():
+    import jax
+    import numpy as np
+
+    from specjax.boost import teacher_targets
+    from specjax.generate import full_logits
+
+    model = mesh_model("opt")
+    rng = np.random.RandomState(0)
+    sequences = [(rng.randint(0, 256, n).tolist(), p) for n, p in ((9, 4), (20, 1), (5, 5))]
+    targets = teacher_targets(model, sequences, top_k=5, batch_size=2, width_multiple=8)
+    for (seq, n), (ids, logp) in zip(sequences, targets):
+        assert ids.shape == logp.shape == (len(seq) - n, 5)
+        ref = np.asarray(jax.nn.log_softmax(full_logits(model.params, np.asarray([seq], np.int32),
+                                                        cfg=model.config)[0], axis=-1))
+        for j in range(len(seq) - n):
+            row = ref[n - 1 + j]
+            np.testing.assert_array_equal(ids[j], np.argsort(-row, kind="stable")[:5])
+            np.testing.assert_allclose(logp[j], row[ids[j]], atol=1e-5)
+    with pytest.raises(InputError, match="top_k must be in"):
+        teacher_targets(model, sequences, top_k=0)

@@ -41,16 +41,15 @@ def load_model(name_or_path: str = registry.DEFAULT_MODEL, dtype: str = "float32
 
     if dtype not in _DTYPES:
         raise InputError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    if parallel is not None:
-        if shardings is not None:
-            raise InputError("pass either shardings or parallel, not both")
-        shardings = parallel.param_shardings
+    if parallel is not None and shardings is not None:
+        raise InputError("pass either shardings or parallel, not both")
     path = registry.resolve(name_or_path) if registry.is_registered(name_or_path) else name_or_path
     if not os.path.exists(path):
         raise CheckpointError(f"{name_or_path!r} is neither a registered model {registry.registered_names()} "
                               f"nor an existing file or directory")
     if os.path.isdir(path) and checkpoint.is_checkpoint(path):
-        cfg, params, tok_dir = checkpoint.restore_checkpoint(path, shardings=shardings, dtype=dtype)
+        cfg, params, tok_dir = checkpoint.restore_checkpoint(
+            path, shardings=parallel.param_shardings if parallel is not None else shardings, dtype=dtype)
         tokenizer = tok_lib.load_dir_tokenizer(tok_dir) if tok_dir else None
         return Model(cfg, params, tokenizer)
     if os.path.isdir(path):

@@ -30,8 +30,6 @@ class Parallel:
     schedule: "pipeline" (shard_map + ppermute when pp > 1) or "sequential" (the same sharded
     weights run as one scan; XLA moves whatever it needs: the reference the pipeline is tested against)."""
 
-    
-
     mesh: Mesh
     rules: ShardingRules = ShardingRules()
     ssm_rules: ShardingRules = ShardingRules.replicated_model()
@@ -69,16 +67,26 @@ class Parallel:
     def dp(self) -> int:
         return self.shape.dp
 
+    @property
+    def request_axis(self) -> str | None:
+        """The mesh axis the requests are split over ("dp"), or None when they are not split."""
+        return self.rules.batch if self.dp > 1 else None
+
+    @property
+    def replicas(self) -> int:
+        """How many dp replicas share the requests (each pipelines its own)."""
+        return self.dp if self.request_axis else 1
+
     def batch_multiple(self) -> int:
         """Batches that are a multiple of this split evenly over dp and the pipeline microbatches."""
         per_replica = (self.microbatches or self.pp) if self.pipelined else 1
-        return (self.dp if self.rules.batch else 1) * per_replica
+        return self.replicas * per_replica
 
     def num_microbatches(self, local_batch: int) -> int:
         """Request groups for one dp replica's ``local_batch`` requests: ``microbatches`` or pp."""
         groups = self.microbatches or min(self.pp, local_batch)
         if local_batch % groups:
-            replicas = self.dp if self.rules.batch else 1
+            replicas = self.replicas
             raise ShardingError(f"a batch of {local_batch * replicas} requests ({local_batch} per dp replica) does "
                                 f"not split into {groups} pipeline microbatches per replica; pad the batch to a "
                                 f"multiple of {replicas * groups} or set microbatches")
@@ -92,7 +100,7 @@ class Parallel:
             self.param_shardings(scfg, self.ssm_rules)
         self.batch_sharding((batch,), "batch")
         if self.pipelined:  # each dp replica cuts its own requests into microbatches
-            self.num_microbatches(batch // (self.dp if self.rules.batch else 1))
+            self.num_microbatches(batch // self.replicas)
 
     def _named(self, axes, shape, leaf, rules) -> NamedSharding:
         return NamedSharding(self.mesh, rules.partition_spec(tuple(axes), tuple(shape), self.mesh, leaf))

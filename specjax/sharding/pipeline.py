@@ -59,9 +59,8 @@ def pipeline_layers(layer_fn, h, layer_params, cache: KVCache, per_request, para
     metadata). Returns (h [B, T, D], cache) like ``sequential_layers``.
     """
     stages = parallel.pp
-    batch_axis = parallel.rules.batch if parallel.shape.dp > 1 else None
-    local_batch = h.shape[0] // (parallel.dp if batch_axis else 1)
-    groups = parallel.num_microbatches(local_batch)
+    batch_axis = parallel.request_axis
+    groups = parallel.num_microbatches(h.shape[0] // parallel.replicas)
 
     def stage_fn(h, layer_params, k_all, v_all, per_request):
         stage = jax.lax.axis_index(AXIS)

@@ -1,4 +1,4 @@
-"""The ``specjax`` command: generate, convert, launch."""
+"""The ``specjax`` command: generate, convert, launch, boost-tune."""
 
 from __future__ import annotations
 
@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("dst")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     c.set_defaults(func=_cmd_convert)
+    from specjax.boost_cli import add_parser as add_boost_tune
+
+    add_boost_tune(sub)
     return p
 
 

@@ -11,6 +11,8 @@ import json
 import os
 from typing import Any, Mapping
 
+import numpy as np
+
 from specjax.errors import ConfigError
 
 SUPPORTED_FAMILIES = ("llama", "opt")
@@ -55,6 +57,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # SSMs with a shrunk head: the LLM token ids the model can propose (row r of its embedding/head is
+    # token draft_vocab[r]; one extra row stands for every other token). Logits stay vocab_size wide
+    # (-inf outside the list), so drafting and verification see the LLM's vocabulary. LLaMA only.
+    draft_vocab: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.family not in SUPPORTED_FAMILIES:
@@ -68,6 +74,14 @@ class ModelConfig:
             raise ConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.family == "llama" and self.head_dim % 2:
             raise ConfigError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.draft_vocab is not None:
+            ids = np.asarray(self.draft_vocab)
+            if self.family != "llama" or not len(ids) or ids.ndim != 1:
+                raise ConfigError(f"draft_vocab needs the llama family and a non-empty id list, got "
+                                  f"{self.family!r} with {ids.size} ids")
+            if ids.min() < 0 or ids.max() >= self.vocab_size or len(np.unique(ids)) != len(ids):
+                raise ConfigError(f"draft_vocab must hold distinct token ids in [0, {self.vocab_size}), got "
+                                  f"min {ids.min()}, max {ids.max()}, {len(ids) - len(np.unique(ids))} repeats")
         if self.family == "opt" and self.num_heads * self.head_dim != self.hidden_size:
             raise ConfigError(f"OPT needs num_heads*head_dim == hidden_size, got "
                               f"{self.num_heads}*{self.head_dim} != {self.hidden_size}")
@@ -76,6 +90,11 @@ class ModelConfig:
     def embed_dim(self) -> int:
         """Width of the token embedding (OPT's word_embed_proj_dim, otherwise hidden_size)."""
         return self.word_embed_proj_dim or self.hidden_size
+
+    @property
+    def embed_rows(self) -> int:
+        """Rows of the embedding / head: the vocabulary, or the draft vocabulary plus one "other" row."""
+        return self.vocab_size if self.draft_vocab is None else len(self.draft_vocab) + 1
 
     @property
     def has_projections(self) -> bool:
@@ -95,6 +114,8 @@ class ModelConfig:
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        if d.get("draft_vocab") is not None:
+            d["draft_vocab"] = tuple(int(i) for i in d["draft_vocab"])
         return cls(**d)
 
 

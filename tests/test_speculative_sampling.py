@@ -4,6 +4,7 @@ the first step against its exact value, and mutation tests for the drafting-side
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -42,19 +43,31 @@ CONFIGS = {
     "rrs-wor-far": ("wor", "rrs", [(1,)], 1.0, 0, 1.0, (1,)),
     "naive-topk": ("topk", "naive", [(2, 2)], 1.0, 0, 0.8, (0,)),
     "mss-merged": ("iid", "mss", [(1, 1), (2,)], 1.0, 6, 1.0, (0, 1)),
+    # SSM 2 has a draft vocabulary (a shrunk head): tokens 1, 4, 6 have q = 0, the LLM still emits them
+    "mss-draft-vocab": ("iid", "mss", [(2, 1)], 1.0, 0, 1.0, (2,)),
 }
+DRAFT_VOCAB = (0, 2, 3, 5, 7)
 
 
 @functools.lru_cache(maxsize=1)
 def _models():
     cfg, params = toy_model(VOCAB, 0, sharpness=1.5)
-    return cfg, params, [perturbed(params, 1, 0.5), perturbed(params, 2, 1.0)]
+    near = perturbed(params, 1, 0.5)
+    rows = np.asarray(DRAFT_VOCAB)
+    shrunk = dict(near, embed=jnp.concatenate([near["embed"][rows], near["embed"][:1]]),
+                  lm_head=jnp.concatenate([near["lm_head"][:, rows], near["lm_head"][:, 1:2]], axis=1))
+    return cfg, params, [near, perturbed(params, 2, 1.0), shrunk]
+
+
+def _ssm_cfg(i):
+    cfg = _models()[0]
+    return dataclasses.replace(cfg, draft_vocab=DRAFT_VOCAB) if i == 2 else cfg
 
 
 def _spec(name):
     draft, verifier, widths, *_, ssm_ids = CONFIGS[name]
-    cfg, _, _ = _models()
-    return SpecConfig((cfg,) * len(ssm_ids), tuple(Expansion(w) for w in widths), impl="xla", verifier=verifier, draft=draft)
+    return SpecConfig(tuple(_ssm_cfg(i) for i in ssm_ids), tuple(Expansion(w) for w in widths), impl="xla",
+                      verifier=verifier, draft=draft)
 
 
 def _sample(name, n, seed0=0, prompts=(PROMPT,)):

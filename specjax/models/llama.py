@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.attention import AttentionMeta
 from specjax.cache import KVCache
@@ -12,12 +15,25 @@ from specjax.sharding.pipeline import run_layers
 from specjax.models.common import attention_block, rms_norm, rope_inv_freq, select_positions
 
 
+@functools.lru_cache(maxsize=16)
+def draft_rows(cfg: ModelConfig) -> np.ndarray:
+    """[vocab_size] int32: the embedding row of every LLM token (the "other" row for tokens outside
+    ``cfg.draft_vocab``)."""
+    rows = np.full((cfg.vocab_size,), len(cfg.draft_vocab), np.int32)
+    rows[np.asarray(cfg.draft_vocab)] = np.arange(len(cfg.draft_vocab), dtype=np.int32)
+    return rows
+
+
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, meta: AttentionMeta,
-            cfg: ModelConfig, logits_indices: jax.Array | None = None, parallel=None) -> tuple[jax.Array, KVCache]:
+            cfg: ModelConfig, logits_indices: jax.Array | None = None, parallel=None,
+            row_logits: bool = False) -> tuple[jax.Array, KVCache]:
     """tokens, positions: [B, T] -> (logits [B, T or K, V] float32, cache with the block written).
-    parallel: a ``specjax.sharding.Parallel`` whose pp > 1 pipelines the layers (None = one scan)."""
+    parallel: a ``specjax.sharding.Parallel`` whose pp > 1 pipelines the layers (None = one scan).
+    With ``cfg.draft_vocab``, logits are scattered into the full vocabulary (-inf elsewhere) unless
+    ``row_logits`` asks for the raw head rows [B, T, len(draft_vocab) + 1] (training)."""
     inv_freq = rope_inv_freq(cfg)
-    h = params["embed"][tokens]  # [B, T, D]
+    rows = tokens if cfg.draft_vocab is None else jnp.asarray(draft_rows(cfg))[tokens]
+    h = params["embed"][rows]  # [B, T, D]
 
     def layer(h, lp, k_all, v_all, i, per_request):
         positions, meta = per_request
@@ -44,4 +60,8 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
         logits = jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=jnp.float32)
     else:
         logits = jnp.einsum("btd,dv->btv", h, params["lm_head"], preferred_element_type=jnp.float32)
+    if cfg.draft_vocab is not None and not row_logits:
+        # The "other" row is dropped: it stands for many tokens, none of which the SSM can name.
+        full = jnp.full(logits.shape[:-1] + (cfg.vocab_size,), -jnp.inf, jnp.float32)
+        logits = full.at[..., np.asarray(cfg.draft_vocab)].set(logits[..., :-1])
     return logits, cache

@@ -28,7 +28,7 @@ class ParamSpec:
 
 def _llama_specs(c: ModelConfig) -> dict:
     L, D, H, K, Dh, F, V = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                            c.intermediate_size, c.vocab_size)
+                            c.intermediate_size, c.embed_rows)
     layers = {
         "attn_norm": ParamSpec((L, D), ("layers", "embed"), "ones"),
         "wq": ParamSpec((L, D, H, Dh), ("layers", "embed", "heads", "head_dim")),

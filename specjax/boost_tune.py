@@ -1,0 +1,120 @@
+"""Collective boost-tuning (SpecInfer section 3): a pool of SSMs aligned with the LLM one after another.
+
+Member 1 is distilled on every continuation token of the corpus. Each later member trains only on
+the tokens that no earlier member already predicts (teacher-forced top-1 == the LLM's token): the
+"samples" here are (context, next token) pairs, so a long continuation that the first SSM mostly
+gets right still teaches the next one its few hard tokens. Members whose architecture matches the
+previous one start from its weights (they begin as a copy and move towards its mistakes), others
+from the LLM. Every stage is resumable: finished members are reloaded, a member in training resumes
+from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.api import Model
+from specjax.boost import read_shard
+from specjax.distill import EVAL_TOP_K, Examples, TrainConfig, evaluate, predicted_mask, train
+from specjax.errors import InputError
+from specjax.student import make_student, param_count
+
+EVAL_EVERY_NTH = 20  # every 20th corpus sequence is held out for the periodic evaluation
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    name: str
+    layers: tuple[int, ...] = (0, 1)
+    mlp_size: int | None = None
+    draft_vocab_size: int = 8192
+
+    @classmethod
+    def parse(cls, text: str) -> Member:
+        """'NAME:LAYERS[:MLP[:VOCAB]]', e.g. 'ssm-a:0,1:768:8192'."""
+        parts = text.split(":")
+        try:
+            if not 2 <= len(parts) <= 4 or not parts[0]:
+                raise ValueError
+            layers = tuple(int(x) for x in parts[1].split(","))
+            mlp = int(parts[2]) if len(parts) > 2 and parts[2] else None
+            vocab = int(parts[3]) if len(parts) > 3 else 8192
+        except ValueError:
+            raise InputError(f"--member {text!r}: expected NAME:LAYERS[:MLP[:VOCAB]], "
+                             f"e.g. ssm-a:0,1:768:8192") from None
+        return cls(parts[0], layers, mlp, vocab)
+
+
+def read_corpus(corpus_dir: str) -> list[tuple[list[int], int]]:
+    paths = sorted(glob.glob(os.path.join(corpus_dir, "shard-*.npz")))
+    if not paths:
+        raise InputError(f"{corpus_dir}: no corpus shards (shard-*.npz); generate them first")
+    return [s for p in paths for s in read_shard(p)]
+
+
+def save_ssm(model: Model, path: str, dtype=jnp.float16) -> None:
+    """An SSM as a specjax checkpoint (no tokenizer: SSMs share the LLM's), stored in ``dtype``."""
+    from specjax.checkpoint import save_checkpoint
+
+    save_checkpoint(path, model.config, jax.tree.map(lambda a: jnp.asarray(a, dtype), model.params))
+
+
+def boost_tune(llm: Model, corpus_dir: str, out_dir: str, members: list[Member], tc: TrainConfig,
+               progress: bool = True, log=print) -> list[dict]:
+    """Train the pool; writes ``out_dir/<name>`` (float16 checkpoint) per member and
+    ``out_dir/boost_summary.json``. Returns one summary dict per member."""
+    from specjax import load_model
+
+    if not members or len({m.name for m in members}) != len(members):
+        raise InputError(f"boost_tune needs members with distinct names, got {[m.name for m in members]}")
+    sequences = read_corpus(corpus_dir)
+    held = [s for i, s in enumerate(sequences) if i % EVAL_EVERY_NTH == 0]
+    train_seqs = [s for i, s in enumerate(sequences) if i % EVAL_EVERY_NTH != 0]
+    examples, eval_examples = Examples.build(train_seqs), Examples.build(held)
+    active = examples.weights > 0  # tokens no earlier member predicts
+    log(f"corpus {corpus_dir}: {len(train_seqs)} training sequences ({int(active.sum())} continuation tokens), "
+        f"{len(held)} held out for evaluation")
+    summaries, previous = [], None
+    for i, member in enumerate(members):
+        final = os.path.join(out_dir, member.name)
+        started = time.perf_counter()
+        weighted = dataclasses.replace(examples, weights=np.where(active, examples.weights, 0.0).astype(np.float32))
+        if os.path.isdir(final):
+            ssm = load_model(final, progress=False)
+            log(f"member {member.name}: already trained ({final})")
+        else:
+            student = make_student(llm, train_seqs, member.layers, member.draft_vocab_size, member.mlp_size)
+            if previous is not None and previous.config == student.config:
+                student = previous  # same architecture and draft vocabulary: start from the previous member
+            ssm, _ = train(student, weighted, dataclasses.replace(tc, seed=tc.seed + i),
+                           os.path.join(out_dir, "train", member.name), llm=llm, eval_examples=eval_examples,
+                           progress=progress, log=log)
+            save_ssm(ssm, final)
+        history_path = os.path.join(out_dir, "train", member.name, "history.json")
+        history = json.load(open(history_path)) if os.path.exists(history_path) else []
+        acc = evaluate(ssm.params, ssm.config, eval_examples)
+        predicted = predicted_mask(ssm.params, ssm.config, examples) & (examples.weights > 0)
+        newly = int((predicted & active).sum())
+        summary = {"name": member.name, "layers": list(member.layers), "mlp_size": ssm.config.intermediate_size,
+                   "draft_vocab_size": len(ssm.config.draft_vocab), "params": param_count(ssm),
+                   "trained_on_tokens": int(active.sum()), "newly_predicted_tokens": newly,
+                   "eval_top_k": {f"top{k + 1}": float(acc[k]) for k in range(EVAL_TOP_K)},
+                   "train_config": dataclasses.asdict(dataclasses.replace(tc, seed=tc.seed + i)),
+                   "seconds": round(time.perf_counter() - started, 1), "history": history}
+        active &= ~predicted
+        log(f"member {member.name}: held-out top-1 {acc[0]:.3f} top-5 {acc[-1]:.3f}; {newly} more tokens predicted, "
+            f"{int(active.sum())} left for the next member")
+        summaries.append(summary)
+        previous = ssm
+    with open(os.path.join(out_dir, "boost_summary.json"), "w") as f:
+        json.dump({"corpus": os.path.abspath(corpus_dir), "members": summaries}, f, indent=1)
+    return summaries
+

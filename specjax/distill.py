@@ -1,0 +1,264 @@
+"""Distilling an SSM from the LLM's continuations (optax), with resumable orbax checkpoints.
+
+Examples are the corpus sequences, right-padded; position p is trained to predict token p + 1 of
+the continuation (prompt tokens are context only). ``weights`` lets boosting drop the positions an
+earlier SSM already predicts. Losses: ``tokens`` = cross-entropy on the LLM's own tokens (greedy
+and sampled continuations: for sampled ones this is an unbiased estimate of KL(LLM || SSM));
+``kl`` = KL against the LLM's top-k distribution, recomputed per batch by the LLM (slow on a CPU).
+The batch order is a pure function of (seed, epoch), so a resumed run takes the same steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.api import Model
+from specjax.attention import causal_meta
+from specjax.cache import init_cache
+from specjax.errors import InputError
+from specjax.models import llama
+
+WIDTH_MULTIPLE = 32  # batches are padded to a multiple of this: few shapes, few compiles
+EVAL_TOP_K = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    epochs: float = 2.0
+    batch_size: int = 16
+    learning_rate: float = 3e-4
+    warmup_steps: int = 20
+    loss: str = "tokens"  # "tokens" | "kl"
+    teacher_top_k: int = 16
+    seed: int = 0
+    eval_every: int = 100
+    checkpoint_every: int = 50
+
+    def __post_init__(self):
+        if self.loss not in ("tokens", "kl"):
+            raise InputError(f"loss must be 'tokens' or 'kl', got {self.loss!r}")
+        if self.epochs <= 0 or self.batch_size < 1 or self.learning_rate <= 0:
+            raise InputError(f"epochs, batch_size and learning_rate must be positive, got {self}")
+
+
+@dataclasses.dataclass
+class Examples:
+    """Padded training examples. tokens/targets [N, W] int32 (targets = next LLM token, -1 at padding);
+    weights [N, W] float32 (1 at continuation positions, 0 at prompt and padding)."""
+
+    tokens: np.ndarray
+    targets: np.ndarray
+    weights: np.ndarray
+    lengths: np.ndarray
+
+    @classmethod
+    def build(cls, sequences) -> Examples:
+        if not sequences:
+            raise InputError("no training sequences")
+        width = -(-max(len(s) for s, _ in sequences) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+        n = len(sequences)
+        tokens = np.zeros((n, width), np.int32)
+        targets = np.full((n, width), -1, np.int32)
+        weights = np.zeros((n, width), np.float32)
+        for i, (ids, prompt_len) in enumerate(sequences):
+            if not 1 <= prompt_len <= len(ids):
+                raise InputError(f"sequence {i}: prompt length {prompt_len} outside [1, {len(ids)}]")
+            tokens[i, :len(ids)] = ids
+            targets[i, :len(ids) - 1] = ids[1:]
+            weights[i, prompt_len - 1:len(ids) - 1] = 1.0
+        return cls(tokens, targets, weights, np.array([len(s) for s, _ in sequences], np.int32))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def batch(self, index: np.ndarray) -> tuple[np.ndarray, ...]:
+        width = -(-int(self.lengths[index].max()) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+        return self.tokens[index, :width], self.targets[index, :width], self.weights[index, :width]
+
+
+def epoch_batches(examples: Examples, batch_size: int, seed: int, epoch: int) -> list[np.ndarray]:
+    """Shuffled batches with similar lengths together (sorted within chunks of 8 batches), in a
+    shuffled order: deterministic in (seed, epoch). The last partial batch is dropped."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(examples))
+    chunk = 8 * batch_size
+    batches = []
+    for start in range(0, len(order) - batch_size + 1, chunk):
+        part = order[start:start + chunk]
+        part = part[np.argsort(examples.lengths[part], kind="stable")]
+        batches += [part[i:i + batch_size] for i in range(0, len(part) - batch_size + 1, batch_size)]
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def _row_logits(params, cfg, tokens):
+    batch, width = tokens.shape
+    cache = init_cache(cfg, batch, width, jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+    logits, _ = llama.forward(params, tokens, positions, cache, causal_meta(jnp.zeros((batch,), jnp.int32)),
+                              cfg, row_logits=True)
+    return logits  # [B, W, rows]: the draft vocabulary, then "other"
+
+
+def _rows(cfg, ids):
+    return jnp.asarray(llama.draft_rows(cfg))[jnp.maximum(ids, 0)]
+
+
+def loss_fn(params, cfg, tokens, targets, weights, teacher=None):
+    logp = jax.nn.log_softmax(_row_logits(params, cfg, tokens), axis=-1)
+    if teacher is None:
+        nll = -jnp.take_along_axis(logp, _rows(cfg, targets)[..., None], axis=-1)[..., 0]
+    else:  # KL(teacher top-k, renormalised || SSM) up to the teacher's entropy
+        ids, teacher_logp = teacher
+        p = jax.nn.softmax(teacher_logp, axis=-1)
+        nll = -jnp.sum(p * jnp.take_along_axis(logp, _rows(cfg, ids), axis=-1), axis=-1)
+    return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+def topk_hits(params, cfg, tokens, targets):
+    """[B, W, EVAL_TOP_K] bool: is the LLM's token among the SSM's top-k proposals (the "other" row
+    can never be proposed), for k = 1..EVAL_TOP_K."""
+    logits = _row_logits(params, cfg, tokens)[..., :-1]
+    top = jax.lax.top_k(logits, EVAL_TOP_K)[1]
+    hit = top == _rows(cfg, targets)[..., None]
+    return jnp.cumsum(hit, axis=-1) > 0
+
+
+def make_optimizer(tc: TrainConfig, total_steps: int):
+    import optax
+
+    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.learning_rate, min(tc.warmup_steps, total_steps),
+                                                  max(total_steps, 1), end_value=tc.learning_rate * 0.1)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
+
+
+def evaluate(params, cfg, examples: Examples, batch_size: int = 16) -> np.ndarray:
+    """Weighted top-k agreement [EVAL_TOP_K] on ``examples`` (teacher forcing)."""
+    step = jax.jit(topk_hits, static_argnums=1)
+    hits, total = np.zeros((EVAL_TOP_K,)), 0.0
+    for start in range(0, len(examples), batch_size):
+        tokens, targets, weights = examples.batch(np.arange(start, min(start + batch_size, len(examples))))
+        h = np.asarray(step(params, cfg, tokens, targets))
+        hits += (h * weights[..., None]).sum((0, 1))
+        total += weights.sum()
+    return hits / max(total, 1.0)
+
+
+def predicted_mask(params, cfg, examples: Examples, batch_size: int = 16) -> np.ndarray:
+    """[N, W] bool: positions where the SSM's top-1 proposal is the LLM's token (boosting drops them)."""
+    step = jax.jit(topk_hits, static_argnums=1)
+    out = np.zeros(examples.tokens.shape, bool)
+    for start in range(0, len(examples), batch_size):
+        index = np.arange(start, min(start + batch_size, len(examples)))
+        tokens, targets, _ = examples.batch(index)
+        out[index, :tokens.shape[1]] = np.asarray(step(params, cfg, tokens, targets))[..., 0]
+    return out
+
+
+def train(student: Model, examples: Examples, tc: TrainConfig, checkpoint_dir: str, *, llm: Model | None = None,
+          eval_examples: Examples | None = None, progress: bool = True, log=print,
+          stop_after: int | None = None) -> tuple[Model, list[dict]]:
+    """Train ``student`` on ``examples``; resumes from the newest checkpoint in ``checkpoint_dir``.
+    Returns the trained model and the evaluation history [{step, top1, ..., loss}].
+    ``stop_after``: return after this many steps of this call (a later call resumes)."""
+    import optax
+    import orbax.checkpoint as ocp
+    from tqdm import tqdm
+
+    cfg = student.config
+    if cfg.draft_vocab is None:
+        raise InputError("train() needs a student with a draft vocabulary (specjax.student.make_student)")
+    if tc.loss == "kl" and llm is None:
+        raise InputError("loss='kl' needs the LLM (teacher) passed as llm=")
+    per_epoch = len(epoch_batches(examples, tc.batch_size, tc.seed, 0))
+    if per_epoch == 0:
+        raise InputError(f"{len(examples)} examples make no batch of {tc.batch_size}")
+    total = math.ceil(tc.epochs * per_epoch)
+    opt = make_optimizer(tc, total)
+    params = jax.tree.map(jnp.asarray, student.params)
+    opt_state = opt.init(params)
+
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    recipe = {"train": dataclasses.asdict(tc), "examples": len(examples), "weighted": float(examples.weights.sum()),
+              "config": cfg.to_dict()}
+    recipe_path = os.path.join(checkpoint_dir, "recipe.json")
+    if os.path.exists(recipe_path):
+        with open(recipe_path) as f:
+            if json.load(f) != json.loads(json.dumps(recipe)):
+                raise InputError(f"{checkpoint_dir}: holds a run with another recipe; use a fresh directory")
+    else:
+        with open(recipe_path, "w") as f:
+            json.dump(recipe, f)
+    manager = ocp.CheckpointManager(os.path.join(checkpoint_dir, "steps"),
+                                    options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    history: list[dict] = []
+    history_path = os.path.join(checkpoint_dir, "history.json")
+    step = 0
+    if manager.latest_step() is not None:
+        step = manager.latest_step()
+        state = manager.restore(step, args=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}))
+        params, opt_state = state["params"], state["opt_state"]
+        if os.path.exists(history_path):
+            with open(history_path) as f:
+                history = [r for r in json.load(f) if r["step"] <= step]
+        log(f"resumed {checkpoint_dir} at step {step}/{total}")
+
+    teacher_fn = None
+    if tc.loss == "kl":
+        from specjax.generate import full_logits
+
+        @jax.jit
+        def teacher_fn(tokens):
+            logp = jax.nn.log_softmax(full_logits(llm.params, tokens, cfg=llm.config), axis=-1)
+            values, ids = jax.lax.top_k(logp, tc.teacher_top_k)
+            return ids.astype(jnp.int32), values
+
+    @jax.jit
+    def train_step(params, opt_state, tokens, targets, weights, teacher):
+        loss, grads = jax.value_and_grad(loss_fn)(params, cfg, tokens, targets, weights, teacher)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def save(step):
+        manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)
+        manager.wait_until_finished()
+        with open(history_path + ".tmp", "w") as f:
+            json.dump(history, f)
+        os.replace(history_path + ".tmp", history_path)
+
+    def run_eval(step, loss):
+        if eval_examples is None:
+            return
+        acc = evaluate(params, cfg, eval_examples, tc.batch_size)
+        history.append({"step": step, "loss": loss, **{f"top{k + 1}": float(acc[k]) for k in range(EVAL_TOP_K)}})
+        bar.set_postfix(loss="-" if loss is None else f"{loss:.3f}", top1=f"{acc[0]:.3f}")
+
+    bar = tqdm(total=total, initial=step, desc=f"distill {cfg.num_layers}-layer SSM", disable=not progress)
+    if step == 0:
+        run_eval(0, None)  # the starting point (no loss yet)
+    end = total if stop_after is None else min(total, step + stop_after)
+    while step < end:
+        epoch, index = divmod(step, per_epoch)
+        batch = epoch_batches(examples, tc.batch_size, tc.seed, epoch)[index]
+        tokens, targets, weights = examples.batch(batch)
+        teacher = teacher_fn(jnp.asarray(tokens)) if teacher_fn is not None else None
+        params, opt_state, loss_value = train_step(params, opt_state, tokens, targets, weights, teacher)
+        step += 1
+        loss = float(loss_value)
+        if not math.isfinite(loss):
+            raise InputError(f"training diverged at step {step}: loss {loss}; lower the learning rate")
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}")
+        if step % tc.eval_every == 0 or step == total:
+            run_eval(step, loss)
+        if step % tc.checkpoint_every == 0 or step == end:
+            save(step)
+    bar.close()
+    manager.close()
+    return student._replace(params=params), history

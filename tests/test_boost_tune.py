@@ -1,0 +1,117 @@
+"""Students with a draft vocabulary, distillation (learns, resumes bit-exactly), collective boosting
+(later members train only on what earlier ones miss; the pool speculates losslessly), HF export."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax.boost_tune import Member, boost_tune, read_corpus
+from specjax.distill import Examples, TrainConfig, evaluate, train
+from specjax.errors import ConfigError, InputError
+from specjax.generate import full_logits
+from specjax.student import draft_vocabulary, make_student
+from tests.toy import mesh_model, mesh_prompts
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from specjax.boost import generate_corpus
+
+    llm = mesh_model("llama")
+    prompts = mesh_prompts(llm.config.vocab_size, lens=(5, 9, 3, 7, 4, 6, 8, 2)) * 3
+    out = str(tmp_path_factory.mktemp("corpus"))
+    generate_corpus(llm, prompts, out, max_new_tokens=10, batch_size=12, temperatures=(0.0, 1.0),
+                    chat_template=False, progress=False)
+    return llm, out, read_corpus(out)
+
+
+def test_full_student_reproduces_the_llm_and_scatters_minus_inf(corpus):
+    llm, _, seqs = corpus
+    vocab = llm.config.vocab_size
+    full = make_student(llm, seqs, layers=range(llm.config.num_layers), draft_vocab_size=vocab - 3)
+    missing = sorted(set(range(vocab)) - set(full.config.draft_vocab))
+    tokens = jnp.asarray([seqs[0][0]])
+    want, got = full_logits(llm.params, tokens, cfg=llm.config), full_logits(full.params, tokens, cfg=full.config)
+    keep = np.asarray(full.config.draft_vocab)
+    np.testing.assert_allclose(np.asarray(got)[..., keep], np.asarray(want)[..., keep], atol=1e-5, rtol=0)
+    assert np.all(np.asarray(got)[..., missing] == -np.inf)
+    counts = np.bincount(np.concatenate([s[n:] for s, n in seqs]), minlength=vocab)
+    assert counts[list(full.config.draft_vocab[:5])].min() >= counts[missing].max()  # most frequent kept
+    small = make_student(llm, seqs, layers=(0, 2), draft_vocab_size=40, mlp_size=24)
+    assert small.params["layers"]["w_up"].shape == (2, 64, 24) and small.params["embed"].shape == (41, 64)
+    with pytest.raises(InputError, match="layers"):
+        make_student(llm, seqs, layers=(2, 1))
+    with pytest.raises(ConfigError, match="distinct"):
+        dataclasses.replace(llm.config, draft_vocab=(1, 1))
+    assert draft_vocabulary([([3, 1, 1, 2], 1)], 2, 8) == (1, 2)
+
+
+def test_distillation_learns_and_resumes_bit_exactly(corpus, tmp_path):
+    llm, _, seqs = corpus
+    examples, held = Examples.build(seqs[1:]), Examples.build(seqs[:1])
+    student = make_student(llm, seqs, layers=(0,), draft_vocab_size=60, mlp_size=32)
+    tc = TrainConfig(epochs=4, batch_size=8, learning_rate=3e-3, warmup_steps=2, eval_every=100, checkpoint_every=3)
+    before = evaluate(student.params, student.config, examples)[0]
+    whole, history = train(student, examples, tc, str(tmp_path / "a"), eval_examples=held, progress=False)
+    after = evaluate(whole.params, whole.config, examples)[0]
+    assert after > before + 0.1, (before, after)
+    assert history[0]["step"] == 0 and history[-1]["step"] == 4 * (len(examples) // 8)
+    part, _ = train(student, examples, tc, str(tmp_path / "b"), eval_examples=held, progress=False, stop_after=5)
+    resumed, history_b = train(student, examples, tc, str(tmp_path / "b"), eval_examples=held, progress=False)
+    for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert history_b == history
+    with pytest.raises(InputError, match="another recipe"):
+        train(student, examples, dataclasses.replace(tc, learning_rate=1e-3), str(tmp_path / "b"), progress=False)
+
+
+def test_boosting_trains_later_members_on_what_earlier_ones_miss(corpus, tmp_path):
+    llm, corpus_dir, _ = corpus
+    tc = TrainConfig(epochs=3, batch_size=8, learning_rate=3e-3, warmup_steps=2, eval_every=100)
+    members = [Member.parse("a:0,1:32:60"), Member.parse("b:0,1:32:60")]
+    summary = boost_tune(llm, corpus_dir, str(tmp_path), members, tc, progress=False, log=lambda *a: None)
+    first, second = summary
+    assert first["newly_predicted_tokens"] > 0
+    assert second["trained_on_tokens"] == first["trained_on_tokens"] - first["newly_predicted_tokens"]
+    with open(tmp_path / "train" / "b" / "recipe.json") as f:
+        assert json.load(f)["weighted"] == second["trained_on_tokens"]
+    ssms = [specjax.load_model(str(tmp_path / m.name)) for m in members]
+    assert ssms[0].params["embed"].dtype == jnp.float32  # shipped as float16, loaded as float32
+    prompts = mesh_prompts(llm.config.vocab_size, lens=(4, 7))
+    want = specjax.generate(llm, prompts, max_new_tokens=12).token_ids
+    got = specjax.generate(llm, prompts, max_new_tokens=12, ssms=ssms, mode="tree", expansion=(1, 2, 1))
+    assert got.token_ids == want
+    again = boost_tune(llm, corpus_dir, str(tmp_path), members, tc, progress=False, log=lambda *a: None)
+    assert [s["eval_top_k"] for s in again] == [s["eval_top_k"] for s in summary]  # reloaded, not retrained
+    with pytest.raises(InputError, match="NAME:LAYERS"):
+        Member.parse("a")
+
+
+def test_exported_draft_vocab_ssm_matches_in_transformers(corpus, tmp_path):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from specjax.ssm import draft_vocab_mask, export_hf
+
+    llm, _, seqs = corpus
+    ssm = make_student(llm, seqs, layers=(1, 3), draft_vocab_size=50, mlp_size=40)
+    export_hf(ssm, str(tmp_path))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    mask = torch.tensor(draft_vocab_mask(str(tmp_path), llm.config.vocab_size))
+    hf.lm_head.register_forward_hook(lambda module, inputs, out: out + mask)
+    ids = seqs[3][0]
+    with torch.no_grad():
+        got = hf(torch.tensor([ids])).logits.numpy()
+    want = np.asarray(full_logits(ssm.params, jnp.asarray([ids]), cfg=ssm.config))
+    assert np.array_equal(np.isinf(got), np.isinf(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], atol=1e-4, rtol=0)
+    assert os.path.exists(tmp_path / "config.json") and draft_vocab_mask(str(tmp_path / "none"), 4) is None

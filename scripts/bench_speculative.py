@@ -25,7 +25,8 @@ OTHER_TASKS = os.path.join(os.path.dirname(__file__), "data", "other_tasks.jsonl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ssm", default="derived:4", help="derived:K (the LLM's first K layers) or a model path")
+    ap.add_argument("--ssm", default="smollm2-ssm-a",
+                    help="a registered SSM name, derived:K (the LLM's first K layers) or a model path")
     ap.add_argument("--num-dev-prompts", type=int, default=14)
     ap.add_argument("--stride", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -39,7 +40,7 @@ def main() -> None:
 
     import specjax
     from specjax.registry import resolve
-    from specjax.ssm import export_hf
+    from specjax.ssm import draft_vocab_mask, export_hf
 
     common.print_header("speculative vs incremental vs transformers (greedy, float32, batch 1)")
     records = common.load_prompts(common.DEFAULT_PROMPTS, args.num_dev_prompts, args.stride)
@@ -50,6 +51,10 @@ def main() -> None:
     export_hf(ssm, ssm_dir)
     hf = common.load_hf_reference(resolve("smollm2-135m-instruct"))
     hf_ssm = AutoModelForCausalLM.from_pretrained(ssm_dir, dtype=torch.float32).eval()
+    mask = draft_vocab_mask(ssm_dir, llm.config.vocab_size)
+    if mask is not None:  # a shrunk-head SSM: the same -inf outside its draft vocabulary as in specjax
+        mask = torch.tensor(mask)
+        hf_ssm.lm_head.register_forward_hook(lambda module, inputs, out: out + mask)
     prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in records])
     n = args.max_new_tokens
 
@@ -89,9 +94,11 @@ def main() -> None:
 
     base = totals["specjax incremental"]
     base_tps = base["tokens"] / base["seconds"]
-    assisted_tps = totals["transformers assisted (same SSM)"]["tokens"] / totals["transformers assisted (same SSM)"]["seconds"]
+    assisted = totals["transformers assisted (same SSM)"]
+    assisted_tps = assisted["tokens"] / assisted["seconds"]
     print(f"# prompts: {len(records)} ({len(records) - 6} dev, 6 other task kinds); SSM {args.ssm}; {n} new tokens")
-    print(f"{'system':<42} {'tok/s':>7} {'vs incr':>8} {'vs HF asst':>10} {'passes/tok':>10} {'tok/pass':>9} {'outputs != incr':>15}")
+    print(f"{'system':<42} {'tok/s':>7} {'vs incr':>8} {'vs HF asst':>10} {'passes/tok':>10} {'tok/pass':>9} "
+          f"{'outputs != incr':>15}")
     rows = []
     for name, t in totals.items():
         tps = t["tokens"] / t["seconds"]

@@ -62,6 +62,10 @@ def _cmd_generate(args) -> int:
 
     printing = jax.process_index() == 0  # every process computes; process 0 reports
     prompts = _read_prompts(args)
+    if not args.ssm and args.model == registry.DEFAULT_MODEL:  # the shipped boost-tuned SSMs, best config
+        args.ssm = list(registry.DEFAULT_SSMS)
+        if args.expansion is None and args.mode == "tree":
+            args.expansion = ",".join(map(str, registry.DEFAULT_EXPANSION))
     args.ssm = args.ssm or ["derived:auto"]
     sampling = specjax.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                       seed=args.seed)
@@ -163,10 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how SSMs draw tree children (auto: the verifier's natural choice; a pair that is not "
                         "lossless is refused)")
     g.add_argument("--ssm", action="append", default=None,
-                   help="SSM: 'derived:K' (the LLM's first K layers), 'derived:i,j,..' or a model path; repeat "
-                        "for a merged pool (default: derived:auto = the first 4 layers of SmolLM2)")
+                   help="SSM: a registered name (smollm2-ssm-a, smollm2-ssm-b), 'derived:K' (the LLM's first K "
+                        "layers), 'derived:i,j,..' or a model path; repeat for a merged pool (default for the "
+                        "default LLM: the shipped boost-tuned SSMs in their best measured configuration; "
+                        "otherwise derived:auto)")
     g.add_argument("--expansion", default=None,
-                   help="expansion widths k1,...,km (default 1,1,3,1,1,1,1,1 for tree, 1,1,1,1,1,1,1,1 for sequence)")
+                   help="expansion widths k1,...,km (default: the shipped SSMs' best measured shape for the default "
+                        "LLM, else 1,1,3,1,1,1,1,1 for tree; 1,1,1,1,1,1,1,1 for sequence)")
     g.add_argument("--batch-size", type=int, default=1)
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     g.add_argument("--no-chat-template", action="store_true")

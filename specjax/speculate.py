@@ -218,8 +218,8 @@ def draft_expansion(params, cfg: ModelConfig, cache: KVCache, history: jax.Array
                              slots=jnp.broadcast_to(jnp.asarray(children, jnp.int32), (batch, len(children))),
                              region=n, impl=impl)
         positions = length[:, None] + depth + 1
-        frontier_logits, cache = forward(params, tokens[:, children], jnp.broadcast_to(positions, (batch, len(children))),
-                                         cache, meta, cfg)
+        positions = jnp.broadcast_to(positions, (batch, len(children)))
+        frontier_logits, cache = forward(params, tokens[:, children], positions, cache, meta, cfg)
     return tokens, entry_ok, laws, cache
 
 

@@ -115,3 +115,17 @@ def test_exported_draft_vocab_ssm_matches_in_transformers(corpus, tmp_path):
     finite = np.isfinite(want)
     np.testing.assert_allclose(got[finite], want[finite], atol=1e-4, rtol=0)
     assert os.path.exists(tmp_path / "config.json") and draft_vocab_mask(str(tmp_path / "none"), 4) is None
+
+
+def test_shipped_ssms_are_registered_small_and_share_the_llm_vocabulary():
+    from specjax import registry
+
+    total = 0
+    for name in ("smollm2-ssm-a", "smollm2-ssm-b"):
+        path = registry.resolve(name)
+        total += sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+        ssm = specjax.load_model(name, progress=False)
+        assert ssm.config.vocab_size == 49152 and len(ssm.config.draft_vocab) >= 1024
+        assert os.path.isfile(os.path.join(path, "README.md")), f"{name} has no model card"
+    assert total <= 40e6, f"shipped SSM artifacts take {total / 1e6:.1f} MB"
+    assert set(registry.DEFAULT_SSMS) <= {"smollm2-ssm-a", "smollm2-ssm-b"}

@@ -91,5 +91,6 @@ def test_a_requests_warp_does_not_depend_on_its_batch_mates():
     both = SamplingArrays(temperature=jnp.asarray([1.0, 1.0]), top_k=jnp.asarray([0, 5]),
                           top_p=jnp.asarray([1.0, 0.5]), seed=jnp.asarray([0, 1]))
     alone = jax.tree.map(lambda a: a[:1], both)
-    np.testing.assert_array_equal(np.asarray(warp_logits(logits, both))[0], np.asarray(warp_logits(logits[:1], alone))[0])
+    np.testing.assert_array_equal(np.asarray(warp_logits(logits, both))[0],
+                                  np.asarray(warp_logits(logits[:1], alone))[0])
     assert np.isfinite(np.asarray(warp_logits(logits, both))[0]).all()

@@ -155,8 +155,9 @@ def _useless_ssm(llm):
 
 
 def test_speculative_greedy_equals_incremental_on_smollm2(smollm2):
-    """Tree (expansion and merge) and sequence speculation with a derived SSM, a useless random SSM
-    and a perfect one (the LLM itself): a mixed-length batch of 4 dev prompts (batch 1
+    """Tree (expansion and merge) and sequence speculation with the shipped boost-tuned pool, a
+    derived SSM, a useless random SSM and a perfect one (the LLM itself): a mixed-length batch of 4
+    dev prompts (batch 1
     is covered by the perfect-SSM check below and batch-slot invariance by the toy tests)."""
     import jax
 
@@ -166,7 +167,8 @@ def test_speculative_greedy_equals_incremental_on_smollm2(smollm2):
     prompts = (every[3::19] if len(every) >= 60 else every)[:4]
     want = specjax.generate(smollm2, prompts, max_new_tokens=24).token_ids
     derived, useless = derive_ssm(smollm2, 8), _useless_ssm(smollm2)
-    setups = [dict(mode="tree", ssms=[derived]),
+    shipped = [specjax.load_model(name, progress=False) for name in ("smollm2-ssm-a", "smollm2-ssm-b")]
+    setups = [dict(mode="tree", ssms=shipped, expansion=[(1, 1, 3, 1, 1), (2, 1, 1)]),
               dict(mode="tree", ssms=[useless], expansion=(2, 2, 1)),
               dict(mode="tree", ssms=[derived, useless], expansion=[(1, 1, 3, 1), (2, 1)]),
               dict(mode="sequence", ssms=[smollm2], expansion=(1, 1, 1, 1))]

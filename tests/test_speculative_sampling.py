@@ -87,7 +87,8 @@ def _sample(name, n, seed0=0, prompts=(PROMPT,)):
         which = (start + np.arange(b)) % len(prompts)
         res = generate_speculative_jit(params, tuple(ssms[i] for i in ssm_ids), jnp.asarray(table[which]),
                                        jnp.asarray(lengths[which]), jnp.full((b,), NUM_TOKENS, jnp.int32),
-                                       sampling_arrays(b, temperature, top_k, top_p, seeds=seed0 + start + np.arange(b)),
+                                       sampling_arrays(b, temperature, top_k, top_p,
+                                                       seeds=seed0 + start + np.arange(b)),
                                        cfg=cfg, spec=spec, cache_len=width + 8 + spec.num_nodes, max_out=NUM_TOKENS)
         assert not np.asarray(res.failed).any()
         out += list(map(tuple, np.asarray(res.tokens).tolist()))

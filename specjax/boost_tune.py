@@ -99,7 +99,10 @@ def boost_tune(llm: Model, corpus_dir: str, out_dir: str, members: list[Member],
                            progress=progress, log=log)
             save_ssm(ssm, final)
         history_path = os.path.join(out_dir, "train", member.name, "history.json")
-        history = json.load(open(history_path)) if os.path.exists(history_path) else []
+        history = []
+        if os.path.exists(history_path):
+            with open(history_path) as f:
+                history = json.load(f)
         acc = evaluate(ssm.params, ssm.config, eval_examples)
         predicted = predicted_mask(ssm.params, ssm.config, examples) & (examples.weights > 0)
         newly = int((predicted & active).sum())
@@ -108,7 +111,7 @@ def boost_tune(llm: Model, corpus_dir: str, out_dir: str, members: list[Member],
                    "trained_on_tokens": int(active.sum()), "newly_predicted_tokens": newly,
                    "eval_top_k": {f"top{k + 1}": float(acc[k]) for k in range(EVAL_TOP_K)},
                    "train_config": dataclasses.asdict(dataclasses.replace(tc, seed=tc.seed + i)),
-                   "seconds": round(time.perf_counter() - started, 1), "history": history}
+                   "seconds_this_run": round(time.perf_counter() - started, 1), "history": history}
         active &= ~predicted
         log(f"member {member.name}: held-out top-1 {acc[0]:.3f} top-5 {acc[-1]:.3f}; {newly} more tokens predicted, "
             f"{int(active.sum())} left for the next member")

@@ -129,3 +129,21 @@ def test_shipped_ssms_are_registered_small_and_share_the_llm_vocabulary():
         assert os.path.isfile(os.path.join(path, "README.md")), f"{name} has no model card"
     assert total <= 40e6, f"shipped SSM artifacts take {total / 1e6:.1f} MB"
     assert set(registry.DEFAULT_SSMS) <= {"smollm2-ssm-a", "smollm2-ssm-b"}
+
+
+def test_kl_loss_is_cross_entropy_for_a_one_hot_teacher_and_trains(corpus, tmp_path):
+    from specjax.distill import loss_fn
+
+    llm, _, seqs = corpus
+    examples = Examples.build(seqs)
+    student = make_student(llm, seqs, layers=(0,), draft_vocab_size=60, mlp_size=32)
+    tokens, targets, weights = examples.batch(np.arange(8))
+    one_hot = (jnp.maximum(jnp.asarray(targets), 0)[..., None], jnp.zeros(targets.shape + (1,), jnp.float32))
+    ce = loss_fn(student.params, student.config, tokens, targets, weights)
+    kl = loss_fn(student.params, student.config, tokens, targets, weights, one_hot)
+    np.testing.assert_allclose(float(kl), float(ce), rtol=1e-6)
+    tc = TrainConfig(epochs=1, batch_size=8, learning_rate=3e-3, warmup_steps=1, loss="kl", teacher_top_k=8)
+    trained, history = train(student, examples, tc, str(tmp_path), llm=llm, eval_examples=examples, progress=False)
+    assert history[-1]["top1"] > history[0]["top1"]
+    with pytest.raises(InputError, match="needs the LLM"):
+        train(student, examples, tc, str(tmp_path / "x"), progress=False)

@@ -6,6 +6,7 @@ the LLM; prints ms per token and the ratio to the LLM. "vocab" = the rows of the
 scores (a shortlist of the most frequent tokens shrinks the 49k-row head that dominates a tiny model).
 
     python scripts/bench_ssm_cost.py --max-new-tokens 64 --repeats 3
+    python scripts/bench_ssm_cost.py --ssm smollm2-ssm-a --no-candidates   # a trained SSM (real weights)
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ssm", action="append", default=[], help="also time this SSM (registered name or path)")
+    ap.add_argument("--no-candidates", action="store_true", help="skip the random-weight candidate shapes")
     args = ap.parse_args()
 
     import jax
@@ -49,7 +52,10 @@ def main() -> None:
     common.print_header("SSM candidates: per-token cost vs the LLM (batch 1, float32, greedy decode)")
     llm = specjax.load_model(args.model, progress=False)
     models = {"LLM": (llm.config, llm.params)}
-    for name, (layers, width, heads, kv, mlp, vocab) in CANDIDATES.items():
+    for name in args.ssm:
+        ssm = specjax.load_model(name, progress=False)
+        models[name] = (ssm.config, ssm.params)
+    for name, (layers, width, heads, kv, mlp, vocab) in ({} if args.no_candidates else CANDIDATES).items():
         cfg = dataclasses.replace(llm.config, num_layers=layers, hidden_size=width, num_heads=heads,
                                   num_kv_heads=kv, head_dim=width // heads, intermediate_size=mlp,
                                   vocab_size=vocab or llm.config.vocab_size, tie_word_embeddings=True)

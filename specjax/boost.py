@@ -114,6 +114,15 @@ def read_shard(path: str) -> list[tuple[list[int], int]]:
     return [(tokens[offsets[i]:offsets[i + 1]].tolist(), int(lens[i])) for i in range(len(lens))]
 
 
+def top_k_logprobs(logits, top_k: int):
+    """(ids int32, log-probabilities) of the ``top_k`` most likely next tokens: [..., V] -> [..., k]."""
+    import jax
+    import jax.numpy as jnp
+
+    values, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), top_k)
+    return ids.astype(jnp.int32), values
+
+
 def teacher_targets(model, sequences, top_k: int = 32, batch_size: int = 16, width_multiple: int = 64):
     """The LLM's top-k next-token log-probabilities at every continuation position.
 
@@ -130,12 +139,7 @@ def teacher_targets(model, sequences, top_k: int = 32, batch_size: int = 16, wid
     if top_k < 1 or top_k > model.config.vocab_size:
         raise InputError(f"top_k must be in [1, {model.config.vocab_size}], got {top_k}")
 
-    @jax.jit
-    def top(logits):
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        values, ids = jax.lax.top_k(logp, top_k)
-        return ids.astype(jnp.int32), values
-
+    top = jax.jit(lambda logits: top_k_logprobs(logits, top_k))
     out = []
     for start in range(0, len(sequences), batch_size):
         chunk = sequences[start:start + batch_size]

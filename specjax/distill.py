@@ -11,6 +11,7 @@ The batch order is a pure function of (seed, epoch), so a resumed run takes the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -27,6 +28,10 @@ from specjax.models import llama
 
 WIDTH_MULTIPLE = 32  # batches are padded to a multiple of this: few shapes, few compiles
 EVAL_TOP_K = 5
+
+
+def _padded_width(length: int) -> int:
+    return -(-int(length) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +67,7 @@ class Examples:
     def build(cls, sequences) -> Examples:
         if not sequences:
             raise InputError("no training sequences")
-        width = -(-max(len(s) for s, _ in sequences) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+        width = _padded_width(max(len(s) for s, _ in sequences))
         n = len(sequences)
         tokens = np.zeros((n, width), np.int32)
         targets = np.full((n, width), -1, np.int32)
@@ -79,7 +84,7 @@ class Examples:
         return len(self.tokens)
 
     def batch(self, index: np.ndarray) -> tuple[np.ndarray, ...]:
-        width = -(-int(self.lengths[index].max()) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+        width = _padded_width(self.lengths[index].max())
         return self.tokens[index, :width], self.targets[index, :width], self.weights[index, :width]
 
 
@@ -121,6 +126,7 @@ def loss_fn(params, cfg, tokens, targets, weights, teacher=None):
     return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def topk_hits(params, cfg, tokens, targets):
     """[B, W, EVAL_TOP_K] bool: is the LLM's token among the SSM's top-k proposals (the "other" row
     can never be proposed), for k = 1..EVAL_TOP_K."""
@@ -138,13 +144,18 @@ def make_optimizer(tc: TrainConfig, total_steps: int):
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
 
 
+def _hits_in_order(params, cfg, examples: Examples, batch_size: int):
+    """(example indices, hits [b, w, EVAL_TOP_K], weights [b, w]) batch by batch, in example order."""
+    for start in range(0, len(examples), batch_size):
+        index = np.arange(start, min(start + batch_size, len(examples)))
+        tokens, targets, weights = examples.batch(index)
+        yield index, np.asarray(topk_hits(params, cfg, tokens, targets)), weights
+
+
 def evaluate(params, cfg, examples: Examples, batch_size: int = 16) -> np.ndarray:
     """Weighted top-k agreement [EVAL_TOP_K] on ``examples`` (teacher forcing)."""
-    step = jax.jit(topk_hits, static_argnums=1)
     hits, total = np.zeros((EVAL_TOP_K,)), 0.0
-    for start in range(0, len(examples), batch_size):
-        tokens, targets, weights = examples.batch(np.arange(start, min(start + batch_size, len(examples))))
-        h = np.asarray(step(params, cfg, tokens, targets))
+    for _, h, weights in _hits_in_order(params, cfg, examples, batch_size):
         hits += (h * weights[..., None]).sum((0, 1))
         total += weights.sum()
     return hits / max(total, 1.0)
@@ -152,12 +163,9 @@ def evaluate(params, cfg, examples: Examples, batch_size: int = 16) -> np.ndarra
 
 def predicted_mask(params, cfg, examples: Examples, batch_size: int = 16) -> np.ndarray:
     """[N, W] bool: positions where the SSM's top-1 proposal is the LLM's token (boosting drops them)."""
-    step = jax.jit(topk_hits, static_argnums=1)
     out = np.zeros(examples.tokens.shape, bool)
-    for start in range(0, len(examples), batch_size):
-        index = np.arange(start, min(start + batch_size, len(examples)))
-        tokens, targets, _ = examples.batch(index)
-        out[index, :tokens.shape[1]] = np.asarray(step(params, cfg, tokens, targets))[..., 0]
+    for index, h, _ in _hits_in_order(params, cfg, examples, batch_size):
+        out[index, :h.shape[1]] = h[..., 0]
     return out
 
 
@@ -211,13 +219,11 @@ def train(student: Model, examples: Examples, tc: TrainConfig, checkpoint_dir: s
 
     teacher_fn = None
     if tc.loss == "kl":
+        from specjax.boost import top_k_logprobs
         from specjax.generate import full_logits
 
-        @jax.jit
-        def teacher_fn(tokens):
-            logp = jax.nn.log_softmax(full_logits(llm.params, tokens, cfg=llm.config), axis=-1)
-            values, ids = jax.lax.top_k(logp, tc.teacher_top_k)
-            return ids.astype(jnp.int32), values
+        teacher_fn = jax.jit(lambda tokens: top_k_logprobs(full_logits(llm.params, tokens, cfg=llm.config),
+                                                           tc.teacher_top_k))
 
     @jax.jit
     def train_step(params, opt_state, tokens, targets, weights, teacher):
@@ -243,10 +249,12 @@ def train(student: Model, examples: Examples, tc: TrainConfig, checkpoint_dir: s
     if step == 0:
         run_eval(0, None)  # the starting point (no loss yet)
     end = total if stop_after is None else min(total, step + stop_after)
+    order = (None, None)  # (epoch, its batches)
     while step < end:
         epoch, index = divmod(step, per_epoch)
-        batch = epoch_batches(examples, tc.batch_size, tc.seed, epoch)[index]
-        tokens, targets, weights = examples.batch(batch)
+        if order[0] != epoch:
+            order = (epoch, epoch_batches(examples, tc.batch_size, tc.seed, epoch))
+        tokens, targets, weights = examples.batch(order[1][index])
         teacher = teacher_fn(jnp.asarray(tokens)) if teacher_fn is not None else None
         params, opt_state, loss_value = train_step(params, opt_state, tokens, targets, weights, teacher)
         step += 1

@@ -42,6 +42,9 @@ def add_parser(sub) -> None:
     b.add_argument("--batch-size", type=int, default=16)
     b.add_argument("--learning-rate", type=float, default=3e-4)
     b.add_argument("--loss", default="tokens", choices=["tokens", "kl"])
+    b.add_argument("--boost-weight", type=float, default=0.0,
+                   help="weight later members give the tokens earlier members already predict: 0 drops them "
+                        "(SpecInfer's rule), e.g. 0.2 keeps later members generalists (default: %(default)s)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=_cmd_boost_tune)
@@ -58,6 +61,8 @@ def _cmd_boost_tune(args) -> int:
         temperatures = tuple(float(t) for t in args.temperatures.split(","))
     except ValueError:
         raise InputError(f"--temperatures {args.temperatures!r}: expected comma-separated numbers") from None
+    if not 0.0 <= args.boost_weight < 1.0:  # checked here too so that a typo fails before the LLM loads
+        raise InputError(f"--boost-weight {args.boost_weight}: must be in [0, 1)")
     held = [p for path in args.exclude_prompts for p in _read_prompt_file(path)]
     started = time.perf_counter()
     llm = load_model(args.model, progress=not args.no_progress)
@@ -71,7 +76,7 @@ def _cmd_boost_tune(args) -> int:
     tc = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
                      loss=args.loss, seed=args.seed)
     os.makedirs(args.out, exist_ok=True)
-    boost_tune(llm, args.corpus, args.out, members, tc, progress=not args.no_progress)
+    boost_tune(llm, args.corpus, args.out, members, tc, boost_weight=args.boost_weight, progress=not args.no_progress)
     print(f"boost-tune done: corpus {corpus_s:.0f} s (this run), total {time.perf_counter() - started:.0f} s; "
           f"members in {args.out}")
     return 0

@@ -1,12 +1,16 @@
 """Collective boost-tuning (SpecInfer section 3): a pool of SSMs aligned with the LLM one after another.
 
-Member 1 is distilled on every continuation token of the corpus. Each later member trains only on
-the tokens that no earlier member already predicts (teacher-forced top-1 == the LLM's token): the
+Member 1 is distilled on every continuation token of the corpus. Each later member trains on the
+tokens that no earlier member already predicts (teacher-forced top-1 == the LLM's token): the
 "samples" here are (context, next token) pairs, so a long continuation that the first SSM mostly
-gets right still teaches the next one its few hard tokens. Members whose architecture matches the
-previous one start from its weights (they begin as a copy and move towards its mistakes), others
-from the LLM. Every stage is resumable: finished members are reloaded, a member in training resumes
-from its newest checkpoint.
+gets right still teaches the next one its few hard tokens. ``boost_weight`` is the weight the
+already-predicted tokens keep: 0 is the paper's rule (dropped); a small positive weight ("soft
+boosting") keeps the next member a generalist whose chains stay good after it diverges, while it
+still leans towards what the earlier members miss. Later members are evaluated on the held-out
+positions the earlier members miss, the only place where a pool member can add accepted tokens.
+Members whose architecture matches the previous one start from its weights (they begin as a copy
+and move towards its mistakes), others from the LLM. Every stage is resumable: finished members
+are reloaded, a member in training resumes from its newest checkpoint.
 """
 
 from __future__ import annotations
@@ -67,26 +71,37 @@ def save_ssm(model: Model, path: str, dtype=jnp.float16) -> None:
     save_checkpoint(path, model.config, jax.tree.map(lambda a: jnp.asarray(a, dtype), model.params))
 
 
+def restricted(examples: Examples, keep: np.ndarray, other_weight: float = 0.0) -> Examples:
+    """``examples`` with weight 1 where ``keep``, ``other_weight`` at the other continuation positions."""
+    base = examples.weights
+    return dataclasses.replace(examples, weights=np.where(keep, base, other_weight * base).astype(np.float32))
+
+
 def boost_tune(llm: Model, corpus_dir: str, out_dir: str, members: list[Member], tc: TrainConfig,
-               progress: bool = True, log=print) -> list[dict]:
+               boost_weight: float = 0.0, progress: bool = True, log=print) -> list[dict]:
     """Train the pool; writes ``out_dir/<name>`` (float16 checkpoint) per member and
     ``out_dir/boost_summary.json``. Returns one summary dict per member."""
     from specjax import load_model
 
     if not members or len({m.name for m in members}) != len(members):
         raise InputError(f"boost_tune needs members with distinct names, got {[m.name for m in members]}")
+    if not 0.0 <= boost_weight < 1.0:
+        raise InputError(f"boost_weight {boost_weight}: must be in [0, 1) (0 drops the tokens earlier members "
+                         f"predict, as in SpecInfer; 1 would not boost at all)")
     sequences = read_corpus(corpus_dir)
     held = [s for i, s in enumerate(sequences) if i % EVAL_EVERY_NTH == 0]
     train_seqs = [s for i, s in enumerate(sequences) if i % EVAL_EVERY_NTH != 0]
     examples, eval_examples = Examples.build(train_seqs), Examples.build(held)
     active = examples.weights > 0  # tokens no earlier member predicts
+    held_active = eval_examples.weights > 0
     log(f"corpus {corpus_dir}: {len(train_seqs)} training sequences ({int(active.sum())} continuation tokens), "
         f"{len(held)} held out for evaluation")
     summaries, previous = [], None
     for i, member in enumerate(members):
         final = os.path.join(out_dir, member.name)
         started = time.perf_counter()
-        weighted = dataclasses.replace(examples, weights=np.where(active, examples.weights, 0.0).astype(np.float32))
+        weighted = restricted(examples, active, boost_weight)
+        missed = restricted(eval_examples, held_active)  # == eval_examples for the first member
         if os.path.isdir(final):
             ssm = load_model(final, progress=False)
             log(f"member {member.name}: already trained ({final})")
@@ -95,26 +110,35 @@ def boost_tune(llm: Model, corpus_dir: str, out_dir: str, members: list[Member],
             if previous is not None and previous.config == student.config:
                 student = previous  # same architecture and draft vocabulary: start from the previous member
             ssm, _ = train(student, weighted, dataclasses.replace(tc, seed=tc.seed + i),
-                           os.path.join(out_dir, "train", member.name), llm=llm, eval_examples=eval_examples,
+                           os.path.join(out_dir, "train", member.name), llm=llm, eval_examples=missed,
                            progress=progress, log=log)
             save_ssm(ssm, final)
-        history_path = os.path.join(out_dir, "train", member.name, "history.json")
-        history = []
-        if os.path.exists(history_path):
-            with open(history_path) as f:
+        # a member trained by an earlier run reports the recipe it was trained with, not this run's
+        history, train_config = [], dataclasses.asdict(dataclasses.replace(tc, seed=tc.seed + i))
+        train_dir = os.path.join(out_dir, "train", member.name)
+        if os.path.exists(os.path.join(train_dir, "history.json")):
+            with open(os.path.join(train_dir, "history.json")) as f:
                 history = json.load(f)
+        if os.path.exists(os.path.join(train_dir, "recipe.json")):
+            with open(os.path.join(train_dir, "recipe.json")) as f:
+                train_config = json.load(f)["train"]
         acc = evaluate(ssm.params, ssm.config, eval_examples)
+        acc_missed = evaluate(ssm.params, ssm.config, missed)
         predicted = predicted_mask(ssm.params, ssm.config, examples) & (examples.weights > 0)
         newly = int((predicted & active).sum())
         summary = {"name": member.name, "layers": list(member.layers), "mlp_size": ssm.config.intermediate_size,
                    "draft_vocab_size": len(ssm.config.draft_vocab), "params": param_count(ssm),
-                   "trained_on_tokens": int(active.sum()), "newly_predicted_tokens": newly,
+                   "trained_on_tokens": int(active.sum()), "boost_weight": boost_weight if i else None,
+                   "newly_predicted_tokens": newly,
                    "eval_top_k": {f"top{k + 1}": float(acc[k]) for k in range(EVAL_TOP_K)},
-                   "train_config": dataclasses.asdict(dataclasses.replace(tc, seed=tc.seed + i)),
+                   # held-out positions every earlier member misses: what this member adds to the pool
+                   "eval_top_k_missed_by_earlier": {f"top{k + 1}": float(acc_missed[k]) for k in range(EVAL_TOP_K)},
+                   "train_config": train_config,
                    "seconds_this_run": round(time.perf_counter() - started, 1), "history": history}
         active &= ~predicted
-        log(f"member {member.name}: held-out top-1 {acc[0]:.3f} top-5 {acc[-1]:.3f}; {newly} more tokens predicted, "
-            f"{int(active.sum())} left for the next member")
+        held_active &= ~predicted_mask(ssm.params, ssm.config, eval_examples)
+        log(f"member {member.name}: held-out top-1 {acc[0]:.3f} top-5 {acc[-1]:.3f} (top-1 {acc_missed[0]:.3f} where "
+            f"earlier members miss); {newly} more tokens predicted, {int(active.sum())} left for the next member")
         summaries.append(summary)
         previous = ssm
     with open(os.path.join(out_dir, "boost_summary.json"), "w") as f:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +92,21 @@ def test_boosting_trains_later_members_on_what_earlier_ones_miss(corpus, tmp_pat
     assert got.token_ids == want
     again = boost_tune(llm, corpus_dir, str(tmp_path), members, tc, progress=False, log=lambda *a: None)
     assert [s["eval_top_k"] for s in again] == [s["eval_top_k"] for s in summary]  # reloaded, not retrained
+    assert first["eval_top_k_missed_by_earlier"] == first["eval_top_k"]  # nothing earlier to miss
+
+    # soft boosting: member a reused, b keeps weight 0.25 on the tokens a already predicts
+    soft = tmp_path / "soft"
+    shutil.copytree(tmp_path / "a", soft / "a")
+    shutil.copytree(tmp_path / "train" / "a", soft / "train" / "a")
+    soft_summary = boost_tune(llm, corpus_dir, str(soft), members, tc, boost_weight=0.25, progress=False,
+                              log=lambda *a: None)
+    assert soft_summary[0]["eval_top_k"] == first["eval_top_k"]
+    assert soft_summary[0]["train_config"]["epochs"] == tc.epochs  # read back from a's own recipe
+    with open(soft / "train" / "b" / "recipe.json") as f:
+        weighted = json.load(f)["weighted"]
+    assert weighted == pytest.approx(second["trained_on_tokens"] + 0.25 * first["newly_predicted_tokens"])
+    with pytest.raises(InputError, match="boost_weight"):
+        boost_tune(llm, corpus_dir, str(soft), members, tc, boost_weight=1.0)
     with pytest.raises(InputError, match="NAME:LAYERS"):
         Member.parse("a")
 

@@ -205,3 +205,7 @@ def test_cli_errors(tiny_llama_dir, tmp_path):
     assert r.returncode == 2 and "verifier 'rrs' is not lossless for drafting mode 'iid'" in r.stderr
     r = _cli("generate", "--model", tiny_llama_dir, "--prompt", "hi", "--verifier", "bogus")
     assert r.returncode == 2 and "invalid choice: 'bogus'" in r.stderr
+    r = _cli("boost-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "o"),
+             "--boost-weight", "1")
+    assert r.returncode == 2 and "--boost-weight 1.0: must be in [0, 1)" in r.stderr
+    assert not (tmp_path / "c").exists()  # refused before any work

@@ -41,7 +41,9 @@ def add_parser(sub) -> None:
     b.add_argument("--epochs", type=float, default=2.0)
     b.add_argument("--batch-size", type=int, default=16)
     b.add_argument("--learning-rate", type=float, default=3e-4)
-    b.add_argument("--loss", default="tokens", choices=["tokens", "kl"])
+    b.add_argument("--loss", default="tokens", choices=["tokens", "kl"],
+                   help="tokens: cross-entropy on the LLM's tokens; kl: against the LLM's top-16, computed once "
+                        "per corpus and cached in CORPUS/teacher-top16.npz (default: %(default)s)")
     b.add_argument("--boost-weight", type=float, default=0.0,
                    help="weight later members give the tokens earlier members already predict: 0 drops them "
                         "(SpecInfer's rule), e.g. 0.2 keeps later members generalists (default: %(default)s)")

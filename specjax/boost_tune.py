@@ -92,6 +92,12 @@ def boost_tune(llm: Model, corpus_dir: str, out_dir: str, members: list[Member],
     held = [s for i, s in enumerate(sequences) if i % EVAL_EVERY_NTH == 0]
     train_seqs = [s for i, s in enumerate(sequences) if i % EVAL_EVERY_NTH != 0]
     examples, eval_examples = Examples.build(train_seqs), Examples.build(held)
+    if tc.loss == "kl":  # the LLM's top-k once per corpus, not an LLM pass per training step
+        from specjax.boost import cached_teacher_targets
+
+        cache = os.path.join(corpus_dir, f"teacher-top{tc.teacher_top_k}.npz")
+        examples = examples.with_teacher(
+            train_seqs, cached_teacher_targets(llm, train_seqs, cache, tc.teacher_top_k, progress, log))
     active = examples.weights > 0  # tokens no earlier member predicts
     held_active = eval_examples.weights > 0
     log(f"corpus {corpus_dir}: {len(train_seqs)} training sequences ({int(active.sum())} continuation tokens), "

@@ -4,7 +4,9 @@ Examples are the corpus sequences, right-padded; position p is trained to predic
 the continuation (prompt tokens are context only). ``weights`` lets boosting drop the positions an
 earlier SSM already predicts. Losses: ``tokens`` = cross-entropy on the LLM's own tokens (greedy
 and sampled continuations: for sampled ones this is an unbiased estimate of KL(LLM || SSM));
-``kl`` = KL against the LLM's top-k distribution, recomputed per batch by the LLM (slow on a CPU).
+``kl`` = KL against the LLM's top-k distribution: precomputed once per corpus (``Examples.with_teacher``,
+``boost.cached_teacher_targets``) or, without that, recomputed per batch by the LLM (an LLM pass
+per step: several times slower on a CPU).
 The batch order is a pure function of (seed, epoch), so a resumed run takes the same steps.
 """
 
@@ -56,12 +58,14 @@ class TrainConfig:
 @dataclasses.dataclass
 class Examples:
     """Padded training examples. tokens/targets [N, W] int32 (targets = next LLM token, -1 at padding);
-    weights [N, W] float32 (1 at continuation positions, 0 at prompt and padding)."""
+    weights [N, W] float32 (1 at continuation positions, 0 at prompt and padding); teacher: None or
+    the LLM's top-k (ids [N, W, k] int32, log-probabilities [N, W, k] float32) at every position."""
 
     tokens: np.ndarray
     targets: np.ndarray
     weights: np.ndarray
     lengths: np.ndarray
+    teacher: tuple[np.ndarray, np.ndarray] | None = None
 
     @classmethod
     def build(cls, sequences) -> Examples:
@@ -86,6 +90,27 @@ class Examples:
     def batch(self, index: np.ndarray) -> tuple[np.ndarray, ...]:
         width = _padded_width(self.lengths[index].max())
         return self.tokens[index, :width], self.targets[index, :width], self.weights[index, :width]
+
+    def teacher_batch(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        width = _padded_width(self.lengths[index].max())
+        return self.teacher[0][index, :width], self.teacher[1][index, :width]
+
+    def with_teacher(self, sequences, targets) -> Examples:
+        """These examples (built from ``sequences``) with the LLM's top-k per continuation position,
+        ``targets`` as ``boost.teacher_targets`` returns them for the same sequences, in order."""
+        if len(targets) != len(self) or len(sequences) != len(self):
+            raise InputError(f"teacher targets for {len(targets)} sequences, examples have {len(self)}")
+        k = targets[0][0].shape[-1]
+        # outside the continuation: a uniform, finite teacher (weight 0 there; -inf would make NaN * 0)
+        ids = np.zeros(self.tokens.shape + (k,), np.int32)
+        logp = np.zeros(self.tokens.shape + (k,), np.float32)
+        for i, ((seq, prompt_len), (t_ids, t_logp)) in enumerate(zip(sequences, targets)):
+            if t_ids.shape != (len(seq) - prompt_len, k):
+                raise InputError(f"sequence {i}: teacher targets of shape {t_ids.shape}, expected "
+                                 f"{(len(seq) - prompt_len, k)} (one row per continuation token)")
+            ids[i, prompt_len - 1:len(seq) - 1] = t_ids
+            logp[i, prompt_len - 1:len(seq) - 1] = t_logp
+        return dataclasses.replace(self, teacher=(ids, logp))
 
 
 def epoch_batches(examples: Examples, batch_size: int, seed: int, epoch: int) -> list[np.ndarray]:
@@ -182,8 +207,12 @@ def train(student: Model, examples: Examples, tc: TrainConfig, checkpoint_dir: s
     cfg = student.config
     if cfg.draft_vocab is None:
         raise InputError("train() needs a student with a draft vocabulary (specjax.student.make_student)")
-    if tc.loss == "kl" and llm is None:
-        raise InputError("loss='kl' needs the LLM (teacher) passed as llm=")
+    precomputed = examples.teacher is not None
+    if tc.loss == "kl" and not precomputed and llm is None:
+        raise InputError("loss='kl' needs a teacher: examples.with_teacher(...) or the LLM passed as llm=")
+    if tc.loss == "kl" and precomputed and examples.teacher[0].shape[-1] != tc.teacher_top_k:
+        raise InputError(f"precomputed teacher has top-{examples.teacher[0].shape[-1]}, "
+                         f"TrainConfig.teacher_top_k is {tc.teacher_top_k}")
     per_epoch = len(epoch_batches(examples, tc.batch_size, tc.seed, 0))
     if per_epoch == 0:
         raise InputError(f"{len(examples)} examples make no batch of {tc.batch_size}")
@@ -195,6 +224,8 @@ def train(student: Model, examples: Examples, tc: TrainConfig, checkpoint_dir: s
     os.makedirs(checkpoint_dir, exist_ok=True)
     recipe = {"train": dataclasses.asdict(tc), "examples": len(examples), "weighted": float(examples.weights.sum()),
               "config": cfg.to_dict()}
+    if tc.loss == "kl":  # the same loss either way, but not the same float rounding: do not mix on resume
+        recipe["teacher"] = "precomputed" if precomputed else "llm per batch"
     recipe_path = os.path.join(checkpoint_dir, "recipe.json")
     if os.path.exists(recipe_path):
         with open(recipe_path) as f:
@@ -218,7 +249,7 @@ def train(student: Model, examples: Examples, tc: TrainConfig, checkpoint_dir: s
         log(f"resumed {checkpoint_dir} at step {step}/{total}")
 
     teacher_fn = None
-    if tc.loss == "kl":
+    if tc.loss == "kl" and not precomputed:
         from specjax.boost import top_k_logprobs
         from specjax.generate import full_logits
 
@@ -255,7 +286,9 @@ def train(student: Model, examples: Examples, tc: TrainConfig, checkpoint_dir: s
         if order[0] != epoch:
             order = (epoch, epoch_batches(examples, tc.batch_size, tc.seed, epoch))
         tokens, targets, weights = examples.batch(order[1][index])
-        teacher = teacher_fn(jnp.asarray(tokens)) if teacher_fn is not None else None
+        teacher = None
+        if tc.loss == "kl":
+            teacher = examples.teacher_batch(order[1][index]) if precomputed else teacher_fn(jnp.asarray(tokens))
         params, opt_state, loss_value = train_step(params, opt_state, tokens, targets, weights, teacher)
         step += 1
         loss = float(loss_value)

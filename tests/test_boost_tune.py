@@ -161,5 +161,34 @@ def test_kl_loss_is_cross_entropy_for_a_one_hot_teacher_and_trains(corpus, tmp_p
     tc = TrainConfig(epochs=1, batch_size=8, learning_rate=3e-3, warmup_steps=1, loss="kl", teacher_top_k=8)
     trained, history = train(student, examples, tc, str(tmp_path), llm=llm, eval_examples=examples, progress=False)
     assert history[-1]["top1"] > history[0]["top1"]
-    with pytest.raises(InputError, match="needs the LLM"):
+    with pytest.raises(InputError, match="needs a teacher"):
         train(student, examples, tc, str(tmp_path / "x"), progress=False)
+
+
+def test_precomputed_teacher_trains_like_the_per_batch_teacher_and_is_cached(corpus, tmp_path):
+    from specjax.boost import cached_teacher_targets
+
+    llm, _, seqs = corpus
+    examples = Examples.build(seqs)
+    student = make_student(llm, seqs, layers=(0,), draft_vocab_size=60, mlp_size=32)
+    tc = TrainConfig(epochs=1, batch_size=8, learning_rate=3e-3, warmup_steps=1, loss="kl", teacher_top_k=8)
+    online, _ = train(student, examples, tc, str(tmp_path / "online"), llm=llm, progress=False)
+    cache = str(tmp_path / "teacher.npz")
+    targets = cached_teacher_targets(llm, seqs, cache, 8, progress=False)
+    with_teacher = examples.with_teacher(seqs, targets)
+    offline, _ = train(student, with_teacher, tc, str(tmp_path / "offline"), progress=False)  # no LLM needed
+    for a, b in zip(jax.tree.leaves(online.params), jax.tree.leaves(offline.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    logp = with_teacher.teacher[1][with_teacher.weights > 0]  # [positions, k], most likely first
+    assert np.all(logp <= 0) and np.all(np.diff(logp, axis=-1) <= 0) and np.all(np.exp(logp).sum(-1) <= 1 + 1e-5)
+    # the cache is reused for the same sequences ...
+    mtime = os.path.getmtime(cache)
+    again = cached_teacher_targets(llm, seqs, cache, 8, progress=False)
+    assert os.path.getmtime(cache) == mtime
+    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(targets, again))
+    # ... and recomputed (with a message) for other sequences
+    said = []
+    fewer = cached_teacher_targets(llm, seqs[:5], cache, 8, progress=False, log=said.append)
+    assert len(fewer) == 5 and said and "recomputing" in said[0]
+    with pytest.raises(InputError, match="top-8, TrainConfig.teacher_top_k is 4"):
+        train(student, with_teacher, dataclasses.replace(tc, teacher_top_k=4), str(tmp_path / "k4"), progress=False)

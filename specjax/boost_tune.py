@@ -92,12 +92,6 @@ def boost_tune(llm: Model, corpus_dir: str, out_dir: str, members: list[Member],
     held = [s for i, s in enumerate(sequences) if i % EVAL_EVERY_NTH == 0]
     train_seqs = [s for i, s in enumerate(sequences) if i % EVAL_EVERY_NTH != 0]
     examples, eval_examples = Examples.build(train_seqs), Examples.build(held)
-    if tc.loss == "kl":  # the LLM's top-k once per corpus, not an LLM pass per training step
-        from specjax.boost import cached_teacher_targets
-
-        cache = os.path.join(corpus_dir, f"teacher-top{tc.teacher_top_k}.npz")
-        examples = examples.with_teacher(
-            train_seqs, cached_teacher_targets(llm, train_seqs, cache, tc.teacher_top_k, progress, log))
     active = examples.weights > 0  # tokens no earlier member predicts
     held_active = eval_examples.weights > 0
     log(f"corpus {corpus_dir}: {len(train_seqs)} training sequences ({int(active.sum())} continuation tokens), "
@@ -106,15 +100,21 @@ def boost_tune(llm: Model, corpus_dir: str, out_dir: str, members: list[Member],
     for i, member in enumerate(members):
         final = os.path.join(out_dir, member.name)
         started = time.perf_counter()
-        weighted = restricted(examples, active, boost_weight)
         missed = restricted(eval_examples, held_active)  # == eval_examples for the first member
         if os.path.isdir(final):
             ssm = load_model(final, progress=False)
             log(f"member {member.name}: already trained ({final})")
         else:
+            if tc.loss == "kl" and examples.teacher is None:  # the LLM's top-k once, not an LLM pass per step
+                from specjax.boost import cached_teacher_targets
+
+                cache = os.path.join(corpus_dir, f"teacher-top{tc.teacher_top_k}.npz")
+                examples = examples.with_teacher(
+                    train_seqs, cached_teacher_targets(llm, train_seqs, cache, tc.teacher_top_k, progress, log))
             student = make_student(llm, train_seqs, member.layers, member.draft_vocab_size, member.mlp_size)
             if previous is not None and previous.config == student.config:
                 student = previous  # same architecture and draft vocabulary: start from the previous member
+            weighted = restricted(examples, active, boost_weight)
             ssm, _ = train(student, weighted, dataclasses.replace(tc, seed=tc.seed + i),
                            os.path.join(out_dir, "train", member.name), llm=llm, eval_examples=missed,
                            progress=progress, log=log)

@@ -192,3 +192,10 @@ def test_precomputed_teacher_trains_like_the_per_batch_teacher_and_is_cached(cor
     assert len(fewer) == 5 and said and "recomputing" in said[0]
     with pytest.raises(InputError, match="top-8, TrainConfig.teacher_top_k is 4"):
         train(student, with_teacher, dataclasses.replace(tc, teacher_top_k=4), str(tmp_path / "k4"), progress=False)
+    # boost_tune with the KL loss precomputes the teacher next to the corpus, once
+    _, corpus_dir, _ = corpus
+    pool = [Member.parse("a:0:32:60")]
+    boost_tune(llm, corpus_dir, str(tmp_path / "kl"), pool, tc, progress=False, log=lambda *a: None)
+    with open(tmp_path / "kl" / "train" / "a" / "recipe.json") as f:
+        assert json.load(f)["teacher"] == "precomputed"
+    assert os.path.isfile(os.path.join(corpus_dir, "teacher-top8.npz"))

@@ -18,3 +18,4 @@ def gguf_tokenizer_from_fields(architecture: str, tokenizer_dict: dict, tokenize
         from transformers.integrations.ggml import convert_gguf_tokenizer
     backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
     return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
+

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Mapping
 
@@ -66,19 +67,50 @@ class ModelConfig:
         if self.family not in SUPPORTED_FAMILIES:
             raise ConfigError(f"unsupported model family {self.family!r}; supported: {SUPPORTED_FAMILIES}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+                     "num_kv_heads", "head_dim", "max_position_embeddings", "position_offset"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+            minimum = 0 if name == "position_offset" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < 2**31:
+                raise ConfigError(f"ModelConfig.{name} must be an int in [{minimum}, 2**31), got {value!r}")
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ConfigError(f"ModelConfig.{name} must be a finite positive number, got {value!r}")
+        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "do_layer_norm_before",
+                     "final_layer_norm", "enable_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("bos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ConfigError(f"ModelConfig.{name} must be None or an int >= 0, got {value!r}")
+        if not isinstance(self.eos_token_ids, tuple) or any(
+                isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in self.eos_token_ids):
+            raise ConfigError(f"ModelConfig.eos_token_ids must be a tuple of ints >= 0, got {self.eos_token_ids!r}")
+        if self.word_embed_proj_dim is not None and (isinstance(self.word_embed_proj_dim, bool) or not isinstance(
+                self.word_embed_proj_dim, int) or self.word_embed_proj_dim < 1):
+            raise ConfigError(f"ModelConfig.word_embed_proj_dim must be None or a positive int, got "
+                              f"{self.word_embed_proj_dim!r}")
+        if self.rope_scaling is not None:
+            rs = self.rope_scaling
+            if not isinstance(rs, RopeScaling) or rs.kind not in ("linear", "llama3") or not all(
+                    isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+                    for x in (rs.factor, rs.low_freq_factor, rs.high_freq_factor, rs.original_max_position_embeddings)):
+                raise ConfigError(f"ModelConfig.rope_scaling must be a RopeScaling of kind 'linear' or 'llama3' "
+                                  f"with finite positive factors, got {rs!r}")
+            if rs.kind == "llama3" and rs.high_freq_factor <= rs.low_freq_factor:
+                raise ConfigError(f"llama3 RoPE scaling needs high_freq_factor > low_freq_factor, got "
+                                  f"{rs.high_freq_factor} <= {rs.low_freq_factor}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.family == "llama" and self.head_dim % 2:
             raise ConfigError(f"RoPE needs an even head_dim, got {self.head_dim}")
         if self.draft_vocab is not None:
             ids = np.asarray(self.draft_vocab)
-            if self.family != "llama" or not len(ids) or ids.ndim != 1:
-                raise ConfigError(f"draft_vocab needs the llama family and a non-empty id list, got "
-                                  f"{self.family!r} with {ids.size} ids")
+            if self.family != "llama" or not len(ids) or ids.ndim != 1 or ids.dtype.kind not in "iu":
+                raise ConfigError(f"draft_vocab needs the llama family and a non-empty list of token ids, got "
+                                  f"{self.family!r} with {ids.size} entries of type {ids.dtype}")
             if ids.min() < 0 or ids.max() >= self.vocab_size or len(np.unique(ids)) != len(ids):
                 raise ConfigError(f"draft_vocab must hold distinct token ids in [0, {self.vocab_size}), got "
                                   f"min {ids.min()}, max {ids.max()}, {len(ids) - len(np.unique(ids))} repeats")
@@ -109,124 +141,234 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: Mapping[str, Any], source: str = "config") -> "ModelConfig":
+        """Inverse of ``to_dict`` (a specjax checkpoint's config); malformed input is a ConfigError."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
         d = dict(d)
-        if d.get("rope_scaling") is not None:
-            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
-        if d.get("draft_vocab") is not None:
-            d["draft_vocab"] = tuple(int(i) for i in d["draft_vocab"])
-        return cls(**d)
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ConfigError(f"{source}: unknown ModelConfig fields {sorted(unknown)}")
+        try:
+            if d.get("rope_scaling") is not None:
+                d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+            d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+            if d.get("draft_vocab") is not None:
+                d["draft_vocab"] = tuple(d["draft_vocab"])
+            return cls(**d)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+        except TypeError as e:  # missing fields, a non-mapping rope_scaling, a non-list token list
+            raise ConfigError(f"{source}: malformed ModelConfig ({e})") from None
 
 
 def _require(d: Mapping[str, Any], key: str, source: str):
-    if key not in d:
+    if key not in d or d[key] is None:
         raise ConfigError(f"{source}: required key {key!r} is missing")
     return d[key]
 
 
-def _eos_tuple(value) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+def _as_int(value, key: str, source: str, minimum: int | None = 1) -> int:
+    """A JSON integer (not a bool, not a float with a fraction, not a string) >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ConfigError(f"{source}: {key!r} must be an integer, got {value!r}")
+    if isinstance(value, (float, np.floating)) and not float(value).is_integer():
+        raise ConfigError(f"{source}: {key!r} must be an integer, got {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{source}: {key!r} must be >= {minimum}, got {value}")
+    if value >= 2**31:
+        raise ConfigError(f"{source}: {key!r} = {value} is beyond the supported range (< 2**31)")
+    return value
 
 
-def _rope_from_hf(d: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | None]:
-    params = d.get("rope_parameters")  # transformers >= 5
+def _as_float(value, key: str, source: str, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ConfigError(f"{source}: {key!r} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ConfigError(f"{source}: {key!r} must be a finite{' positive' if positive else ''} number, got {value}")
+    return value
+
+
+def _as_bool(value, key: str, source: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ConfigError(f"{source}: {key!r} must be true or false, got {value!r}")
+    return bool(value)
+
+
+class _Reader:
+    """Typed access to one configuration mapping; every error names the source and the key."""
+
+    def __init__(self, d, source: str, prefix: str = ""):
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"{source}: expected a JSON object (key/value mapping), got {type(d).__name__}")
+        self.d, self.source, self.prefix = d, source, prefix
+
+    def _value(self, key: str, default, required: bool):
+        full = self.prefix + key
+        value = self.d.get(full)
+        if value is None:
+            if required:
+                raise ConfigError(f"{self.source}: required key {full!r} is missing")
+            return None if default is None else default
+        return value
+
+    def int(self, key: str, default=None, required: bool = False, minimum: int | None = 1):
+        value = self._value(key, default, required)
+        return None if value is None else _as_int(value, self.prefix + key, self.source, minimum)
+
+    def float(self, key: str, default=None, required: bool = False, positive: bool = False):
+        value = self._value(key, default, required)
+        return None if value is None else _as_float(value, self.prefix + key, self.source, positive)
+
+    def bool(self, key: str, default=None):
+        value = self._value(key, default, False)
+        return None if value is None else _as_bool(value, self.prefix + key, self.source)
+
+    def str(self, key: str, default=None):
+        value = self._value(key, default, False)
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{self.source}: {self.prefix + key!r} must be a string, got {value!r}")
+        return value
+
+    def token_id(self, key: str):
+        return self.int(key, minimum=0)
+
+    def token_ids(self, key: str) -> tuple[int, ...]:
+        value = self.d.get(self.prefix + key)
+        if value is None:
+            return ()
+        values = value if isinstance(value, (list, tuple)) else [value]
+        return tuple(_as_int(v, self.prefix + key, self.source, minimum=0) for v in values)
+
+
+def _rope_from_hf(r: _Reader) -> tuple[float, RopeScaling | None]:
+    source = r.source
+    params = r.d.get("rope_parameters")  # transformers >= 5
     if params is None:
-        params = dict(d.get("rope_scaling") or {})
-        params.setdefault("rope_theta", d.get("rope_theta", 10000.0))
-    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
-    kind = params.get("rope_type", params.get("type", "default"))
+        params = r.d.get("rope_scaling") or {}
+        if not isinstance(params, Mapping):
+            raise ConfigError(f"{source}: 'rope_scaling' must be an object, got {params!r}")
+        params = dict(params)
+        params.setdefault("rope_theta", r.d.get("rope_theta", 10000.0))
+    p = _Reader(params, f"{source} (rope parameters)")
+    theta = p.float("rope_theta", r.float("rope_theta", 10000.0, positive=True), positive=True)
+    kind = p.str("rope_type", p.str("type", "default"))
     if kind == "default":
         return theta, None
     if kind == "linear":
-        return theta, RopeScaling("linear", float(_require(params, "factor", source)))
+        return theta, RopeScaling("linear", p.float("factor", required=True, positive=True))
     if kind == "llama3":
         return theta, RopeScaling(
             "llama3",
-            factor=float(_require(params, "factor", source)),
-            low_freq_factor=float(_require(params, "low_freq_factor", source)),
-            high_freq_factor=float(_require(params, "high_freq_factor", source)),
-            original_max_position_embeddings=int(_require(params, "original_max_position_embeddings", source)),
+            factor=p.float("factor", required=True, positive=True),
+            low_freq_factor=p.float("low_freq_factor", required=True, positive=True),
+            high_freq_factor=p.float("high_freq_factor", required=True, positive=True),
+            original_max_position_embeddings=p.int("original_max_position_embeddings", required=True),
         )
     raise ConfigError(f"{source}: unsupported RoPE scaling type {kind!r} (supported: default, linear, llama3)")
 
 
+def _head_dim(r: _Reader, hidden: int, heads: int) -> int:
+    head_dim = r.int("head_dim")
+    if head_dim is not None:
+        return head_dim
+    if hidden % heads:
+        raise ConfigError(f"{r.source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads} "
+                          f"(and no head_dim is given)")
+    return hidden // heads
+
+
+def _build(source: str, **fields) -> ModelConfig:
+    """ModelConfig(**fields); its own validation errors are prefixed with the source file."""
+    try:
+        return ModelConfig(**fields)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
 def config_from_hf(d: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
-    """Build a ModelConfig from a HuggingFace config dictionary."""
-    model_type = d.get("model_type")
+    """Build a ModelConfig from a HuggingFace config dictionary. Any malformed value is a ConfigError
+    naming the key."""
+    r = _Reader(d, source)
+    model_type = r.d.get("model_type")
     if model_type == "llama":
-        heads = int(_require(d, "num_attention_heads", source))
-        hidden = int(_require(d, "hidden_size", source))
-        theta, scaling = _rope_from_hf(d, source)
-        act = d.get("hidden_act", "silu")
+        heads = r.int("num_attention_heads", required=True)
+        hidden = r.int("hidden_size", required=True)
+        theta, scaling = _rope_from_hf(r)
+        act = r.str("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{source}: LLaMA hidden_act {act!r} is not supported (only 'silu')")
-        return ModelConfig(
+        return _build(
+            source,
             family="llama",
-            vocab_size=int(_require(d, "vocab_size", source)),
+            vocab_size=r.int("vocab_size", required=True),
             hidden_size=hidden,
-            intermediate_size=int(_require(d, "intermediate_size", source)),
-            num_layers=int(_require(d, "num_hidden_layers", source)),
+            intermediate_size=r.int("intermediate_size", required=True),
+            num_layers=r.int("num_hidden_layers", required=True),
             num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            num_kv_heads=r.int("num_key_value_heads", heads),
+            head_dim=_head_dim(r, hidden, heads),
+            max_position_embeddings=r.int("max_position_embeddings", 2048),
+            norm_eps=r.float("rms_norm_eps", 1e-6, positive=True),
+            tie_word_embeddings=r.bool("tie_word_embeddings", False),
             rope_theta=theta,
             rope_scaling=scaling,
-            attention_bias=bool(d.get("attention_bias", False)),
-            mlp_bias=bool(d.get("mlp_bias", False)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=_eos_tuple(d.get("eos_token_id")),
-            pad_token_id=d.get("pad_token_id"),
+            attention_bias=r.bool("attention_bias", False),
+            mlp_bias=r.bool("mlp_bias", False),
+            bos_token_id=r.token_id("bos_token_id"),
+            eos_token_ids=r.token_ids("eos_token_id"),
+            pad_token_id=r.token_id("pad_token_id"),
         )
     if model_type == "opt":
-        heads = int(_require(d, "num_attention_heads", source))
-        hidden = int(_require(d, "hidden_size", source))
-        act = d.get("activation_function", "relu")
+        heads = r.int("num_attention_heads", required=True)
+        hidden = r.int("hidden_size", required=True)
+        act = r.str("activation_function", "relu")
         if act != "relu":
             raise ConfigError(f"{source}: OPT activation_function {act!r} is not supported (only 'relu')")
-        if not d.get("layer_norm_elementwise_affine", True):
+        if not r.bool("layer_norm_elementwise_affine", True):
             raise ConfigError(f"{source}: OPT layer_norm_elementwise_affine=False is not supported")
-        proj = d.get("word_embed_proj_dim") or hidden
-        before = bool(d.get("do_layer_norm_before", True))
-        return ModelConfig(
+        if hidden % heads:
+            raise ConfigError(f"{source}: OPT hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
+        before = r.bool("do_layer_norm_before", True)
+        return _build(
+            source,
             family="opt",
-            vocab_size=int(_require(d, "vocab_size", source)),
+            vocab_size=r.int("vocab_size", required=True),
             hidden_size=hidden,
-            intermediate_size=int(_require(d, "ffn_dim", source)),
-            num_layers=int(_require(d, "num_hidden_layers", source)),
+            intermediate_size=r.int("ffn_dim", required=True),
+            num_layers=r.int("num_hidden_layers", required=True),
             num_heads=heads,
             num_kv_heads=heads,
             head_dim=hidden // heads,
-            max_position_embeddings=int(_require(d, "max_position_embeddings", source)),
+            max_position_embeddings=r.int("max_position_embeddings", required=True),
             norm_eps=1e-5,  # torch.nn.LayerNorm default, which OPT uses
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+            tie_word_embeddings=r.bool("tie_word_embeddings", True),
             do_layer_norm_before=before,
-            word_embed_proj_dim=int(proj),
-            final_layer_norm=before and not d.get("_remove_final_layer_norm", False),
-            enable_bias=bool(d.get("enable_bias", True)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=_eos_tuple(d.get("eos_token_id")),
-            pad_token_id=d.get("pad_token_id"),
+            word_embed_proj_dim=r.int("word_embed_proj_dim", hidden),
+            final_layer_norm=before and not r.bool("_remove_final_layer_norm", False),
+            enable_bias=r.bool("enable_bias", True),
+            bos_token_id=r.token_id("bos_token_id"),
+            eos_token_ids=r.token_ids("eos_token_id"),
+            pad_token_id=r.token_id("pad_token_id"),
         )
     raise ConfigError(f"{source}: unsupported architecture model_type={model_type!r} "
-                      f"(architectures={d.get('architectures')}); supported: 'llama', 'opt'")
+                      f"(architectures={r.d.get('architectures')}); supported: 'llama', 'opt'")
 
 
 def config_from_hf_file(path: str | os.PathLike) -> ModelConfig:
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             d = json.load(f)
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
-    except json.JSONDecodeError as e:
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, expected a config.json file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: JSON nested too deeply") from None
     return config_from_hf(d, source=str(path))
 
 
@@ -235,40 +377,40 @@ def config_from_gguf(fields: Mapping[str, Any], source: str, vocab_size: int | N
     arch = fields.get("general.architecture")
     if arch != "llama":
         raise ConfigError(f"{source}: unsupported GGUF architecture {arch!r} (supported: 'llama')")
-
-    def get(key, default=None):
-        value = fields.get(f"llama.{key}", default)
-        if value is None:
-            raise ConfigError(f"{source}: GGUF metadata key 'llama.{key}' is missing")
-        return value
-
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
+    r = _Reader(fields, source, prefix="llama.")
+    t = _Reader(fields, source, prefix="tokenizer.ggml.")
+    heads = r.int("attention.head_count", required=True)
+    hidden = r.int("embedding_length", required=True)
     scaling = None
-    kind = fields.get("llama.rope.scaling.type", "none")
+    kind = r.str("rope.scaling.type", "none")
     if kind == "linear":
-        scaling = RopeScaling("linear", float(get("rope.scaling.factor")))
-    elif kind not in ("none", None):
+        scaling = RopeScaling("linear", r.float("rope.scaling.factor", required=True, positive=True))
+    elif kind != "none":
         raise ConfigError(f"{source}: GGUF rope scaling type {kind!r} is not supported (none, linear)")
-    vocab = fields.get("llama.vocab_size") or vocab_size
+    vocab = r.int("vocab_size") or vocab_size
     if vocab is None:
         raise ConfigError(f"{source}: neither 'llama.vocab_size' nor a token list gives the vocabulary size")
-    eos = fields.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
+    head_dim = r.int("rope.dimension_count")
+    if head_dim is None:
+        if hidden % heads:
+            raise ConfigError(f"{source}: embedding_length={hidden} is not a multiple of head_count={heads}")
+        head_dim = hidden // heads
+    return _build(
+        source,
         family="llama",
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        intermediate_size=r.int("feed_forward_length", required=True),
+        num_layers=r.int("block_count", required=True),
         num_heads=heads,
-        num_kv_heads=int(fields.get("llama.attention.head_count_kv") or heads),
-        head_dim=int(fields.get("llama.rope.dimension_count") or hidden // heads),
-        max_position_embeddings=int(get("context_length")),
-        norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        num_kv_heads=r.int("attention.head_count_kv", heads),
+        head_dim=head_dim,
+        max_position_embeddings=r.int("context_length", required=True),
+        norm_eps=r.float("attention.layer_norm_rms_epsilon", required=True, positive=True),
         tie_word_embeddings=True,  # corrected by the loader when an output.weight tensor exists
-        rope_theta=float(fields.get("llama.rope.freq_base", 10000.0)),
+        rope_theta=r.float("rope.freq_base", 10000.0, positive=True),
         rope_scaling=scaling,
-        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=_eos_tuple(eos),
-        pad_token_id=fields.get("tokenizer.ggml.padding_token_id"),
+        bos_token_id=t.token_id("bos_token_id"),
+        eos_token_ids=t.token_ids("eos_token_id"),
+        pad_token_id=t.token_id("padding_token_id"),
     )

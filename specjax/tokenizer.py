@@ -43,20 +43,24 @@ _SPECIAL = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token
 
 
 def _gguf_tokenizer_fields(gguf_path: str):
-    from gguf import GGUFReader
+    from specjax.weights.gguf_file import GGUFFile
 
-    reader = GGUFReader(gguf_path)
-    values = {}
-    for key in {**_GGUF_TOKENIZER_KEYS, **_GGUF_CONFIG_KEYS, "general.architecture": None}:
-        if key in reader.fields:
-            values[key] = reader.fields[key].contents()
+    fields = GGUFFile(gguf_path).fields
+    values = {key: fields[key] for key in {**_GGUF_TOKENIZER_KEYS, **_GGUF_CONFIG_KEYS, "general.architecture": None}
+              if key in fields}
     if "tokenizer.ggml.tokens" not in values:
         raise CheckpointError(f"{gguf_path}: no embedded tokenizer (metadata key 'tokenizer.ggml.tokens')")
     tokenizer = {name: values[k] for k, name in _GGUF_TOKENIZER_KEYS.items() if k in values}
     config = {name: values[k] for k, name in _GGUF_CONFIG_KEYS.items() if k in values}
+    tokens = tokenizer["tokens"]
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise CheckpointError(f"{gguf_path}: metadata 'tokenizer.ggml.tokens' is not a list of strings")
     for name, id_key in _SPECIAL.items():
         token_id = tokenizer.get(id_key)
-        config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+        if token_id is not None and (not isinstance(token_id, int) or not 0 <= token_id < len(tokens)):
+            raise CheckpointError(f"{gguf_path}: metadata {id_key!r} = {token_id!r} is not a token id in "
+                                  f"[0, {len(tokens)})")
+        config[name] = tokens[token_id] if token_id is not None else None
     return values.get("general.architecture"), tokenizer, config
 
 

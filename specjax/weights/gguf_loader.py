@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
+import dataclasses
 
 import numpy as np
 
 from specjax.config import ModelConfig, config_from_gguf
 from specjax.errors import CheckpointError
+from specjax.weights.gguf_file import GGUFFile
 from specjax.weights.keymap import HEADS_IN, HEADS_OUT, LINEAR, KeyMapEntry, load_params
 
 
@@ -41,48 +42,28 @@ def gguf_table(cfg: ModelConfig) -> list[KeyMapEntry]:
     ]
 
 
-def _field_value(field):
-    try:
-        return field.contents()
-    except Exception:  # noqa: BLE001 - gguf raises assorted errors on unusual field types
-        return None
-
-
-def read_gguf_metadata(path: str):
-    from gguf import GGUFReader
-
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: GGUF file not found")
-    try:
-        reader = GGUFReader(path)
-    except Exception as e:  # noqa: BLE001 - corrupt files surface as many exception types
-        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+def read_gguf_metadata(path: str) -> tuple[GGUFFile, dict, int | None]:
+    """(the open file, its metadata without the big tokenizer arrays, the token count or None)."""
+    gguf = GGUFFile(path)
     skip = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"}
-    fields = {k: _field_value(f) for k, f in reader.fields.items() if k not in skip}
-    n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
-    return reader, fields, n_tokens
+    fields = {k: v for k, v in gguf.fields.items() if k not in skip}
+    tokens = gguf.fields.get("tokenizer.ggml.tokens")
+    return gguf, fields, len(tokens) if isinstance(tokens, list) else None
+
+
+def gguf_config(gguf: GGUFFile, fields: dict, n_tokens: int | None) -> ModelConfig:
+    cfg = config_from_gguf(fields, source=gguf.path, vocab_size=n_tokens)
+    if "output.weight" in gguf.tensors:
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+    return cfg
 
 
 def load_gguf(path: str, dtype=np.float32, progress: bool = True) -> tuple[ModelConfig, dict]:
-    from gguf.quants import dequantize
-
-    reader, fields, n_tokens = read_gguf_metadata(path)
-    cfg = config_from_gguf(fields, source=path, vocab_size=n_tokens)
-    tensors = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in tensors:
+    gguf, fields, n_tokens = read_gguf_metadata(path)
+    cfg = gguf_config(gguf, fields, n_tokens)
+    if "rope_freqs.weight" in gguf.tensors:
         raise CheckpointError(f"{path}: tensor 'rope_freqs.weight' (llama3 RoPE factors in GGUF) is not "
                               f"supported yet; load the HF directory of this model instead")
-    if "output.weight" in tensors:
-        import dataclasses
-        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
-
-    def get(name: str) -> np.ndarray:
-        t = tensors[name]
-        try:
-            return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"{path}: cannot dequantize tensor {name!r} "
-                                  f"({t.tensor_type.name}): {e}") from None
-
-    params = load_params(cfg, gguf_table(cfg), list(tensors), get, source=path, dtype=dtype, progress=progress)
+    params = load_params(cfg, gguf_table(cfg), list(gguf.tensors), gguf.dequantized, source=path, dtype=dtype,
+                         progress=progress)
     return cfg, params

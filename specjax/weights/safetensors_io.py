@@ -17,6 +17,41 @@ _DTYPES = {
 }
 
 
+def _is_index(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def parse_header(header, path: str, data_len: int) -> dict:
+    """Validate a decoded safetensors header against the file's data length; returns {key: entry}.
+
+    Every entry must be an object with a known "dtype", a "shape" list of non-negative ints and
+    "data_offsets" [start, end] covering exactly the tensor's bytes inside the data section."""
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (a JSON {type(header).__name__}, expected an "
+                              f"object of tensors)")
+    header = dict(header)
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not isinstance(metadata, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header ('__metadata__' is not an object)")
+    for key, info in header.items():
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{path}: key {key!r} has a corrupt header entry {info!r} (expected an object)")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
+            raise CheckpointError(f"{path}: key {key!r} has unsupported dtype {dtype!r} (supported: {sorted(_DTYPES)})")
+        if not isinstance(shape, list) or not all(_is_index(d) for d in shape):
+            raise CheckpointError(f"{path}: key {key!r} has no valid 'shape' (a list of non-negative ints), got "
+                                  f"{shape!r}")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_index(o) for o in offsets):
+            raise CheckpointError(f"{path}: key {key!r} has no valid 'data_offsets' ([start, end]), got {offsets!r}")
+        start, end = offsets
+        nbytes = int(np.prod(shape, dtype=object)) * np.dtype(_DTYPES[dtype]).itemsize
+        if not (start <= end <= data_len) or end - start != nbytes:
+            raise CheckpointError(f"{path}: key {key!r} has corrupt data offsets {start}..{end} for shape {shape} "
+                                  f"{dtype} (file data is {data_len} bytes; truncated or corrupt file)")
+    return header
+
+
 class SafetensorsFile:
     """Index of one .safetensors file; ``get(key)`` returns a numpy view of the tensor."""
 
@@ -30,25 +65,18 @@ class SafetensorsFile:
                     raise CheckpointError(f"{self.path}: truncated safetensors file (no header)")
                 (header_len,) = struct.unpack("<Q", head)
                 if header_len > size - 8:
-                    raise CheckpointError(f"{self.path}: corrupt safetensors header length {header_len}")
-                header = json.loads(f.read(header_len))
+                    raise CheckpointError(f"{self.path}: corrupt safetensors header length {header_len} "
+                                          f"(the file has {size} bytes; truncated or not a safetensors file)")
+                header = json.loads(f.read(header_len).decode("utf-8"))
         except FileNotFoundError:
             raise CheckpointError(f"{self.path}: weight file not found") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from None
-        header.pop("__metadata__", None)
+        except IsADirectoryError:
+            raise CheckpointError(f"{self.path}: is a directory, expected a .safetensors file") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise CheckpointError(f"{self.path}: corrupt safetensors header ({type(e).__name__}: {e})") from None
         self._data_start = 8 + header_len
-        self._entries = header
+        self._entries = parse_header(header, self.path, size - self._data_start)
         self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r") if size > self._data_start else None
-        data_len = size - self._data_start
-        for key, info in header.items():
-            start, end = info.get("data_offsets", (0, -1))
-            if info.get("dtype") not in _DTYPES:
-                raise CheckpointError(f"{self.path}: key {key!r} has unsupported dtype {info.get('dtype')!r}")
-            nbytes = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(_DTYPES[info["dtype"]]).itemsize
-            if not (0 <= start <= end <= data_len) or end - start != nbytes:
-                raise CheckpointError(f"{self.path}: key {key!r} has corrupt data offsets {start}..{end} "
-                                      f"for shape {info['shape']} {info['dtype']} (file data is {data_len} bytes)")
 
     def keys(self) -> list[str]:
         return list(self._entries)
@@ -69,10 +97,14 @@ def open_hf_weights(model_dir: str) -> tuple[list[str], callable]:
     single = os.path.join(model_dir, "model.safetensors")
     if os.path.exists(index_path):
         try:
-            with open(index_path) as f:
+            with open(index_path, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index_path}: corrupt index ({e!r})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, RecursionError) as e:
+            raise CheckpointError(f"{index_path}: corrupt index ({type(e).__name__}: {e})") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and os.path.basename(v) == v and v
+                for k, v in weight_map.items()):
+            raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to file names in {model_dir}")
         files = {name: SafetensorsFile(os.path.join(model_dir, name)) for name in sorted(set(weight_map.values()))}
         owner: dict[str, str] = {}
         for name, sf in files.items():

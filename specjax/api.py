@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Any, NamedTuple, Sequence
@@ -13,8 +14,9 @@ import numpy as np
 
 from specjax import registry
 from specjax.config import ModelConfig
-from specjax.errors import CheckpointError, InputError, SpecjaxError
+from specjax.errors import CheckpointError, GenerationError, InputError
 from specjax.generate import full_logits, generate_incremental_jit
+from specjax.prompts import normalize_prompts
 from specjax.sampling import SamplingArrays, SamplingParams
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -26,6 +28,36 @@ class Model(NamedTuple):
     config: ModelConfig
     params: Any
     tokenizer: Any  # a transformers tokenizer, or None
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """The file or directory behind a registered name or a path; a clear error if there is none."""
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise InputError(f"model must be a registered name or a path, got {name_or_path!r}")
+    path = registry.resolve(name_or_path) if registry.is_registered(name_or_path) else name_or_path
+    if not os.path.exists(path):
+        raise CheckpointError(f"{name_or_path!r} is neither a registered model {registry.registered_names()} "
+                              f"nor an existing file or directory")
+    return path
+
+
+def describe_model(name_or_path: str = registry.DEFAULT_MODEL) -> Model:
+    """The configuration and tokenizer of a model, without its weights (``params`` is None): enough
+    to check a generation request (``plan_generation``) before the weights load."""
+    from specjax import checkpoint, tokenizer as tok_lib
+    from specjax.config import config_from_hf_file
+    from specjax.weights.gguf_loader import gguf_config, read_gguf_metadata
+
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path) and checkpoint.is_checkpoint(path):
+        cfg, tok_dir = checkpoint.read_checkpoint_config(path)
+        return Model(cfg, None, tok_lib.load_dir_tokenizer(tok_dir) if tok_dir else None)
+    if os.path.isdir(path):
+        return Model(config_from_hf_file(os.path.join(path, "config.json")), None, tok_lib.load_dir_tokenizer(path))
+    if path.endswith(".gguf"):
+        return Model(gguf_config(*read_gguf_metadata(path)), None, tok_lib.load_gguf_tokenizer(path))
+    raise CheckpointError(f"{path}: unsupported model file (expected an HF directory, a .gguf file "
+                          f"or a specjax checkpoint directory)")
 
 
 def load_model(name_or_path: str = registry.DEFAULT_MODEL, dtype: str = "float32", shardings=None,
@@ -43,10 +75,7 @@ def load_model(name_or_path: str = registry.DEFAULT_MODEL, dtype: str = "float32
         raise InputError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if parallel is not None and shardings is not None:
         raise InputError("pass either shardings or parallel, not both")
-    path = registry.resolve(name_or_path) if registry.is_registered(name_or_path) else name_or_path
-    if not os.path.exists(path):
-        raise CheckpointError(f"{name_or_path!r} is neither a registered model {registry.registered_names()} "
-                              f"nor an existing file or directory")
+    path = resolve_model_path(name_or_path)
     if os.path.isdir(path) and checkpoint.is_checkpoint(path):
         cfg, params, tok_dir = checkpoint.restore_checkpoint(
             path, shardings=parallel.param_shardings if parallel is not None else shardings, dtype=dtype)
@@ -77,7 +106,7 @@ class GenerationResult:
     token_ids: list[list[int]]  # generated ids per prompt, prompt excluded
     texts: list[str | None]  # decoded text per prompt (None without a tokenizer)
     prompt_token_ids: list[list[int]]
-    stats: dict  # llm_passes, generated_tokens, seconds, tokens_per_s, ...
+    stats: dict  # batch: llm_passes, generated_tokens, seconds, tokens_per_s, ...; "requests": one dict each
 
 
 def _next_pow2(n: int, minimum: int = 16) -> int:
@@ -86,14 +115,9 @@ def _next_pow2(n: int, minimum: int = 16) -> int:
 
 def encode_prompts(model: Model, prompts, chat_template: bool = True) -> list[list[int]]:
     """Strings (chat template applied by default) or token-id lists -> list of token-id lists."""
-    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                    and all(isinstance(t, (int, np.integer)) for t in prompts)):
-        prompts = [prompts]
-    if not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise InputError("prompts must be a non-empty list of strings or of token-id lists")
     out = []
     vocab = model.config.vocab_size
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(normalize_prompts(prompts)):
         if isinstance(p, str):
             tok = model.tokenizer
             if tok is None:
@@ -104,10 +128,10 @@ def encode_prompts(model: Model, prompts, chat_template: bool = True) -> list[li
             else:
                 ids = tok(p)["input_ids"]
         else:
-            ids = list(p)
-            bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab]
+            ids = p
+            bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise InputError(f"prompt {i}: token id {bad[0]!r} is not an int in [0, {vocab})")
+                raise InputError(f"prompt {i}: token id {bad[0]} is not in [0, {vocab}) (the vocabulary)")
         if len(ids) == 0:
             raise InputError(f"prompt {i} is empty")
         out.append([int(t) for t in ids])
@@ -119,10 +143,10 @@ def _sampling_list(sampling, n: int) -> list[SamplingParams]:
         return [SamplingParams()] * n
     if isinstance(sampling, SamplingParams):
         return [sampling] * n
-    sampling = list(sampling)
-    if len(sampling) != n or not all(isinstance(s, SamplingParams) for s in sampling):
-        raise InputError(f"sampling must be a SamplingParams or a list of {n} of them")
-    return sampling
+    if not isinstance(sampling, (list, tuple)) or len(sampling) != n or not all(
+            isinstance(s, SamplingParams) for s in sampling):
+        raise InputError(f"sampling must be a SamplingParams or a list of {n} of them (one per prompt)")
+    return list(sampling)
 
 
 def _eos_ids(model: Model) -> tuple[int, ...]:
@@ -142,9 +166,44 @@ def _check_max_new_tokens(max_new_tokens) -> None:
         raise InputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
 
 
-def _prepare(model: Model, prompts, max_new_tokens: int, chat_template: bool):
-    """Validate and tokenise; returns (ids, lengths [B], prompts right-padded to a pow2 bucket [B, W])."""
+@dataclasses.dataclass(frozen=True)
+class GenerationPlan:
+    """Everything ``generate`` decided and checked before any device work: the tokenised, bucketed
+    batch, the per-request settings and the static speculation setup (None = incremental)."""
+
+    mode: str
+    ids: list[list[int]]
+    lens: np.ndarray  # [B] int32
+    padded: np.ndarray  # [B, W] int32, right-padded to a power-of-two bucket
+    samplings: list[SamplingParams]
+    max_new_tokens: int
+    max_out: int
+    cache_len: int
+    eos_ids: tuple[int, ...]
+    spec: Any = None  # speculative.SpecConfig or None
+    verifier: str | None = None
+    draft: str | None = None
+
+
+def plan_generation(model: Model, prompts, max_new_tokens: int = 128, sampling=None, chat_template: bool = True,
+                    ignore_eos: bool = False, mode: str | None = None, ssms=(), expansion=None, impl: str = "auto",
+                    verifier: str = "auto", draft: str = "auto") -> GenerationPlan:
+    """Validate a generation request and prepare it (see ``generate``). Reads only the configs and
+    tokenizers of ``model`` and ``ssms``, so it can run before their weights are loaded."""
+    mode = mode or ("tree" if ssms else "incremental")
+    if mode not in MODES:
+        raise InputError(f"mode must be one of {MODES}, got {mode!r}")
     _check_max_new_tokens(max_new_tokens)
+    n = len(normalize_prompts(prompts))
+    samplings = _sampling_list(sampling, n)
+    spec = verifier_name = draft_name = None
+    extra_slots = 0
+    if mode != "incremental":
+        spec, verifier_name, draft_name = _spec_config(model, list(ssms), mode, expansion, impl, verifier, draft,
+                                                       any(not s.greedy for s in samplings))
+        extra_slots = spec.num_nodes  # tree scratch slots
+    elif ssms:
+        raise InputError(f"mode 'incremental' takes no SSMs, got {len(ssms)}")
     ids = encode_prompts(model, prompts, chat_template)
     limit = model.config.max_positions
     for i, p in enumerate(ids):
@@ -155,12 +214,19 @@ def _prepare(model: Model, prompts, max_new_tokens: int, chat_template: bool):
     padded = np.zeros((len(ids), _next_pow2(int(lens.max()))), np.int32)
     for i, p in enumerate(ids):
         padded[i, :len(p)] = p
-    return ids, lens, padded
+    max_out = _next_pow2(max_new_tokens)
+    # The cache length is a function of the buckets only, so a new prompt never forces a recompile.
+    cache_len = padded.shape[1] + max_out + extra_slots
+    return GenerationPlan(mode=mode, ids=ids, lens=lens, padded=padded, samplings=samplings,
+                          max_new_tokens=int(max_new_tokens), max_out=max_out, cache_len=cache_len,
+                          eos_ids=() if ignore_eos else _eos_ids(model), spec=spec, verifier=verifier_name,
+                          draft=draft_name)
 
 
 def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, chat_template: bool = True,
              ignore_eos: bool = False, mode: str | None = None, ssms=(), expansion=None,
-             impl: str = "auto", verifier: str = "auto", draft: str = "auto", parallel=None) -> GenerationResult:
+             impl: str = "auto", verifier: str = "auto", draft: str = "auto", parallel=None,
+             on_tokens=None) -> GenerationResult:
     """Generate for a batch of prompts (strings or token-id lists).
 
     mode: "incremental" (the reference decoder), "sequence" (one SSM drafts a chain of
@@ -177,51 +243,157 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
     parallel: a ``specjax.sharding.Parallel`` to run on its mesh (LLM under its rules, pipelined
     when pp > 1; SSMs under its ssm_rules). The batch is padded with inert requests to a multiple of
     dp x microbatches; the output is the same as on one device.
+    on_tokens: ``on_tokens(request_index, new_token_ids)`` is called as tokens are accepted (after
+    every LLM pass, several at once when speculation succeeds): the host-loop twin of the jitted
+    loop runs the same step function, and ``stats`` then also has ``compile_seconds`` apart from
+    ``seconds`` and each request's own finish time.
+
+    A request whose LLM logits turn non-finite (NaN weights, overflow) stops without emitting a
+    token from that pass: ``GenerationError`` names it, with the whole result attached.
     """
-    mode = mode or ("tree" if ssms else "incremental")
-    if mode not in MODES:
-        raise InputError(f"mode must be one of {MODES}, got {mode!r}")
-    if mode != "incremental":
-        return _generate_speculative(model, prompts, max_new_tokens, sampling, chat_template, ignore_eos, mode,
-                                     list(ssms), expansion, impl, verifier, draft, parallel)
-    ids, lens, padded = _prepare(model, prompts, max_new_tokens, chat_template)
+    plan = plan_generation(model, prompts, max_new_tokens, sampling, chat_template, ignore_eos, mode, ssms,
+                           expansion, impl, verifier, draft)
+    return run_plan(model, plan, list(ssms), parallel=parallel, on_tokens=on_tokens)
+
+
+def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_tokens=None) -> GenerationResult:
+    """Execute a validated plan (``plan_generation``) with loaded weights."""
+    from specjax.generate import decode_init_jit, decode_step_jit
+    from specjax.speculative import _init_state_jit, generate_speculative_jit, step_jit
+
     cfg = model.config
-    samplings = _sampling_list(sampling, len(ids))
-    width = padded.shape[1]
-    max_out = _next_pow2(max_new_tokens)
-    cache_len = width + max_out  # a function of the two buckets only, so it never forces a recompile
-    params, _, inputs, host = _place(parallel, model, (), padded, lens, max_new_tokens, samplings)
+    n = len(plan.ids)
+    params, ssm_params, inputs, host = _place(parallel, model, ssms, plan)
+    statics = dict(cfg=cfg, cache_len=plan.cache_len, max_out=plan.max_out, eos_ids=plan.eos_ids, parallel=parallel)
+    if plan.spec is None:
+        run_all = functools.partial(generate_incremental_jit, params, *inputs, **statics)
+        init, init_args = decode_init_jit, (params, *inputs)
+        step, step_args = decode_step_jit, (params,)
+        step_kw = dict(sampling=inputs[3], max_new_tokens=inputs[2], cfg=cfg, eos_ids=plan.eos_ids, parallel=parallel)
+    else:
+        statics["spec"] = plan.spec
+        run_all = functools.partial(generate_speculative_jit, params, ssm_params, *inputs, **statics)
+        init, init_args = _init_state_jit, (params, ssm_params, *inputs)
+        step, step_args = step_jit, (params, ssm_params)
+        step_kw = dict(sampling=inputs[3], max_new_tokens=inputs[2], cfg=cfg, spec=plan.spec, eos_ids=plan.eos_ids,
+                       parallel=parallel)
+    timing = {}
+    if on_tokens is None:
+        t0 = time.perf_counter()
+        out = run_all()
+        tokens = host(out.tokens)  # blocks until done
+        timing["seconds"] = time.perf_counter() - t0
+        finish = None
+    else:
+        out, finish = _host_loop(init, init_args, statics, step, step_args, step_kw, host, n, on_tokens, timing)
+        tokens = host(out.tokens)
+    return _result(model, plan, out, tokens, host, n, timing, finish)
+
+
+def _host_loop(init, init_args, init_statics, step, step_args, step_kw, host, n, on_tokens, timing):
+    """The jitted step called once per LLM pass from the host (its state donated), reporting newly
+    accepted tokens after every pass. Compilation is timed apart (AOT lower + compile; the jitted
+    functions then hit the same compilation cache)."""
     t0 = time.perf_counter()
-    out = generate_incremental_jit(params, *inputs, cfg=cfg, cache_len=cache_len, max_out=max_out,
-                                   eos_ids=() if ignore_eos else _eos_ids(model), parallel=parallel)
-    tokens = host(out.tokens)
-    seconds = time.perf_counter() - t0
-    counts = host(out.num_generated)[:len(ids)]
-    token_ids = [tokens[i, :counts[i]].tolist() for i in range(len(ids))]
+    init.lower(*init_args, **init_statics).compile()
+    compile_s = time.perf_counter() - t0
+    start = time.perf_counter()
+    state = init(*init_args, **init_statics)
+    dynamic = {k: v for k, v in step_kw.items() if k in ("sampling", "max_new_tokens")}
+    statics = {k: v for k, v in step_kw.items() if k not in dynamic}
+    t1 = time.perf_counter()
+    step.lower(*step_args, state, **dynamic, **statics).compile()
+    step_compile = time.perf_counter() - t1
+    compile_s += step_compile
+    shown = np.zeros(n, np.int64)
+    finish = [None] * n
+    while True:
+        counts = host(state.num_generated)[:n]
+        tokens = host(state.tokens)
+        done = host(state.done)
+        now = time.perf_counter() - start - step_compile
+        for b in range(n):
+            if counts[b] > shown[b]:
+                on_tokens(b, tokens[b, shown[b]:counts[b]].tolist())
+            if done[b] and finish[b] is None:
+                finish[b] = now
+        shown = counts
+        if bool(np.all(done)):
+            break
+        state = step(*step_args, state, **dynamic, **statics)
+    timing["compile_seconds"] = compile_s
+    timing["seconds"] = time.perf_counter() - start - step_compile
+    return state, finish
+
+
+def _result(model: Model, plan: GenerationPlan, out, tokens, host, n: int, timing: dict, finish) -> GenerationResult:
+    counts = host(out.num_generated)[:n]
+    failed = host(out.failed)[:n]
+    token_ids = [tokens[i, :counts[i]].tolist() for i in range(n)]
     texts = [model.tokenizer.decode(t, skip_special_tokens=True) if model.tokenizer is not None else None
              for t in token_ids]
+    seconds = timing["seconds"]
     total = int(counts.sum())
-    stats = {"mode": "incremental", "llm_passes": int(host(out.llm_passes)), "generated_tokens": total,
-             "seconds": seconds,
-             "tokens_per_s": total / seconds if seconds > 0 else float("inf"),
-             "prompt_bucket": width, "cache_len": cache_len}
-    return GenerationResult(token_ids=token_ids, texts=texts, prompt_token_ids=ids, stats=stats)
+    stats = {"mode": plan.mode, "llm_passes": int(host(out.llm_passes)), "generated_tokens": total,
+             "seconds": seconds, "tokens_per_s": total / seconds if seconds > 0 else float("inf"),
+             "prompt_bucket": int(plan.padded.shape[1]), "cache_len": plan.cache_len}
+    if "compile_seconds" in timing:
+        stats["compile_seconds"] = timing["compile_seconds"]
+    # Histograms count the loop's passes (tokens each emitted); the prefill pass, which emits the
+    # first token of every request, is counted in llm_passes only.
+    if plan.spec is None:
+        hist = np.zeros((n, 3), np.int64)
+        hist[:, 1] = np.maximum(counts - 1, 0)  # incremental decoding: one token per pass
+        depth_acc = np.zeros((n, 1), np.int64)
+    else:
+        hist = host(out.tokens_per_pass)[:n].astype(np.int64)
+        depth_acc = host(out.accepted_at_depth)[:n]
+        stats.update({"tree_nodes": plan.spec.num_nodes, "expansions": [e.widths for e in plan.spec.expansions],
+                      "verifier": plan.verifier, "draft": plan.draft})
+    batch_hist = hist.sum(0)
+    stats.update({"tokens_per_pass_histogram": batch_hist.tolist(),
+                  "mean_tokens_per_pass": _mean(batch_hist),
+                  "accepted_at_depth": depth_acc.sum(0).tolist()})
+    requests = []
+    for i in range(n):
+        took = finish[i] if finish is not None and finish[i] is not None else seconds
+        passes = 1 + int(hist[i].sum()) + int(failed[i] and counts[i] > 0)  # prefill + loop passes (+ failing one)
+        requests.append({"generated_tokens": int(counts[i]), "llm_passes": passes,
+                         "tokens_per_pass_histogram": hist[i].tolist(), "mean_tokens_per_pass": _mean(hist[i]),
+                         "accepted_at_depth": depth_acc[i].tolist(), "seconds": took,
+                         "tokens_per_s": int(counts[i]) / took if took > 0 else float("inf"),
+                         "failed": bool(failed[i])})
+    stats["requests"] = requests
+    result = GenerationResult(token_ids=token_ids, texts=texts, prompt_token_ids=plan.ids, stats=stats)
+    if failed.any():
+        bad = np.flatnonzero(failed).tolist()
+        raise GenerationError(f"requests {bad}: the LLM produced non-finite logits (NaN or inf; NaN weights or an "
+                              f"overflow) or a distribution without probability mass; they stopped there and no "
+                              f"token was invented", result=result, failed=bad)
+    return result
 
 
-def _place(parallel, model: Model, ssms, padded, lens, max_new_tokens: int, samplings):
+def _mean(hist) -> float:
+    hist = np.asarray(hist)
+    passes = int(hist.sum())
+    return float((hist * np.arange(len(hist))).sum() / passes) if passes else 0.0
+
+
+def _place(parallel, model: Model, ssms, plan: GenerationPlan):
     """(LLM params, SSM params, per-request inputs, fetch-to-host function), on the mesh when given.
 
     On a mesh the batch is padded with inert copies of request 0 (budget of 1 token, dropped from the
     results) to a multiple of dp x microbatches, so any batch size runs."""
-    n = len(lens)
+    n = len(plan.lens)
+    padded, lens, samplings = plan.padded, plan.lens, plan.samplings
     if parallel is None:
-        inputs = (jnp.asarray(padded), jnp.asarray(lens), jnp.full((n,), max_new_tokens, jnp.int32),
+        inputs = (jnp.asarray(padded), jnp.asarray(lens), jnp.full((n,), plan.max_new_tokens, jnp.int32),
                   SamplingArrays.from_params(samplings))
         return model.params, tuple(s.params for s in ssms), inputs, lambda x: np.asarray(jax.device_get(x))
-    extra = (-n) % parallel.batch_multiple()
+    extra = parallel.padding_for(n)
     padded = np.concatenate([padded, np.repeat(padded[:1], extra, axis=0)])
     lens = np.concatenate([lens, np.repeat(lens[:1], extra)]).astype(np.int32)
-    budget = np.array([max_new_tokens] * n + [1] * extra, np.int32)
+    budget = np.array([plan.max_new_tokens] * n + [1] * extra, np.int32)
     parallel.validate(model.config, n + extra, [s.config for s in ssms])
     params = parallel.put_params(model.params, model.config)
     ssm_params = tuple(parallel.put_params(s.params, s.config, parallel.ssm_rules) for s in ssms)
@@ -252,11 +424,19 @@ def _expansions(mode: str, expansion, n_ssms: int):
         expansion = (1,) * 8 if mode == "sequence" else DEFAULT_EXPANSION
     if isinstance(expansion, str):
         expansion = Expansion.parse(expansion).widths
-    per_ssm = (list(expansion) if expansion and isinstance(expansion[0], (tuple, list, Expansion))
-               else [expansion] * n_ssms)
+    if isinstance(expansion, Expansion):
+        expansion = expansion.widths
+    if not isinstance(expansion, (list, tuple)) or not expansion:
+        raise InputError(f"expansion must be a non-empty tuple of widths like (1, 1, 3, 1) or one per SSM, "
+                         f"got {expansion!r}")
+    per_ssm = (list(expansion) if isinstance(expansion[0], (tuple, list, Expansion)) else [expansion] * n_ssms)
     if len(per_ssm) != n_ssms:
         raise InputError(f"{len(per_ssm)} expansion configs for {n_ssms} SSMs")
     exps = [e if isinstance(e, Expansion) else Expansion(tuple(e)) for e in per_ssm]
+    nodes = 1 + sum(e.num_nodes - 1 for e in exps)
+    if nodes > MAX_TREE_NODES:
+        raise InputError(f"expansion {[list(e.widths) for e in exps]} makes a token tree of {nodes} nodes; the "
+                         f"limit is {MAX_TREE_NODES} (N_max)")
     if mode == "sequence" and any(set(e.widths) != {1} for e in exps):
         raise InputError(f"mode 'sequence' drafts a chain: widths must all be 1, got {[e.widths for e in exps]}")
     return exps
@@ -287,55 +467,23 @@ def resolve_verifier(verifier: str, draft: str, sampled: bool) -> tuple[str, str
     return verifier, draft
 
 
-def _generate_speculative(model, prompts, max_new_tokens, sampling, chat_template, ignore_eos, mode, ssms,
-                          expansion, impl, verifier="auto", draft="auto", parallel=None) -> GenerationResult:
+def _spec_config(model: Model, ssms: list, mode: str, expansion, impl: str, verifier: str, draft: str,
+                 sampled: bool):
     from specjax.kernels.tree_attention import resolve_impl
-    from specjax.speculative import SpecConfig, generate_speculative_jit
+    from specjax.speculative import SpecConfig
     from specjax.ssm import check_compatible
 
-    _check_max_new_tokens(max_new_tokens)
     if not ssms:
         raise InputError(f"mode {mode!r} needs at least one SSM (ssms=[...])")
     if mode == "sequence" and len(ssms) != 1:
         raise InputError(f"mode 'sequence' takes exactly one SSM, got {len(ssms)}")
     for i, ssm in enumerate(ssms):
+        if not isinstance(ssm, Model):
+            raise InputError(f"SSM {i} must be a Model (specjax.load_model or specjax.ssm.derive_ssm), got "
+                             f"{type(ssm).__name__}")
         check_compatible(model, ssm, name=f"SSM {i}")
-    samplings_given = _sampling_list(sampling, 1 if not isinstance(sampling, list) else len(sampling))
-    verifier, draft = resolve_verifier(verifier, draft, any(not s.greedy for s in samplings_given))
+    verifier, draft = resolve_verifier(verifier, draft, sampled)
     exps = _expansions(mode, expansion, len(ssms))
     spec = SpecConfig(ssm_configs=tuple(s.config for s in ssms), expansions=tuple(exps), impl=resolve_impl(impl),
                       verifier=verifier, draft=draft)
-    if spec.num_nodes > MAX_TREE_NODES:
-        raise InputError(f"the speculated tree has {spec.num_nodes} nodes, more than N_max={MAX_TREE_NODES}")
-    ids, lens, padded = _prepare(model, prompts, max_new_tokens, chat_template)
-    cfg = model.config
-    width = padded.shape[1]
-    max_out = _next_pow2(max_new_tokens)
-    cache_len = width + max_out + spec.num_nodes
-    params, ssm_params, inputs, host = _place(parallel, model, ssms, padded, lens, max_new_tokens,
-                                              _sampling_list(sampling, len(ids)))
-    t0 = time.perf_counter()
-    out = generate_speculative_jit(params, ssm_params, *inputs, cfg=cfg, spec=spec, cache_len=cache_len,
-                                   max_out=max_out, eos_ids=() if ignore_eos else _eos_ids(model), parallel=parallel)
-    tokens = host(out.tokens)
-    seconds = time.perf_counter() - t0
-    failed = np.flatnonzero(host(out.failed)[:len(ids)])
-    if failed.size:
-        raise SpecjaxError(f"requests {failed.tolist()}: the verifier met a distribution without probability mass "
-                           f"(NaN or -inf logits); no token was invented")
-    counts = host(out.num_generated)[:len(ids)]
-    hist = host(out.tokens_per_pass)
-    token_ids = [tokens[i, :counts[i]].tolist() for i in range(len(ids))]
-    texts = [model.tokenizer.decode(t, skip_special_tokens=True) if model.tokenizer is not None else None
-             for t in token_ids]
-    total = int(counts.sum())
-    request_passes = int(hist.sum())
-    stats = {"mode": mode, "llm_passes": int(host(out.llm_passes)), "generated_tokens": total, "seconds": seconds,
-             "tokens_per_s": total / seconds if seconds > 0 else float("inf"),
-             "tokens_per_pass_histogram": hist.tolist(),
-             "mean_tokens_per_pass": float((hist * np.arange(len(hist))).sum() / max(request_passes, 1)),
-             "accepted_at_depth": host(out.accepted_at_depth).tolist(),
-             "tree_nodes": spec.num_nodes, "expansions": [e.widths for e in exps],
-             "verifier": verifier, "draft": draft,
-             "prompt_bucket": width, "cache_len": cache_len}
-    return GenerationResult(token_ids=token_ids, texts=texts, prompt_token_ids=ids, stats=stats)
+    return spec, verifier, draft

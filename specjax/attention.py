@@ -51,16 +51,19 @@ def visibility_mask(meta: AttentionMeta, num_tokens: int, max_len: int) -> jax.A
 def attend_xla(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta, scale: float) -> jax.Array:
     """q: [B, T, H, Dh]; k, v: [B, S, KVH, Dh] (one layer's cache, block already written).
 
-    Returns [B, T, H, Dh]. Softmax in float32. Slots that no query may see are zeroed before use,
-    so NaN-poisoned unused slots cannot leak through 0 * NaN.
+    Returns [B, T, H, Dh]. Softmax in float32. Non-finite K/V (NaN-poisoned unused slots, or a
+    token whose activations overflowed) reach exactly the queries that attend to them, as NaN
+    outputs, exactly as in incremental decoding: they are zeroed before the matmuls (0 * NaN would
+    leak them into every query of the request) and re-imposed on the queries that see them.
     """
     batch, num_tokens, heads, head_dim = q.shape
     max_len, kv_heads = k.shape[1], k.shape[2]
     groups = heads // kv_heads
     mask = visibility_mask(meta, num_tokens, max_len)  # [B, T, S]
-    live = jnp.any(mask, axis=1)[:, :, None, None]  # [B, S, 1, 1]
-    k = jnp.where(live, k, 0)
-    v = jnp.where(live, v, 0)
+    kv_ok = jnp.all(jnp.isfinite(k), axis=-1) & jnp.all(jnp.isfinite(v), axis=-1)  # [B, S, KVH]
+    k = jnp.where(kv_ok[..., None], k, 0)
+    v = jnp.where(kv_ok[..., None], v, 0)
+    sees_bad = jnp.einsum("bts,bsk->btk", mask.astype(jnp.float32), (~kv_ok).astype(jnp.float32)) > 0
     qg = q.reshape(batch, num_tokens, kv_heads, groups, head_dim)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
@@ -68,4 +71,5 @@ def attend_xla(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta, sc
     sees_something = jnp.any(mask, axis=-1)[:, None, None, :, None]  # [B, 1, 1, T, 1]
     probs = jnp.where(sees_something, probs, 0.0).astype(v.dtype)  # a row that sees nothing outputs 0
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    out = jnp.where(sees_bad[:, :, :, None, None], jnp.nan, out)
     return out.reshape(batch, num_tokens, heads, head_dim)

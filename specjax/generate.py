@@ -1,7 +1,10 @@
 """Incremental decoding, the reference decoder: jitted prefill + one ``lax.while_loop`` decode.
 
 ``generate_incremental`` is a pure, jittable function of arrays (call it inside your own
-``jax.jit``); ``specjax.api.generate`` is the host wrapper that tokenises, buckets and detokenises.
+``jax.jit``); ``decode_init`` + ``decode_step`` are its host-loop twin (one call per LLM pass, the
+state donated), used for streaming; ``specjax.api.generate`` is the host wrapper that tokenises,
+buckets and detokenises. Non-finite logits (NaN weights, overflow) fail the request: it stops and
+emits nothing more, never a token read off a NaN row.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from specjax.attention import causal_meta
 from specjax.cache import KVCache, init_cache
 from specjax.config import ModelConfig
 from specjax.models import forward
-from specjax.sampling import SamplingArrays, sample_tokens
+from specjax.sampling import SamplingArrays, finite_rows, sample_tokens
 
 PAD_TOKEN = -1  # fills the unused tail of the output buffer
 
@@ -29,7 +32,8 @@ class DecodeState:
     last_token: jax.Array  # [B] int32, newest token of each request; its K/V is not cached yet
     tokens: jax.Array  # [B, M] int32, generated tokens, PAD_TOKEN beyond num_generated
     num_generated: jax.Array  # [B] int32
-    done: jax.Array  # [B] bool, request finished (EOS emitted or max_new_tokens reached)
+    done: jax.Array  # [B] bool, request finished (EOS, max_new_tokens or failure)
+    failed: jax.Array  # [B] bool, the LLM gave non-finite logits: the request stopped, nothing invented
     llm_passes: jax.Array  # [] int32, LLM forward passes so far (prefill included)
 
 
@@ -38,6 +42,7 @@ class GenerateOutput:
     tokens: jax.Array  # [B, M] int32, generated tokens (prompt excluded), PAD_TOKEN padded
     num_generated: jax.Array  # [B] int32
     llm_passes: jax.Array  # [] int32
+    failed: jax.Array  # [B] bool
 
 
 def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
@@ -61,21 +66,41 @@ def prefill(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, cache: KVC
 def decode_step(params, state: DecodeState, sampling: SamplingArrays, max_new_tokens: jax.Array,
                 cfg: ModelConfig, eos_ids: tuple[int, ...], parallel=None) -> DecodeState:
     """Feed each request's last token, commit it, sample the next one (for active requests)."""
-    active = ~state.done
     cache = state.cache
     logits, cache = forward(params, state.last_token[:, None], cache.length[:, None], cache,
                             causal_meta(cache.length), cfg, parallel=parallel)
-    new_length = cache.length + active.astype(jnp.int32)
+    ok = finite_rows(logits[:, 0])
+    failed = state.failed | (~state.done & ~ok)
+    active = ~state.done & ok
+    new_length = cache.length + (~state.done).astype(jnp.int32)  # the fed token's K/V is committed
     next_token = sample_tokens(logits[:, 0], sampling, positions=new_length)
     rows = jnp.arange(state.tokens.shape[0])
     slot = jnp.where(active, state.num_generated, state.tokens.shape[1])  # out of range -> dropped
     tokens = state.tokens.at[rows, slot].set(next_token, mode="drop")
     num_generated = state.num_generated + active.astype(jnp.int32)
-    done = state.done | is_eos(next_token, eos_ids) | (num_generated >= max_new_tokens)
+    done = state.done | failed | is_eos(next_token, eos_ids) | (num_generated >= max_new_tokens)
     return DecodeState(cache=cache.replace(length=new_length),
                        last_token=jnp.where(active, next_token, state.last_token),
-                       tokens=tokens, num_generated=num_generated, done=done,
+                       tokens=tokens, num_generated=num_generated, done=done, failed=failed,
                        llm_passes=state.llm_passes + 1)
+
+
+def decode_init(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, max_new_tokens: jax.Array,
+                sampling: SamplingArrays, *, cfg: ModelConfig, cache_len: int, max_out: int,
+                eos_ids: tuple[int, ...] = (), parallel=None) -> DecodeState:
+    """Prefill and sample each request's first token: the loop state before the first decode step."""
+    batch = prompt_tokens.shape[0]
+    dtype = jax.tree.leaves(params)[0].dtype
+    cache = init_cache(cfg, batch, cache_len, dtype)
+    if parallel is not None:
+        cache = parallel.constrain_cache(cache, cfg)
+    logits, cache = prefill(params, prompt_tokens, prompt_lens, cache, cfg, parallel)
+    ok = finite_rows(logits)
+    first = sample_tokens(logits, sampling, positions=prompt_lens)
+    tokens = jnp.full((batch, max_out), PAD_TOKEN, jnp.int32).at[:, 0].set(jnp.where(ok, first, PAD_TOKEN))
+    return DecodeState(cache=cache, last_token=first, tokens=tokens, num_generated=ok.astype(jnp.int32),
+                       done=~ok | is_eos(first, eos_ids) | (max_new_tokens <= 1), failed=~ok,
+                       llm_passes=jnp.ones((), jnp.int32))
 
 
 def generate_incremental(params, prompt_tokens: jax.Array, prompt_lens: jax.Array,
@@ -90,18 +115,8 @@ def generate_incremental(params, prompt_tokens: jax.Array, prompt_lens: jax.Arra
     the layers as a pipeline; None = whatever device the inputs are on).
     The host wrapper validates these bounds; inside jit they are the caller's contract.
     """
-    batch = prompt_tokens.shape[0]
-    dtype = jax.tree.leaves(params)[0].dtype
-    cache = init_cache(cfg, batch, cache_len, dtype)
-    if parallel is not None:
-        cache = parallel.constrain_cache(cache, cfg)
-    logits, cache = prefill(params, prompt_tokens, prompt_lens, cache, cfg, parallel)
-    first = sample_tokens(logits, sampling, positions=prompt_lens)
-    tokens = jnp.full((batch, max_out), PAD_TOKEN, jnp.int32).at[:, 0].set(first)
-    state = DecodeState(cache=cache, last_token=first, tokens=tokens,
-                        num_generated=jnp.ones((batch,), jnp.int32),
-                        done=is_eos(first, eos_ids) | (max_new_tokens <= 1),
-                        llm_passes=jnp.ones((), jnp.int32))
+    state = decode_init(params, prompt_tokens, prompt_lens, max_new_tokens, sampling, cfg=cfg, cache_len=cache_len,
+                        max_out=max_out, eos_ids=eos_ids, parallel=parallel)
 
     def cond(state: DecodeState):
         return jnp.any(~state.done)  # some request still needs tokens
@@ -109,11 +124,15 @@ def generate_incremental(params, prompt_tokens: jax.Array, prompt_lens: jax.Arra
     step = functools.partial(decode_step, params, sampling=sampling, max_new_tokens=max_new_tokens,
                              cfg=cfg, eos_ids=eos_ids, parallel=parallel)
     state = jax.lax.while_loop(cond, step, state)
-    return GenerateOutput(tokens=state.tokens, num_generated=state.num_generated, llm_passes=state.llm_passes)
+    return GenerateOutput(tokens=state.tokens, num_generated=state.num_generated, llm_passes=state.llm_passes,
+                          failed=state.failed)
 
 
 generate_incremental_jit = jax.jit(generate_incremental,
                                    static_argnames=("cfg", "cache_len", "max_out", "eos_ids", "parallel"))
+decode_init_jit = jax.jit(decode_init, static_argnames=("cfg", "cache_len", "max_out", "eos_ids", "parallel"))
+# The state is donated: its cache is updated in place, never copied per step.
+decode_step_jit = jax.jit(decode_step, static_argnames=("cfg", "eos_ids", "parallel"), donate_argnames=("state",))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "parallel"))

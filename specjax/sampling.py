@@ -1,6 +1,6 @@
 """Sampling: one warp pipeline and position-keyed Gumbel-max sampling.
 
-Definition (shared by incremental decoding and, later, seeded speculative verification): the token
+Definition (shared by incremental decoding and seeded speculative verification): the token
 at ABSOLUTE position t of a request with seed s is
 
     y_t = argmax_v( warp(logits_{t-1})[v] + G(s, t)[v] ),   G(s, t) = Gumbel(fold_in(key(s), t))
@@ -23,6 +23,9 @@ from specjax.errors import InputError
 from specjax.keys import sampling_key
 
 
+MIN_TEMPERATURE = 1e-6  # below it, float32 logits / temperature can overflow to inf
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings. temperature=0 means greedy (top_k/top_p then ignored)."""
@@ -34,11 +37,13 @@ class SamplingParams:
 
     def __post_init__(self):
         t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
-        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise InputError(f"temperature must be a finite number >= 0, got {t!r}")
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise InputError(f"top_k must be an int >= 0 (0 = off), got {k!r}")
-        if not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
+        if 0 < t < MIN_TEMPERATURE:  # logits / t would overflow float32: use 0 for greedy decoding
+            raise InputError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {t!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < 2**31:
+            raise InputError(f"top_k must be an int in [0, 2**31) (0 = off), got {k!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
             raise InputError(f"top_p must be in (0, 1], got {p!r}")
         if isinstance(s, bool) or not isinstance(s, int) or not (0 <= s < 2**31):
             raise InputError(f"seed must be an int in [0, 2**31), got {s!r}")
@@ -115,6 +120,12 @@ def gumbel_noise(seed: jax.Array, position: jax.Array, vocab: int) -> jax.Array:
         return jax.random.gumbel(sampling_key(s, t), (vocab,), jnp.float32)
 
     return jax.vmap(one)(seed, position)
+
+
+def finite_rows(logits: jax.Array) -> jax.Array:
+    """[..., V] -> [...] bool: the row has no NaN or infinite logit. A request whose LLM logits fail
+    this fails; nothing is sampled from such a row (argmax over NaN would invent token 0)."""
+    return jnp.all(jnp.isfinite(logits), axis=-1)
 
 
 def sample_tokens(logits: jax.Array, sampling: SamplingArrays, positions: jax.Array) -> jax.Array:

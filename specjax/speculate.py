@@ -52,7 +52,10 @@ class Expansion:
     def __post_init__(self):
         if not self.widths:
             raise InputError("expansion config is empty; use mode 'incremental' for no speculation")
-        bad = [k for k in self.widths if not isinstance(k, (int, np.integer)) or k < 1]
+        if not isinstance(self.widths, tuple):
+            raise InputError(f"expansion widths must be a tuple of positive ints, got {self.widths!r}")
+        bad = [k for k in self.widths if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer))
+               or k < 1]
         if bad:
             raise InputError(f"expansion widths must be positive ints, got {list(self.widths)}")
 
@@ -86,11 +89,11 @@ class Expansion:
 
     @classmethod
     def parse(cls, text: str) -> Expansion:
-        try:
-            widths = tuple(int(x) for x in text.split(",") if x.strip())
-        except ValueError:
-            raise InputError(f"expansion must be comma-separated ints like 1,1,3,1, got {text!r}") from None
-        return cls(widths)
+        """``"1,1,3,1"``; every item a positive int (``"1,,2"`` is an error, not (1, 2))."""
+        items = [x.strip() for x in text.split(",")]
+        if not all(x.isascii() and x.isdigit() for x in items):
+            raise InputError(f"expansion must be comma-separated positive ints like 1,1,3,1, got {text!r}")
+        return cls(tuple(int(x) for x in items))
 
 
 def static_tree(expansion: Expansion, batch: int, tokens: jax.Array, entry_ok: jax.Array | None = None,

@@ -23,7 +23,7 @@ from specjax.errors import InputError
 from specjax.generate import PAD_TOKEN, is_eos, prefill
 from specjax.models import forward
 from specjax import _mutation
-from specjax.sampling import SamplingArrays, sample_tokens
+from specjax.sampling import SamplingArrays, finite_rows, sample_tokens
 from specjax.speculate import DRAFTS, SAMPLED_DRAFTS, Expansion, draft_expansion, merge_trees, static_tree
 from specjax.tree import TokenTree
 from specjax.tree_forward import commit_path, tree_forward
@@ -88,10 +88,10 @@ class SpecState:
     tokens: jax.Array  # [B, M] int32, generated tokens, PAD_TOKEN beyond num_generated
     num_generated: jax.Array  # [B] int32
     done: jax.Array  # [B] bool
-    llm_passes: jax.Array  # [] int32, LLM forward passes (prefill included)
-    tokens_per_pass: jax.Array  # [D + 2] int32, histogram over (request, pass) of tokens emitted
-    accepted_at_depth: jax.Array  # [max(D, 1)] int32, accepted nodes at depth d + 1, summed over requests
-    failed: jax.Array  # [B] bool, a residual without probability mass (NaN logits); the request stops
+    llm_passes: jax.Array  # [] int32, LLM forward passes of the batch (prefill included)
+    tokens_per_pass: jax.Array  # [B, D + 2] int32, per request: histogram over its passes of tokens emitted
+    accepted_at_depth: jax.Array  # [B, max(D, 1)] int32, per request: accepted nodes at depth d + 1
+    failed: jax.Array  # [B] bool, non-finite LLM logits or a residual without mass; the request stops
 
 
 @struct.dataclass
@@ -99,8 +99,8 @@ class SpecOutput:
     tokens: jax.Array  # [B, M] int32
     num_generated: jax.Array  # [B] int32
     llm_passes: jax.Array  # [] int32
-    tokens_per_pass: jax.Array  # [D + 2] int32
-    accepted_at_depth: jax.Array  # [max(D, 1)] int32
+    tokens_per_pass: jax.Array  # [B, D + 2] int32 (sum over axis 0 for the batch's histogram)
+    accepted_at_depth: jax.Array  # [B, max(D, 1)] int32
     failed: jax.Array  # [B] bool
 
 
@@ -158,16 +158,24 @@ def spec_step(llm_params, ssm_params: tuple, state: SpecState, sampling: Samplin
     tree, laws, ssm_caches = build_tree(ssm_params, state, spec, sampling)
     logits, llm_cache = tree_forward(llm_params, tree, state.llm_cache, cfg, spec.impl, parallel)
     verdict = verify(logits, tree, laws, sampling, length, spec)
-
-    # Tokens this step emits: accepted nodes then the bonus, cut after an EOS and at max_new_tokens.
+    # Accepted token d + 1 was decided by the LLM's logits at path node d (the root is node 0); the bonus
+    # by the last accepted node. If path node j has non-finite logits (NaN weights, overflow), the tokens
+    # decided before it stand, exactly as incremental decoding emits them, and the request fails there.
     width = depth + 1
     j = jnp.arange(width)[None, :]
-    n_emit = verdict.num_accepted + 1
+    on_path = j <= verdict.num_accepted[:, None]
+    finite_at = jnp.take_along_axis(finite_rows(logits), jnp.maximum(verdict.path, 0), axis=1) | ~on_path
+    first_bad = jnp.min(jnp.where(finite_at, width, j), axis=1)  # width = none
+    ok = verdict.ok & (first_bad == width)  # verdict.ok: the final token's residual had mass
+    n_legit = jnp.where(first_bad < width, first_bad, verdict.num_accepted + verdict.ok.astype(jnp.int32))
+
+    # Tokens this step emits: accepted nodes then the bonus, cut after an EOS and at max_new_tokens.
+    n_emit = n_legit
     eos_at = jnp.where(is_eos(verdict.emitted, eos_ids) & (j < n_emit[:, None]), j, width)
     first_eos = jnp.min(eos_at, axis=1)
     n_emit = jnp.minimum(n_emit, first_eos + 1)
     n_emit = jnp.minimum(n_emit, max_new_tokens - state.num_generated)
-    n_emit = jnp.where(active & verdict.ok, n_emit, 0)  # a failed request emits nothing (no -2 sentinel)
+    n_emit = jnp.where(active, n_emit, 0)
     emit = j < n_emit[:, None]
     rows = jnp.arange(state.tokens.shape[0])[:, None]
     out_slot = jnp.where(emit, state.num_generated[:, None] + j, state.tokens.shape[1])
@@ -175,17 +183,20 @@ def spec_step(llm_params, ssm_params: tuple, state: SpecState, sampling: Samplin
     hist_slot = jnp.where(emit, length[:, None] + 1 + j, state.history.shape[1])
     history = state.history.at[rows, hist_slot].set(verdict.emitted, mode="drop")
     num_generated = state.num_generated + n_emit
-    failed = state.failed | (active & ~verdict.ok)
-    done = state.done | failed | (active & ((first_eos < n_emit) | (num_generated >= max_new_tokens)))
+    finished = (first_eos < n_emit) | (num_generated >= max_new_tokens)  # EOS or budget before any failure
+    failed = state.failed | (active & ~ok & ~finished)
+    done = state.done | failed | (active & finished)
 
     keep = jnp.where(active, verdict.num_accepted + 1, 0)  # root + accepted nodes
     llm_cache = commit_path(llm_cache, verdict.path, keep)
 
-    hist = state.tokens_per_pass.at[n_emit].add(active.astype(jnp.int32))
+    req = jnp.arange(state.tokens.shape[0])
+    counted = active & ~failed  # a failing pass is not a speculative pass of the request's histogram
+    hist = state.tokens_per_pass.at[req, n_emit].add(counted.astype(jnp.int32))
     acc = state.accepted_at_depth
     if depth:
-        reached = (jnp.arange(depth)[None, :] < verdict.num_accepted[:, None]) & active[:, None]
-        acc = acc + jnp.sum(reached, axis=0).astype(jnp.int32)
+        reached = (jnp.arange(depth)[None, :] < verdict.num_accepted[:, None]) & counted[:, None]
+        acc = acc + reached.astype(jnp.int32)
     return SpecState(llm_cache=llm_cache, ssm_caches=ssm_caches, history=history, tokens=tokens,
                      num_generated=num_generated, done=done, llm_passes=state.llm_passes + 1,
                      tokens_per_pass=hist, accepted_at_depth=acc, failed=failed)
@@ -203,6 +214,7 @@ def init_state(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, max_ne
     if parallel is not None:
         llm_cache = parallel.constrain_cache(llm_cache, cfg)
     logits, llm_cache = prefill(llm_params, prompt_tokens, prompt_lens, llm_cache, cfg, parallel)
+    ok = finite_rows(logits)
     first = sample_tokens(logits, sampling, positions=prompt_lens)
     if spec.verifier == "greedy" or _mutation.active() == "greedy_first_token":
         first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -219,11 +231,12 @@ def init_state(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, max_ne
         ssm_caches.append(cache.replace(length=prompt_lens.astype(jnp.int32)))
     depth = spec.max_depth
     return SpecState(llm_cache=llm_cache, ssm_caches=tuple(ssm_caches), history=history,
-                     tokens=jnp.full((batch, max_out), PAD_TOKEN, jnp.int32).at[:, 0].set(first),
-                     num_generated=jnp.ones((batch,), jnp.int32),
-                     done=is_eos(first, eos_ids) | (max_new_tokens <= 1), llm_passes=jnp.ones((), jnp.int32),
-                     tokens_per_pass=jnp.zeros((depth + 2,), jnp.int32),
-                     accepted_at_depth=jnp.zeros((max(depth, 1),), jnp.int32), failed=jnp.zeros((batch,), bool))
+                     tokens=jnp.full((batch, max_out), PAD_TOKEN, jnp.int32).at[:, 0].set(
+                         jnp.where(ok, first, PAD_TOKEN)),
+                     num_generated=ok.astype(jnp.int32),
+                     done=~ok | is_eos(first, eos_ids) | (max_new_tokens <= 1), llm_passes=jnp.ones((), jnp.int32),
+                     tokens_per_pass=jnp.zeros((batch, depth + 2), jnp.int32),
+                     accepted_at_depth=jnp.zeros((batch, max(depth, 1)), jnp.int32), failed=~ok)
 
 
 def generate_speculative(llm_params, ssm_params: tuple, prompt_tokens: jax.Array, prompt_lens: jax.Array,
@@ -260,7 +273,8 @@ def greedy_sampling(batch: int) -> SamplingArrays:
 
 generate_speculative_jit = jax.jit(generate_speculative,
                                    static_argnames=("cfg", "spec", "cache_len", "max_out", "eos_ids", "parallel"))
-step_jit = jax.jit(spec_step, static_argnames=("cfg", "spec", "eos_ids", "parallel"))
+# The state is donated: caches and buffers are updated in place, never copied per step.
+step_jit = jax.jit(spec_step, static_argnames=("cfg", "spec", "eos_ids", "parallel"), donate_argnames=("state",))
 
 
 def generate_stream(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, max_new_tokens,

@@ -13,21 +13,51 @@ from specjax.api import Model
 from specjax.errors import InputError
 
 
+def derived_layers(cfg, layers) -> list[int]:
+    """The LLM layer indices of a derived SSM: an int K (the first K layers) or a layer list;
+    checked against the LLM's layer count (a derived SSM must be smaller than the LLM)."""
+    total = cfg.num_layers
+    if isinstance(layers, (int, np.integer)) and not isinstance(layers, bool):
+        if not 1 <= layers < total:
+            raise InputError(f"a derived SSM takes the LLM's first K layers: K must be in [1, {total - 1}] for this "
+                             f"{total}-layer LLM, got {layers}")
+        return list(range(int(layers)))
+    idx = list(layers) if isinstance(layers, (list, tuple)) else None
+    if not idx or not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in idx) \
+            or idx != sorted(set(idx)) or idx[0] < 0 or idx[-1] >= total or len(idx) >= total:
+        raise InputError(f"a derived SSM needs strictly increasing layer indices in [0, {total - 1}], fewer than all "
+                         f"{total}, got {layers!r}")
+    return [int(i) for i in idx]
+
+
+def parse_derived(text: str, cfg) -> list[int]:
+    """``derived:auto`` (the first min(4, max(1, L // 4)) layers), ``derived:K`` or ``derived:i,j,..``."""
+    body = text.split(":", 1)[1]
+    if body == "auto":
+        return derived_layers(cfg, min(4, max(1, cfg.num_layers // 4)))
+    items = body.split(",")
+    if not all(x.strip().isascii() and x.strip().isdigit() for x in items):
+        raise InputError(f"--ssm {text!r}: expected derived:auto, derived:K or derived:i,j,... (non-negative ints)")
+    values = [int(x) for x in items]
+    return derived_layers(cfg, values[0] if len(values) == 1 else values)
+
+
 def derive_ssm(llm: Model, layers) -> Model:
     """An SSM made of a subset of the LLM's layers (in order) plus its embedding, final norm and head.
 
     ``layers``: an int k (the first k layers) or a sequence of layer indices. Needs no training and
     shares the tokenizer, so the main job speculates out of the box; trained SSMs replace it later.
+    With ``llm.params`` None (``specjax.describe_model``) the result has no params either.
     """
     cfg = llm.config
-    idx = list(range(layers)) if isinstance(layers, (int, np.integer)) else [int(i) for i in layers]
-    if not idx or len(idx) >= cfg.num_layers or idx != sorted(set(idx)) or idx[0] < 0 or idx[-1] >= cfg.num_layers:
-        raise InputError(f"a derived SSM needs a strictly increasing proper subset of layers 0..{cfg.num_layers - 1}, "
-                         f"got {layers!r}")
+    idx = derived_layers(cfg, layers)
+    config = dataclasses.replace(cfg, num_layers=len(idx))
+    if llm.params is None:
+        return Model(config, None, llm.tokenizer)
     params = dict(llm.params)
     take = np.asarray(idx)
     params["layers"] = jax.tree.map(lambda a: a[take], llm.params["layers"])
-    return Model(dataclasses.replace(cfg, num_layers=len(idx)), params, llm.tokenizer)
+    return Model(config, params, llm.tokenizer)
 
 
 def check_compatible(llm: Model, ssm: Model, name: str = "SSM") -> None:

@@ -172,11 +172,13 @@ def test_merge_holds_every_proposed_sequence_exactly_once(drafts, vocab):
 def test_bad_speculation_configs(llama):
     ssm = derive_ssm(llama, 1)
     p = [[1, 2, 3]]
-    with pytest.raises(InputError, match="expansion config is empty"):
+    with pytest.raises(InputError, match="expansion must be a non-empty tuple of widths"):
         specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], expansion=())
+    with pytest.raises(InputError, match="expansion config is empty"):
+        Expansion(())
     with pytest.raises(InputError, match="positive ints"):
         specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], expansion=(1, 0, 2))
-    with pytest.raises(InputError, match="more than N_max=64"):
+    with pytest.raises(InputError, match=r"makes a token tree of 85 nodes; the limit is 64 \(N_max\)"):
         specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], expansion=(4, 4, 4))
     with pytest.raises(InputError, match="needs at least one SSM"):
         specjax.generate(llama, p, max_new_tokens=4, mode="tree")

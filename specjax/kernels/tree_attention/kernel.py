@@ -35,16 +35,21 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, anc_ref, o_ref, *, region: int, re
     head_dim = q.shape[-1]
 
     def update(carry, k, v, mask):
-        m, l, acc = carry
-        s = jnp.where(mask, jnp.dot(q, k.astype(jnp.float32).T), -jnp.inf)  # [NP, BK]
+        m, l, acc, bad = carry
+        # Non-finite K/V rows (NaN-poisoned unused slots, overflowed activations) are zeroed, so they
+        # cannot leak through 0 * NaN, and re-imposed as NaN on exactly the queries that see them.
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+        row_ok = (jnp.min(jnp.isfinite(k).astype(jnp.int32), axis=1) > 0) & \
+            (jnp.min(jnp.isfinite(v).astype(jnp.int32), axis=1) > 0)  # [BK]
+        k = jnp.where(row_ok[:, None], k, 0.0)
+        v = jnp.where(row_ok[:, None], v, 0.0)
+        bad = bad | (jnp.max((mask & ~row_ok[None, :]).astype(jnp.int32), axis=1) > 0)
+        s = jnp.where(mask, jnp.dot(q, k.T), -jnp.inf)  # [NP, BK]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet stay at 0
         p = jnp.exp(s - m_safe[:, None])
         alpha = jnp.exp(m - m_safe)
-        # Zero V rows no query may see, so NaN-poisoned unused slots cannot leak through 0 * NaN.
-        live = jnp.max(mask.astype(jnp.int32), axis=0) > 0
-        v = jnp.where(live[:, None], v.astype(jnp.float32), 0.0)
-        return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + jnp.dot(p, v)
+        return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + jnp.dot(p, v), bad
 
     def prefix_block(i, carry):
         start = i * block_k
@@ -56,7 +61,7 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, anc_ref, o_ref, *, region: int, re
         return update(carry, k, v, mask)
 
     carry = (jnp.full((rows_padded,), -jnp.inf, jnp.float32), jnp.zeros((rows_padded,), jnp.float32),
-             jnp.zeros((rows_padded, head_dim), jnp.float32))
+             jnp.zeros((rows_padded, head_dim), jnp.float32), jnp.zeros((rows_padded,), bool))
     carry = jax.lax.fori_loop(0, pl.cdiv(length, block_k), prefix_block, carry)
 
     # Tree phase: slot j of the tree lives at cache row length + j.
@@ -70,8 +75,9 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, anc_ref, o_ref, *, region: int, re
         word = anc_ref[b, :, w]  # [NP]
         bits = jnp.where((j // 32 == w)[None, :], (word[:, None] >> shift[None, :]) & jnp.uint32(1), bits)
     mask = (bits > 0) & real[None, :]
-    m, l, acc = update(carry, k, v, mask)
+    m, l, acc, bad = update(carry, k, v, mask)
     out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]  # a row that saw nothing outputs 0
+    out = jnp.where(bad[:, None], jnp.nan, out)
     o_ref[b, :, h, :] = out.astype(o_ref.dtype)
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from specjax.api import Model
 from specjax.boost import read_shard
-from specjax.distill import EVAL_TOP_K, Examples, TrainConfig, evaluate, predicted_mask, train
+from specjax.distill import EVAL_TOP_K, Examples, TrainConfig, evaluate, predicted_mask, total_steps, train
 from specjax.errors import InputError
 from specjax.student import make_student, param_count
 
@@ -57,6 +57,32 @@ class Member:
         return cls(parts[0], layers, mlp, vocab)
 
 
+def check_members(members: list[Member], llm_cfg) -> None:
+    """Distinct names and architectures the LLM can give (checked before any corpus is generated)."""
+    names = [m.name for m in members]
+    if not members or len(set(names)) != len(names):
+        raise InputError(f"members need distinct names, got {names}")
+    for m in members:
+        if "/" in m.name or m.name in (".", "..", "train"):
+            raise InputError(f"member name {m.name!r} cannot be a directory name of its own (no '/', '.', '..', "
+                             f"'train')")
+        layers = list(m.layers)
+        if not layers or layers != sorted(set(layers)) or layers[0] < 0 or layers[-1] >= llm_cfg.num_layers:
+            raise InputError(f"member {m.name}: layers must be increasing indices in 0..{llm_cfg.num_layers - 1}, "
+                             f"got {m.layers}")
+        if m.mlp_size is not None and not 1 <= m.mlp_size <= llm_cfg.intermediate_size:
+            raise InputError(f"member {m.name}: MLP width must be in [1, {llm_cfg.intermediate_size}], got {m.mlp_size}")
+        if not 1 <= m.draft_vocab_size <= llm_cfg.vocab_size - 1:
+            raise InputError(f"member {m.name}: draft vocabulary size must be in [1, {llm_cfg.vocab_size - 1}], got "
+                             f"{m.draft_vocab_size}")
+
+
+def expected_steps(num_sequences: int, tc: TrainConfig) -> int:
+    """Optimizer steps per member for a corpus of ``num_sequences`` (every EVAL_EVERY_NTH held out)."""
+    held = -(-num_sequences // EVAL_EVERY_NTH)
+    return total_steps(num_sequences - held, tc)
+
+
 def read_corpus(corpus_dir: str) -> list[tuple[list[int], int]]:
     paths = sorted(glob.glob(os.path.join(corpus_dir, "shard-*.npz")))
     if not paths:
@@ -83,8 +109,7 @@ def boost_tune(llm: Model, corpus_dir: str, out_dir: str, members: list[Member],
     ``out_dir/boost_summary.json``. Returns one summary dict per member."""
     from specjax import load_model
 
-    if not members or len({m.name for m in members}) != len(members):
-        raise InputError(f"boost_tune needs members with distinct names, got {[m.name for m in members]}")
+    check_members(members, llm.config)
     if not 0.0 <= boost_weight < 1.0:
         raise InputError(f"boost_weight {boost_weight}: must be in [0, 1) (0 drops the tokens earlier members "
                          f"predict, as in SpecInfer; 1 would not boost at all)")

@@ -51,8 +51,12 @@ class TrainConfig:
     def __post_init__(self):
         if self.loss not in ("tokens", "kl"):
             raise InputError(f"loss must be 'tokens' or 'kl', got {self.loss!r}")
-        if self.epochs <= 0 or self.batch_size < 1 or self.learning_rate <= 0:
+        if not math.isfinite(self.epochs) or self.epochs <= 0 or self.batch_size < 1 \
+                or not math.isfinite(self.learning_rate) or self.learning_rate <= 0:
             raise InputError(f"epochs, batch_size and learning_rate must be positive, got {self}")
+        if self.warmup_steps < 0 or self.teacher_top_k < 1 or self.eval_every < 1 or self.checkpoint_every < 1:
+            raise InputError(f"warmup_steps must be >= 0 and teacher_top_k, eval_every, checkpoint_every >= 1, "
+                             f"got {self}")
 
 
 @dataclasses.dataclass
@@ -111,6 +115,17 @@ class Examples:
             ids[i, prompt_len - 1:len(seq) - 1] = t_ids
             logp[i, prompt_len - 1:len(seq) - 1] = t_logp
         return dataclasses.replace(self, teacher=(ids, logp))
+
+
+def batches_per_epoch(num_examples: int, batch_size: int) -> int:
+    """How many batches ``epoch_batches`` yields for this many examples (partial batches dropped)."""
+    chunk = 8 * batch_size
+    return sum(min(chunk, num_examples - start) // batch_size
+               for start in range(0, num_examples - batch_size + 1, chunk))
+
+
+def total_steps(num_examples: int, tc: "TrainConfig") -> int:
+    return math.ceil(tc.epochs * batches_per_epoch(num_examples, tc.batch_size))
 
 
 def epoch_batches(examples: Examples, batch_size: int, seed: int, epoch: int) -> list[np.ndarray]:
@@ -213,10 +228,14 @@ def train(student: Model, examples: Examples, tc: TrainConfig, checkpoint_dir: s
     if tc.loss == "kl" and precomputed and examples.teacher[0].shape[-1] != tc.teacher_top_k:
         raise InputError(f"precomputed teacher has top-{examples.teacher[0].shape[-1]}, "
                          f"TrainConfig.teacher_top_k is {tc.teacher_top_k}")
-    per_epoch = len(epoch_batches(examples, tc.batch_size, tc.seed, 0))
+    per_epoch = batches_per_epoch(len(examples), tc.batch_size)
     if per_epoch == 0:
         raise InputError(f"{len(examples)} examples make no batch of {tc.batch_size}")
     total = math.ceil(tc.epochs * per_epoch)
+    if total <= tc.warmup_steps:
+        raise InputError(f"{len(examples)} examples at batch size {tc.batch_size} for {tc.epochs:g} epochs give "
+                         f"{total} steps, not more than the {tc.warmup_steps} warm-up steps; train longer or on more "
+                         f"data")
     opt = make_optimizer(tc, total)
     params = jax.tree.map(jnp.asarray, student.params)
     opt_state = opt.init(params)

@@ -92,9 +92,10 @@ def test_logits_match_transformers(smollm2, hf_smollm2):
 def test_real_tree_logits_equal_incremental_decoding(smollm2):
     """A 15-node tree of real continuations (greedy path + top-3 alternatives at 4 depths).
 
-    Bound: float32 on a 30-layer model has a noise floor: incremental decoding and full recompute of
-    the same sequence already differ by ~8e-5 here (logits up to ~37). The tree must stay within
-    that floor (and 1e-4), and pick the same argmax at every node.
+    Bound: float32 on a 30-layer model has a noise floor, measured here: incremental decoding and full
+    recompute of the same sequences already differ by ~8e-5 (logits up to ~37; more or less on other
+    CPUs). The tree must stay within 1.5x that floor and pick the same argmax at every node; a
+    position off by one exceeds the bound by orders of magnitude (checked, so the bound has power).
     """
     import jax
     import jax.numpy as jnp
@@ -138,8 +139,12 @@ def test_real_tree_logits_equal_incremental_decoding(smollm2):
                                                                           impl=impl)
         got = np.asarray(logits)[0, :n]
         diff = float(np.abs(got - incremental).max())
-        assert diff <= min(1e-4, 1.5 * floor), f"{impl}: tree vs incremental {diff}, noise floor {floor}"
+        assert diff <= 1.5 * floor, f"{impl}: tree vs incremental {diff}, noise floor {floor}"
         np.testing.assert_array_equal(got.argmax(-1), incremental.argmax(-1))
+    # The bound has power: a position off by one (pitfall 11) lands far outside it.
+    shifted, _ = jax.jit(tree_forward, static_argnames=("cfg", "impl"))(
+        m.params, tree.replace(depth=tree.depth + 1), cache, cfg=m.config, impl="xla")
+    assert float(np.abs(np.asarray(shifted)[0, :n] - incremental).max()) > 100 * floor
 
 
 def _useless_ssm(llm):

@@ -7,11 +7,12 @@ Where the cluster comes from, first match wins:
 3. SLURM (``SLURM_NTASKS``, ``SLURM_PROCID``, first host of ``SLURM_STEP_NODELIST`` or
    ``SLURM_JOB_NODELIST``, port ``SPECJAX_COORDINATOR_PORT`` or 12355), only when asked for.
 
-Every wait is bounded (by about twice ``timeout_s`` in all): a coordinator that cannot be reached
-within ``timeout_s`` (or a port that cannot be bound) is a ShardingError before JAX is touched;
-peers that never arrive end JAX's initialisation after another ``timeout_s`` (JAX then terminates
-the process with DEADLINE_EXCEEDED; ``specjax launch`` reports it); a peer that dies later is
-detected by the heartbeat (``max(10, timeout_s)``) and shutdown waits at most ``timeout_s``.
+Every wait is bounded (by about twice ``timeout_s`` in all): before JAX is touched, the processes
+meet on the coordinator's port (``rendezvous``), so an unreachable coordinator, a port that cannot
+be bound, a peer that never arrives or a miscounted cluster is a ShardingError within
+``timeout_s`` naming the problem (JAX's own coordination service would abort the process instead);
+a peer that dies later is detected by the heartbeat (``max(10, timeout_s)``) and shutdown waits at
+most ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class Cluster:
     def __post_init__(self):
         if not re.fullmatch(r"[^:\s]+:\d{1,5}", self.coordinator or ""):
             raise ShardingError(f"coordinator ({self.source}) must be HOST:PORT, got {self.coordinator!r}")
+        if not 1 <= self.port <= 65535:
+            raise ShardingError(f"coordinator ({self.source}) port must be in [1, 65535], got {self.port}")
         if self.num_processes < 1:
             raise ShardingError(f"num_processes ({self.source}) must be >= 1, got {self.num_processes}")
         if not 0 <= self.process_id < self.num_processes:
@@ -113,17 +116,98 @@ def check_coordinator(cluster: Cluster, timeout_s: float) -> None:
             raise ShardingError(f"process 0 cannot serve as coordinator on port {cluster.port} ({cluster.source}): "
                                 f"{e.strerror or e}") from None
         return
+    _connect(cluster, timeout_s).close()
+
+
+def _connect(cluster: Cluster, timeout_s: float) -> socket.socket:
     deadline = time.monotonic() + timeout_s
     last = None
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection((cluster.host, cluster.port), timeout=1.0):
-                return
+            return socket.create_connection((cluster.host, cluster.port), timeout=1.0)
         except OSError as e:
             last = e
             time.sleep(0.2)
     raise ShardingError(f"process {cluster.process_id}: coordinator {cluster.coordinator} ({cluster.source}) "
                         f"unreachable for {timeout_s:g}s ({last}); is process 0 running and the address right?")
+
+
+_HELLO = "specjax-join"
+
+
+def rendezvous(cluster: Cluster, timeout_s: float) -> None:
+    """Meet every peer on the coordinator's port before ``jax.distributed.initialize`` binds it.
+
+    JAX's coordination service aborts the whole process (SIGABRT, a C++ fatal error) when peers do
+    not all arrive in time; meeting them first in Python turns a missing or miscounted peer into a
+    ShardingError within ``timeout_s`` that names what is missing. Process 0 listens, each peer
+    connects and says (num_processes, process_id), process 0 answers "go" once all have come."""
+    deadline = time.monotonic() + timeout_s
+    n = cluster.num_processes
+    if cluster.process_id != 0:
+        conn = _connect(cluster, timeout_s)
+        with conn:
+            conn.sendall(f"{_HELLO} {n} {cluster.process_id}\n".encode())
+            conn.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                answer = conn.makefile("r").readline().strip()
+            except OSError:
+                answer = ""
+        if answer != "go":
+            raise ShardingError(f"process {cluster.process_id}: the coordinator {cluster.coordinator} did not see all "
+                                f"{n} processes within {timeout_s:g}s ({answer or 'no answer'}); check that "
+                                f"{n} processes were started with the same --num-processes")
+        return
+    try:
+        server = socket.create_server(("", cluster.port))
+    except OSError as e:
+        raise ShardingError(f"process 0 cannot serve as coordinator on port {cluster.port} ({cluster.source}): "
+                            f"{e.strerror or e}") from None
+    peers: dict[int, socket.socket] = {}
+    try:
+        with server:
+            while len(peers) < n - 1:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(set(range(1, n)) - set(peers))
+                    raise ShardingError(f"process 0: only {len(peers)} of {n - 1} peer processes reached the coordinator "
+                                        f"{cluster.coordinator} within {timeout_s:g}s (missing process ids {missing}); "
+                                        f"check --num-processes ({n}) against the processes actually started")
+                server.settimeout(remaining)
+                try:
+                    conn, _ = server.accept()
+                except socket.timeout:
+                    continue
+                conn.settimeout(max(0.1, deadline - time.monotonic()))
+                try:
+                    words = conn.makefile("r").readline().split()
+                except OSError:
+                    words = []
+                if len(words) != 3 or words[0] != _HELLO or not words[1].isdigit() or not words[2].isdigit():
+                    conn.close()  # not one of ours
+                    continue
+                count, pid = int(words[1]), int(words[2])
+                if count != n:
+                    conn.sendall(f"process {pid} was told {count} processes, process 0 {n}\n".encode())
+                    conn.close()
+                    raise ShardingError(f"process 0: process {pid} was started with {count} processes, process 0 with "
+                                        f"{n}; give every process the same --num-processes")
+                if pid in peers or not 0 < pid < n:
+                    conn.close()
+                    raise ShardingError(f"process 0: a second process claims process id {pid}" if pid in peers else
+                                        f"process 0: a peer claims process id {pid}, outside [1, {n})")
+                peers[pid] = conn
+            for conn in peers.values():
+                conn.sendall(b"go\n")
+            for conn in peers.values():  # the peers close first, so no port lingers in TIME_WAIT here
+                conn.settimeout(5.0)
+                try:
+                    conn.recv(1)
+                except OSError:
+                    pass
+    finally:
+        for conn in peers.values():
+            conn.close()
 
 
 def initialize(cluster: Cluster | None, timeout_s: float = 60.0, cpu_devices: int | None = None) -> None:
@@ -136,9 +220,12 @@ def initialize(cluster: Cluster | None, timeout_s: float = 60.0, cpu_devices: in
         return
     # CPU devices of different processes talk through gloo (no-op for GPU/TPU backends).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    check_coordinator(cluster, timeout_s)
     print(f"specjax: process {cluster.process_id}/{cluster.num_processes} joining {cluster.coordinator} "
           f"({cluster.source}; peers must arrive within {timeout_s:g}s)", file=sys.stderr, flush=True)
+    if cluster.num_processes > 1:
+        rendezvous(cluster, timeout_s)
+    else:
+        check_coordinator(cluster, timeout_s)
     timeout = max(1, int(timeout_s))
     try:
         jax.distributed.initialize(cluster.coordinator, num_processes=cluster.num_processes,

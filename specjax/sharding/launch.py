@@ -12,6 +12,8 @@ On a real cluster use srun/mpirun with ``specjax generate --distributed slurm`` 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,10 +39,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# gloo's per-connection chatter ("[Gloo] Rank 3 is connected to 7 peer ranks ..."): kept for the
+# failure diagnosis, not shown.
+_NOISE = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+
+
 def _pump(stream, sink, prefix: str, tail: list):
     for line in iter(stream.readline, ""):
         tail.append(line)
         del tail[:-40]
+        if _NOISE.match(line):
+            continue
         sink.write(prefix + line)
         sink.flush()
     stream.close()
@@ -56,6 +65,14 @@ def launch(command: list[str], num_processes: int, cpu_devices: int | None = Non
         raise ShardingError("specjax launch: no command given (specjax launch -n 2 -- COMMAND ...)")
     if num_processes < 1:
         raise ShardingError(f"--num-processes must be >= 1, got {num_processes}")
+    if cpu_devices is not None and cpu_devices < 1:
+        raise ShardingError(f"--cpu-devices must be >= 1, got {cpu_devices}")
+    if port is not None and not 1 <= port <= 65535:
+        raise ShardingError(f"--port must be in [1, 65535], got {port}")
+    if not timeout_s > 0:
+        raise ShardingError(f"--timeout must be > 0 seconds, got {timeout_s}")
+    if shutil.which(command[0]) is None:
+        raise ShardingError(f"specjax launch: command {command[0]!r} not found (not an executable file or on PATH)")
     port = port or free_port()
     procs, pumps, tails = [], [], []
     for i in range(num_processes):
@@ -87,15 +104,18 @@ def launch(command: list[str], num_processes: int, cpu_devices: int | None = Non
         t.join(timeout=5)
     if not failed:
         return 0
-    if failed == "timeout":
-        raise ShardingError(f"specjax launch: {num_processes} processes still running after {timeout_s:g}s; "
-                            f"stopped all of them")
+    if isinstance(failed, tuple):  # ("timeout", processes still running at the deadline)
+        running = failed[1]
+        raise ShardingError(f"specjax launch: {len(running)} of {num_processes} processes (ids {running}) still "
+                            f"running after {timeout_s:g}s; stopped them")
     text: dict = {}
     for i, tail in tails:  # stdout and stderr of each process
         text[i] = text.get(i, "") + "".join(tail)
     collateral = [i for i, _ in failed if "another task died" in text.get(i, "")]
     index, code = next(((i, c) for i, c in failed if i not in collateral), failed[0])  # blame the first real death
-    why = next((d for key, d in _DIAGNOSES if key in text.get(index, "")), "see its output above")
+    own = [m.group(1).strip() for line in text.get(index, "").splitlines()
+           if (m := re.search(r"(?:specjax: error:|specjax\.errors\.\w+Error:)(.*)", line))]
+    why = own[-1] if own else next((d for key, d in _DIAGNOSES if key in text.get(index, "")), "see its output above")
     signame = f" ({signal.Signals(-code).name})" if code < 0 and -code in signal.Signals._value2member_map_ else ""
     raise ShardingError(f"specjax launch: process {index} exited with code {code}{signame}: {why}; "
                         f"stopped the other {num_processes - 1}")
@@ -106,7 +126,8 @@ def _raise_interrupt(signum, frame):
 
 
 def _watch(procs, deadline: float):
-    """Poll until all succeed ([]), some fail ([(index, code), ...] in the order seen) or the deadline ("timeout").
+    """Poll until all succeed ([]), some fail ([(index, code), ...] in the order seen) or the deadline
+    (("timeout", ids of the processes still running)).
     After the first failure, wait briefly so that the processes it takes down are told apart from it."""
     failed: list = []
     settle = None
@@ -122,7 +143,7 @@ def _watch(procs, deadline: float):
         elif all(p.poll() == 0 for p in procs):
             return []
         elif time.monotonic() > deadline:
-            return "timeout"
+            return "timeout", [i for i, p in enumerate(procs) if p.poll() is None]
         time.sleep(0.05)
 
 

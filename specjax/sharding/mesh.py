@@ -58,11 +58,15 @@ def make_mesh(shape: MeshShape | str = MeshShape(), devices=None) -> Mesh:
     """A Mesh of exactly ``shape.size`` devices (all of ``jax.devices()`` by default)."""
     shape = MeshShape.parse(shape) if isinstance(shape, str) else shape
     devices = list(jax.devices() if devices is None else devices)
-    if shape.size != len(devices):
-        hint = (" (on CPU, set JAX_NUM_CPU_DEVICES before jax is imported)"
+    if shape.size > len(devices):
+        hint = (" (on CPU, simulate more with JAX_NUM_CPU_DEVICES, set before jax is imported)"
                 if devices and devices[0].platform == "cpu" else "")
         raise ShardingError(f"mesh {shape} needs {shape.pp} x {shape.dp} x {shape.tp} = {shape.size} devices, "
-                            f"but {len(devices)} are available{hint}")
+                            f"but only {len(devices)} are available{hint}")
+    if shape.size < len(devices):
+        raise ShardingError(f"mesh {shape} uses {shape.size} of the {len(devices)} devices; a mesh must use every "
+                            f"device (e.g. add dp={len(devices) // shape.size} to replicate it"
+                            f"{'' if len(devices) % shape.size == 0 else ', once the count divides'})")
     grid = np.empty(len(devices), dtype=object)
     grid[:] = devices
     return Mesh(grid.reshape(shape.pp, shape.dp, shape.tp), AXES)

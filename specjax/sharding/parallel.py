@@ -82,6 +82,19 @@ class Parallel:
         per_replica = (self.microbatches or self.pp) if self.pipelined else 1
         return self.replicas * per_replica
 
+    def padding_for(self, requests: int) -> int:
+        """Inert requests to add to a batch of ``requests`` so it splits over dp and the microbatches.
+
+        An explicit ``microbatches`` larger than the requests each dp replica gets is refused: the
+        extra groups would hold nothing but padding (1000 microbatches would turn one prompt into
+        1000 requests)."""
+        per_replica = -(-requests // self.replicas)
+        if self.pipelined and self.microbatches is not None and self.microbatches > per_replica:
+            raise ShardingError(f"microbatches={self.microbatches} exceeds the {per_replica} request(s) per dp replica "
+                                f"of this batch of {requests}; use at most {per_replica} microbatches (CLI: "
+                                f"--microbatches, at most --batch-size / dp)")
+        return (-requests) % self.batch_multiple()
+
     def num_microbatches(self, local_batch: int) -> int:
         """Request groups for one dp replica's ``local_batch`` requests: ``microbatches`` or pp."""
         groups = self.microbatches or min(self.pp, local_batch)

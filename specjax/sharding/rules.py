@@ -89,8 +89,9 @@ class ShardingRules:
 
 def _hint(logical: str) -> str:
     if logical == "heads":
-        return ("; replicate attention with ShardingRules(heads=None, kv_heads=None) to split only the MLP "
-                "and vocabulary, or choose a tp that divides the head count")
+        return ("; keep attention heads whole on every tensor shard (CLI: --replicate-attention; Python: "
+                "ShardingRules(heads=None, kv_heads=None)), which splits only the MLP and vocabulary, or choose a tp "
+                "that divides the head count")
     if logical == "layers":
         return "; choose a pp that divides the layer count"
     if logical == "batch":

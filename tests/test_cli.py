@@ -1,0 +1,217 @@
+"""The ``specjax`` command as a user meets it: streaming text, one stats line per prompt, --json
+records per prompt, clean stdout, complete --help, and every refusal a clear error with status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from specjax.cli import build_parser, main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli(*args, timeout=600, env=None):
+    return subprocess.run([sys.executable, "-m", "specjax", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, env=dict(os.environ, **(env or {})))
+
+
+def _subparsers():
+    parser = build_parser()
+    action = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    return parser, action.choices
+
+
+def test_help_of_every_subcommand_shows_every_option_with_help_and_default():
+    parser, subs = _subparsers()
+    assert set(subs) == {"generate", "launch", "convert", "boost-tune"}
+    assert "`" not in parser.description  # plain text
+    for name, sub in subs.items():
+        text = sub.format_help()
+        for action in sub._actions:
+            if action.dest == "help":
+                continue
+            assert action.help, f"{name}: {action.option_strings or action.dest} has no help"
+            if action.option_strings:
+                shown = sub._get_formatter()._get_help_string(action)
+                assert "(default" in shown or action.required, \
+                    f"{name} {action.option_strings}: no default shown ({shown!r})"
+        assert "incremental decoding)" not in text
+    assert "speculat" in subs["generate"].description
+
+
+def test_help_goes_to_stdout(capfd):
+    assert main(["generate", "--help"]) == 0
+    out, err = capfd.readouterr()
+    assert "--max-new-tokens" in out and "(default: 128)" in out and not err
+
+
+def test_tiny_model_generate_streams_and_prints_one_stats_line(tiny_llama_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": [1, 2, 3]}\n{"prompt": [4, 5]}\n')
+    r = cli("generate", "--model", tiny_llama_dir, "--prompts-file", str(prompts), "--max-new-tokens", "6",
+            "--ssm", "derived:1", "--expansion", "1,2")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("### prompt") == 2  # no tokenizer: token ids, one block per prompt
+    stats = [line for line in r.stderr.splitlines() if line.startswith("# ")]
+    assert len(stats) == 2, r.stderr
+    for line in stats:
+        assert re.search(r"# 6 tokens in [\d.]+ s = [\d.]+ tokens/s \| load [\d.]+ s, compile [\d.]+ s \| \d+ LLM "
+                         r"passes, [\d.]+ tokens per pass \| tree, SSMs derived:1, expansion 1,2", line), line
+
+
+def test_json_records_are_per_prompt_and_the_only_stdout(tiny_llama_dir, tmp_path):
+    import specjax
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": [1, 2, 3]}\n{"prompt": [7, 8, 9, 10, 11]}\n')
+    r = cli("generate", "--model", tiny_llama_dir, "--prompts-file", str(prompts), "--max-new-tokens", "9",
+            "--batch-size", "2", "--ssm", "derived:1", "--expansion", "1,1", "--json")
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(line) for line in r.stdout.splitlines()]  # every stdout line is JSON
+    assert [rec["prompt"] for rec in records] == [[1, 2, 3], [7, 8, 9, 10, 11]]
+    model = specjax.load_model(tiny_llama_dir, progress=False)
+    for rec in records:
+        alone = specjax.generate(model, [rec["prompt"]], max_new_tokens=9, ssms=[specjax.ssm.derive_ssm(model, 1)],
+                                 expansion=(1, 1))
+        assert rec["token_ids"] == alone.token_ids[0]
+        # this request's own statistics, not the batch's
+        assert rec["llm_passes"] == alone.stats["llm_passes"]
+        assert rec["tokens_per_pass_histogram"] == alone.stats["tokens_per_pass_histogram"]
+        assert sum(rec["tokens_per_pass_histogram"]) == rec["llm_passes"] - 1  # the prefill pass is apart
+    assert records[0]["llm_passes"] != records[1]["llm_passes"] or \
+        records[0]["tokens_per_pass_histogram"] != records[1]["tokens_per_pass_histogram"]
+
+
+def test_stdout_is_protected_from_native_writes(capfd):
+    """What C++ code writes to file descriptor 1 (gloo's connection lines) lands on stderr."""
+    from specjax.cli import _clean_stdout
+
+    with _clean_stdout() as out:
+        os.write(1, b"[Gloo] Rank 0 is connected\n")
+        out.write("record\n")
+    captured = capfd.readouterr()
+    assert captured.out == "record\n" and "[Gloo]" in captured.err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--batch-size", "-1"], "--batch-size must be >= 1, got -1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--top-k", "1000000000000"], "top_k must be an int in [0, 2**31)"),
+    (["--temperature", "1e-30"], "temperature must be 0 (greedy) or >= 1e-06"),
+    (["--expansion=1,,2"], "expansion must be comma-separated positive ints like 1,1,3,1, got '1,,2'"),
+    (["--expansion", "100,100,100"], "makes a token tree of 1010101 nodes; the limit is 64"),
+    (["--ssm", "derived:0"], "K must be in [1, 1] for this 2-layer LLM, got 0"),
+    (["--ssm", "derived:x"], "expected derived:auto, derived:K or derived:i,j,..."),
+    (["--ssm", "/nonexistent/ssm"], "'/nonexistent/ssm' is neither a registered model"),
+    (["--mode", "incremental", "--ssm", "derived:1"], "--mode incremental drafts nothing"),
+    (["--microbatches", "1000"], "--microbatches needs --mesh"),
+    (["--mesh", "pp=2", "--microbatches", "1000"], "--microbatches 1000 exceeds --batch-size 1"),
+    (["--mesh", "tp=4"], "mesh pp=1,dp=1,tp=4 uses 4 of the 8 devices; a mesh must use every device"),
+    (["--mesh", "tp=3,dp=x"], "expected comma-separated AXIS=SIZE"),
+    (["--mesh", "tp=8"], "--replicate-attention"),
+    (["--temperature", "0.5", "--verifier", "greedy"], "verifier 'greedy' decodes greedily"),
+    (["--temperature", "0.5", "--verifier", "rrs", "--draft", "iid"], "verifier 'rrs' is not lossless"),
+    (["--max-new-tokens", "2000"], "exceeds the context window of 1024"),
+])
+def test_bad_generate_flags_fail_fast_with_status_2(tiny_llama_dir, args, message):
+    env = {"JAX_NUM_CPU_DEVICES": "8"}
+    r = cli("generate", "--model", tiny_llama_dir, "--prompts-file", os.path.join(ROOT, "tests", "data", "ids.jsonl"),
+            *args, env=env)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "loading" not in r.stderr  # refused before the weights load
+
+
+@pytest.mark.parametrize("content,message", [
+    (b'{"prompt": null}\n', "p.jsonl:1: expected a JSON object whose 'prompt' is"),
+    (b'{"prompt": ""}\n', "p.jsonl:1: expected a JSON object whose 'prompt' is"),
+    (b'{"prompt": [1, true]}\n', "p.jsonl:1: expected a JSON object whose 'prompt' is"),
+    (b'{"prompt": [1, 2.5]}\n', "p.jsonl:1: expected a JSON object whose 'prompt' is"),
+    (b'{"text": "no prompt"}\n', "it has no 'prompt' key"),
+    (b'[1, 2]\n', "the line is not a JSON object"),
+    (b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n', "p.jsonl:2: not valid UTF-8"),
+    (b"\n\n", "no prompts in the file"),
+    (b'{"prompt": [1, 99999]}\n', "token id 99999 is not in [0, 128)"),
+])
+def test_bad_prompts_files(tiny_llama_dir, tmp_path, content, message):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(content)
+    r = cli("generate", "--model", tiny_llama_dir, "--prompts-file", str(path), "--no-chat-template")
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_prompts_file_that_is_a_directory_or_missing(tiny_llama_dir, tmp_path):
+    r = cli("generate", "--model", tiny_llama_dir, "--prompts-file", str(tmp_path))
+    assert r.returncode == 2 and "is a directory" in r.stderr
+    r = cli("generate", "--model", tiny_llama_dir, "--prompts-file", str(tmp_path / "none.jsonl"))
+    assert r.returncode == 2 and "prompts file not found" in r.stderr
+
+
+def test_prompt_with_invalid_utf8_bytes(tiny_llama_dir):
+    r = subprocess.run([sys.executable.encode(), b"-m", b"specjax", b"generate", b"--model", tiny_llama_dir.encode(),
+                        b"--prompt", b"caf\xe9"], capture_output=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 2 and b"--prompt is not valid UTF-8 text" in r.stderr, r.stderr
+
+
+def test_convert_refuses_bad_destinations_before_loading(tiny_llama_dir, tmp_path):
+    existing = tmp_path / "file"
+    existing.write_text("x")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "a").write_text("x")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    os.chmod(locked, 0o500)
+    cases = [(existing, "exists and is a file"), (existing / "sub", "which is a file"),
+             (full, "exists and is not empty")]
+    if os.geteuid() != 0:  # root writes anywhere
+        cases.append((locked / "ckpt", "is not writable"))
+    for dst, message in cases:
+        r = cli("convert", tiny_llama_dir, str(dst))
+        assert r.returncode == 2 and message in r.stderr, (dst, r.stderr)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--", "/nonexistent/cmd"], "command '/nonexistent/cmd' not found"),
+    (["--port", "99999", "--", "true"], "--port must be in [1, 65535], got 99999"),
+    (["--timeout", "-1", "--", "true"], "--timeout must be > 0 seconds"),
+    (["--cpu-devices", "0", "--", "true"], "--cpu-devices must be >= 1"),
+    ([], "no command given"),
+])
+def test_bad_launch_flags(args, message):
+    r = cli("launch", "-n", "2", *args, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--num-prompts", "-3"], "--num-prompts must be >= 1, got -3"),
+    (["--num-prompts", "100000"], "the templates give"),
+    (["--epochs", "-1"], "--epochs must be a positive number"),
+    (["--epochs", "nan"], "--epochs must be a positive number"),
+    (["--learning-rate", "0"], "--learning-rate must be a positive number"),
+    (["--member", "a:0", "--member", "a:1"], "members need distinct names"),
+    (["--member", "a:0,5"], "layers must be increasing indices in 0..1"),
+    (["--member", "a"], "expected NAME:LAYERS[:MLP[:VOCAB]]"),
+    (["--member", "a:0:99999"], "MLP width must be in [1, 96]"),
+    (["--temperatures", "0,x"], "--temperatures '0,x'"),
+    (["--temperatures", "-1"], "temperature must be a finite number >= 0"),
+    (["--num-prompts", "10", "--epochs", "1"], "not more than the 20 warm-up steps"),
+    (["--boost-weight", "1"], "--boost-weight 1.0: must be in [0, 1)"),
+    (["--exclude-prompts", "/nonexistent.jsonl"], "prompts file not found"),
+])
+def test_bad_boost_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, args, message):
+    members = [] if "--member" in args else ["--member", "m:0:32:64"]  # the default members fit SmolLM2 only
+    r = cli("boost-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "o"),
+            *members, *args)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert not (tmp_path / "c").exists() and not (tmp_path / "o").exists()  # refused before any work

@@ -88,15 +88,20 @@ def test_json_records_are_per_prompt_and_the_only_stdout(tiny_llama_dir, tmp_pat
         records[0]["tokens_per_pass_histogram"] != records[1]["tokens_per_pass_histogram"]
 
 
-def test_stdout_is_protected_from_native_writes(capfd):
-    """What C++ code writes to file descriptor 1 (gloo's connection lines) lands on stderr."""
-    from specjax.cli import _clean_stdout
-
-    with _clean_stdout() as out:
-        os.write(1, b"[Gloo] Rank 0 is connected\n")
-        out.write("record\n")
-    captured = capfd.readouterr()
-    assert captured.out == "record\n" and "[Gloo]" in captured.err
+def test_stdout_is_protected_from_native_writes():
+    """What C++ code writes to file descriptor 1 (gloo's connection lines) lands on stderr, while the
+    command's own records reach the real stdout. Run in a child whose fd 1 is a pipe, as under a shell
+    pipeline (pytest's capture replaces sys.stdout, where fd 1 is not the command's to move)."""
+    code = ("import os\n"
+            "from specjax.cli import _clean_stdout\n"
+            "with _clean_stdout() as out:\n"
+            "    os.write(1, b'[Gloo] Rank 0 is connected\\n')\n"
+            "    out.write('record\\n')\n"
+            "os.write(1, b'after\\n')\n")  # fd 1 is restored afterwards
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "record\nafter\n"
+    assert "[Gloo] Rank 0 is connected" in proc.stderr
 
 
 @pytest.mark.parametrize("args,message", [

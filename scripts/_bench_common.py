@@ -58,7 +58,7 @@ def load_hf_reference(gguf_path: str):
 def load_ssm(llm, spec: str):
     """--ssm: 'derived:K' (the LLM's first K layers), 'derived:i,j,..' (a layer list) or a model path."""
     import specjax
-    from specjax.ssm import derive_ssm
+    from specjax.speculation.drafters.ssm import derive_ssm
 
     if spec.startswith("derived:"):
         layers = [int(x) for x in spec.split(":", 1)[1].split(",")]

@@ -32,7 +32,7 @@ def main() -> None:
     import torch
 
     import specjax
-    from specjax.registry import resolve
+    from specjax.io.registry import resolve
 
     common.print_header("specjax incremental decoding vs transformers generate (greedy, float32, batch 1)")
     print(f"# torch {torch.__version__} ({torch.get_num_threads()} threads)")

@@ -37,9 +37,9 @@ def main() -> None:
 
     jax.config.update("jax_default_matmul_precision", "highest")
     import specjax
-    from specjax.generate import full_logits
+    from specjax.decoding.incremental import full_logits
     from specjax.sharding import Parallel, ShardingRules
-    from specjax.speculate import Expansion
+    from specjax.speculation.expansion import Expansion
 
     common.print_header("specjax on simulated CPU meshes vs one device (float32, greedy)")
     model = specjax.load_model(args.model, progress=False)

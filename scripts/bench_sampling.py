@@ -40,8 +40,8 @@ def main() -> None:
     args = ap.parse_args()
 
     import specjax
-    from specjax.registry import resolve
-    from specjax.ssm import export_hf
+    from specjax.io.hf_export import export_hf
+    from specjax.io.registry import resolve
 
     common.print_header("stochastic speculative decoding: naive vs MSS vs RRS vs seeded (float32, batch 1)")
     records = common.load_prompts(common.DEFAULT_PROMPTS, args.num_dev_prompts, args.stride)

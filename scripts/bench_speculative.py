@@ -39,8 +39,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     import specjax
-    from specjax.registry import resolve
-    from specjax.ssm import draft_vocab_mask, export_hf
+    from specjax.io.hf_export import draft_vocab_mask, export_hf
+    from specjax.io.registry import resolve
 
     common.print_header("speculative vs incremental vs transformers (greedy, float32, batch 1)")
     records = common.load_prompts(common.DEFAULT_PROMPTS, args.num_dev_prompts, args.stride)

@@ -45,9 +45,9 @@ def main() -> None:
     import numpy as np
 
     import specjax
-    from specjax.generate import generate_incremental_jit
+    from specjax.decoding.incremental import generate_incremental_jit
     from specjax.models import init_params
-    from specjax.speculative import greedy_sampling
+    from specjax.speculation.loop import greedy_sampling
 
     common.print_header("SSM candidates: per-token cost vs the LLM (batch 1, float32, greedy decode)")
     llm = specjax.load_model(args.model, progress=False)

@@ -32,9 +32,9 @@ def main() -> None:
     import numpy as np
 
     import specjax
-    from specjax.cache import init_cache
-    from specjax.tree import from_parents
-    from specjax.tree_forward import tree_forward
+    from specjax.models.cache import init_cache
+    from specjax.speculation.commit import tree_forward
+    from specjax.speculation.tree import from_parents
 
     common.print_header("one tree forward of the LLM, wall time vs tree size")
     model = specjax.load_model(args.model, progress=False)

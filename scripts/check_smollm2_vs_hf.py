@@ -23,7 +23,7 @@ def main() -> None:
     import torch
 
     import specjax
-    from specjax.registry import resolve
+    from specjax.io.registry import resolve
 
     common.print_header("greedy equivalence: specjax vs transformers on SmolLM2-135M-Instruct (float32)")
     records = common.load_prompts(args.prompts_file, None)

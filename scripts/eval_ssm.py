@@ -36,8 +36,8 @@ def table1(llm, ssms, names, prompts, n):
     import numpy as np
 
     import specjax
-    from specjax.generate import full_logits
-    from specjax.sampling import SamplingParams
+    from specjax.decoding.incremental import full_logits
+    from specjax.decoding.sampling import SamplingParams
 
     out = {name: {} for name in names + ["pool (any member)"]}
     for kind, temperature in (("greedy", 0.0), ("stochastic", 1.0)):
@@ -69,7 +69,7 @@ def table1(llm, ssms, names, prompts, n):
 
 def tokens_per_pass(llm, ssms, prompts, n, expansion, temperature, verifier="auto"):
     import specjax
-    from specjax.sampling import SamplingParams
+    from specjax.decoding.sampling import SamplingParams
 
     sampling = [SamplingParams(temperature=temperature, seed=2000 + i) for i in range(len(prompts))]
     res = specjax.generate(llm, prompts, max_new_tokens=n, sampling=sampling, ssms=ssms, mode="tree",

@@ -27,8 +27,8 @@ def mss_acceptance(llm, ssm, sequences, taus, batch_size=8):
     import jax.numpy as jnp
     import numpy as np
 
-    from specjax.distill import Examples
-    from specjax.generate import full_logits
+    from specjax.boost.distill import Examples
+    from specjax.decoding.incremental import full_logits
 
     @jax.jit
     def summed(llm_logits, ssm_logits, weights):
@@ -58,8 +58,8 @@ def main() -> None:
     common.print_header("Pool diagnostics on the corpus hold-out (teacher-forced)")
 
     from specjax import load_model
-    from specjax.boost_tune import EVAL_EVERY_NTH, read_corpus, restricted
-    from specjax.distill import Examples, evaluate, predicted_mask
+    from specjax.boost.distill import Examples, evaluate, predicted_mask
+    from specjax.boost.pool import EVAL_EVERY_NTH, read_corpus, restricted
 
     held_seqs = [s for i, s in enumerate(read_corpus(args.corpus)) if i % EVAL_EVERY_NTH == 0]
     held = Examples.build(held_seqs)

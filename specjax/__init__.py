@@ -1,14 +1,23 @@
 """specjax: tree-based speculative inference and verification for LLaMA/OPT models in JAX."""
 
-from specjax.api import GenerationResult, Model, describe_model, generate, load_model, logits
+from specjax.api import GenerationResult, generate, logits
 from specjax.config import ModelConfig
-from specjax.errors import CheckpointError, ConfigError, GenerationError, InputError, ShardingError, SpecjaxError
-from specjax.generate import generate_incremental
-from specjax.sampling import SamplingArrays, SamplingParams
-from specjax import ssm  # noqa: E402 - specjax.ssm.derive_ssm is part of the documented API
+from specjax.decoding.incremental import generate_incremental
+from specjax.decoding.sampling import SamplingArrays, SamplingParams
+from specjax.errors import (
+           CheckpointError,
+           ConfigError,
+           GenerationError,
+           InputError,
+           ShardingError,
+           SpecjaxError,
+)
+from specjax.io.loader import describe_model, load_model
+from specjax.speculation.drafters.ssm import derive_ssm
+from specjax.types import Model
 
 __version__ = "0.1.0"
 
 __all__ = ["load_model", "describe_model", "generate", "logits", "Model", "GenerationResult", "ModelConfig",
            "SamplingParams", "SamplingArrays", "generate_incremental", "SpecjaxError", "ConfigError", "CheckpointError",
-           "InputError", "ShardingError", "GenerationError"]
+           "InputError", "ShardingError", "GenerationError", "derive_ssm"]

@@ -4,101 +4,34 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
-from typing import Any, NamedTuple, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import registry
-from specjax.config import ModelConfig
-from specjax.errors import CheckpointError, GenerationError, InputError
-from specjax.generate import full_logits, generate_incremental_jit
-from specjax.prompts import normalize_prompts
-from specjax.sampling import SamplingArrays, SamplingParams
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-class Model(NamedTuple):
-    """What ``load_model`` returns; unpacks as ``cfg, params, tokenizer = load_model(...)``."""
-
-    config: ModelConfig
-    params: Any
-    tokenizer: Any  # a transformers tokenizer, or None
-
-
-def resolve_model_path(name_or_path: str) -> str:
-    """The file or directory behind a registered name or a path; a clear error if there is none."""
-    if not isinstance(name_or_path, str) or not name_or_path:
-        raise InputError(f"model must be a registered name or a path, got {name_or_path!r}")
-    path = registry.resolve(name_or_path) if registry.is_registered(name_or_path) else name_or_path
-    if not os.path.exists(path):
-        raise CheckpointError(f"{name_or_path!r} is neither a registered model {registry.registered_names()} "
-                              f"nor an existing file or directory")
-    return path
-
-
-def describe_model(name_or_path: str = registry.DEFAULT_MODEL) -> Model:
-    """The configuration and tokenizer of a model, without its weights (``params`` is None): enough
-    to check a generation request (``plan_generation``) before the weights load."""
-    from specjax import checkpoint, tokenizer as tok_lib
-    from specjax.config import config_from_hf_file
-    from specjax.weights.gguf_loader import gguf_config, read_gguf_metadata
-
-    path = resolve_model_path(name_or_path)
-    if os.path.isdir(path) and checkpoint.is_checkpoint(path):
-        cfg, tok_dir = checkpoint.read_checkpoint_config(path)
-        return Model(cfg, None, tok_lib.load_dir_tokenizer(tok_dir) if tok_dir else None)
-    if os.path.isdir(path):
-        return Model(config_from_hf_file(os.path.join(path, "config.json")), None, tok_lib.load_dir_tokenizer(path))
-    if path.endswith(".gguf"):
-        return Model(gguf_config(*read_gguf_metadata(path)), None, tok_lib.load_gguf_tokenizer(path))
-    raise CheckpointError(f"{path}: unsupported model file (expected an HF directory, a .gguf file "
-                          f"or a specjax checkpoint directory)")
-
-
-def load_model(name_or_path: str = registry.DEFAULT_MODEL, dtype: str = "float32", shardings=None,
-               progress: bool = True, parallel=None) -> Model:
-    """Load a registered model name, an HF directory, a .gguf file or a specjax orbax checkpoint.
-
-    parallel: a ``specjax.sharding.Parallel``; the params are placed on its mesh under its rules
-    (a checkpoint restores straight into that sharding, whatever mesh it was saved from).
-    ``shardings``: an explicit pytree (or function cfg -> pytree) of shardings instead."""
-    from specjax import checkpoint, tokenizer as tok_lib
-    from specjax.weights.gguf_loader import load_gguf
-    from specjax.weights.hf import load_hf_dir
-
-    if dtype not in _DTYPES:
-        raise InputError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    if parallel is not None and shardings is not None:
-        raise InputError("pass either shardings or parallel, not both")
-    path = resolve_model_path(name_or_path)
-    if os.path.isdir(path) and checkpoint.is_checkpoint(path):
-        cfg, params, tok_dir = checkpoint.restore_checkpoint(
-            path, shardings=parallel.param_shardings if parallel is not None else shardings, dtype=dtype)
-        tokenizer = tok_lib.load_dir_tokenizer(tok_dir) if tok_dir else None
-        return Model(cfg, params, tokenizer)
-    if os.path.isdir(path):
-        cfg, np_params = load_hf_dir(path, progress=progress)
-        tokenizer = tok_lib.load_dir_tokenizer(path)
-    elif path.endswith(".gguf"):
-        cfg, np_params = load_gguf(path, progress=progress)
-        tokenizer = tok_lib.load_gguf_tokenizer(path)
-    else:
-        raise CheckpointError(f"{path}: unsupported model file (expected an HF directory, a .gguf file "
-                              f"or a specjax checkpoint directory)")
-    cast = lambda a: a.astype(_DTYPES[dtype])  # noqa: E731
-    if parallel is not None:
-        params = parallel.put_params(jax.tree.map(lambda a: np.asarray(a).astype(_DTYPES[dtype]), np_params), cfg)
-    elif shardings is None:
-        params = jax.tree.map(lambda a: cast(jnp.asarray(a)), np_params)
-    else:
-        shardings = shardings(cfg) if callable(shardings) else shardings
-        params = jax.tree.map(lambda a, s: jax.device_put(cast(jnp.asarray(a)), s), np_params, shardings)
-    return Model(cfg, params, tokenizer)
+from specjax.attention import resolve_impl
+from specjax.decoding.buckets import _next_pow2
+from specjax.decoding.incremental import (
+    decode_init_jit,
+    decode_step_jit,
+    full_logits,
+    generate_incremental_jit,
+)
+from specjax.decoding.sampling import SamplingArrays, SamplingParams
+from specjax.errors import GenerationError, InputError
+from specjax.io.prompts import normalize_prompts
+from specjax.speculation.drafters.ssm import check_compatible
+from specjax.speculation.expansion import Expansion
+from specjax.speculation.loop import (
+    DEFAULT_DRAFT,
+    SpecConfig,
+    _init_state_jit,
+    generate_speculative_jit,
+    step_jit,
+)
+from specjax.types import Model
 
 
 @dataclasses.dataclass
@@ -107,10 +40,6 @@ class GenerationResult:
     texts: list[str | None]  # decoded text per prompt (None without a tokenizer)
     prompt_token_ids: list[list[int]]
     stats: dict  # batch: llm_passes, generated_tokens, seconds, tokens_per_s, ...; "requests": one dict each
-
-
-def _next_pow2(n: int, minimum: int = 16) -> int:
-    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
 def encode_prompts(model: Model, prompts, chat_template: bool = True) -> list[list[int]]:
@@ -258,8 +187,6 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
 
 def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_tokens=None) -> GenerationResult:
     """Execute a validated plan (``plan_generation``) with loaded weights."""
-    from specjax.generate import decode_init_jit, decode_step_jit
-    from specjax.speculative import _init_state_jit, generate_speculative_jit, step_jit
 
     cfg = model.config
     n = len(plan.ids)
@@ -418,7 +345,6 @@ def logits(model: Model, token_ids) -> list[np.ndarray]:
 
 
 def _expansions(mode: str, expansion, n_ssms: int):
-    from specjax.speculate import Expansion
 
     if expansion is None:
         expansion = (1,) * 8 if mode == "sequence" else DEFAULT_EXPANSION
@@ -448,7 +374,6 @@ DRAFT_CHOICES = ("auto", "topk", "iid", "wor", "coupled")
 
 def resolve_verifier(verifier: str, draft: str, sampled: bool) -> tuple[str, str]:
     """(verifier, draft) after resolving "auto"; lossy pairs are refused later by SpecConfig."""
-    from specjax.speculative import DEFAULT_DRAFT
 
     if verifier not in VERIFIER_CHOICES:
         raise InputError(f"verifier must be one of {VERIFIER_CHOICES}, got {verifier!r}")
@@ -469,9 +394,6 @@ def resolve_verifier(verifier: str, draft: str, sampled: bool) -> tuple[str, str
 
 def _spec_config(model: Model, ssms: list, mode: str, expansion, impl: str, verifier: str, draft: str,
                  sampled: bool):
-    from specjax.kernels.tree_attention import resolve_impl
-    from specjax.speculative import SpecConfig
-    from specjax.ssm import check_compatible
 
     if not ssms:
         raise InputError(f"mode {mode!r} needs at least one SSM (ssms=[...])")
@@ -479,7 +401,7 @@ def _spec_config(model: Model, ssms: list, mode: str, expansion, impl: str, veri
         raise InputError(f"mode 'sequence' takes exactly one SSM, got {len(ssms)}")
     for i, ssm in enumerate(ssms):
         if not isinstance(ssm, Model):
-            raise InputError(f"SSM {i} must be a Model (specjax.load_model or specjax.ssm.derive_ssm), got "
+            raise InputError(f"SSM {i} must be a Model (specjax.load_model or specjax.derive_ssm), got "
                              f"{type(ssm).__name__}")
         check_compatible(model, ssm, name=f"SSM {i}")
     verifier, draft = resolve_verifier(verifier, draft, sampled)

@@ -13,8 +13,8 @@ import pytest
 jax.config.update("jax_default_matmul_precision", "highest")
 # One persistent compilation cache for the whole run (in-process tests and the CLI subprocesses they
 # start): the suite is bound by XLA compilation and compiles the same programs in many modules.
-COMPILE_CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                                      os.path.join(os.environ.get("TMPDIR", "/tmp"), f"specjax-tests-xla-{os.getuid()}"))
+COMPILE_CACHE = os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"specjax-tests-xla-{os.getuid()}"))
 jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 # Eight simulated CPU devices for the mesh tests (tests/test_sharding.py); everything else runs on

@@ -24,7 +24,7 @@ if sys.argv[3:] == ["die"] and jax.process_index() == 1:
 
 import specjax  # noqa: E402
 from specjax.sharding import Parallel  # noqa: E402
-from specjax.ssm import derive_ssm  # noqa: E402
+from specjax.speculation.drafters.ssm import derive_ssm  # noqa: E402
 from tests.toy import mesh_model, mesh_prompts  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")

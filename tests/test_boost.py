@@ -8,9 +8,15 @@ import os
 import pytest
 
 import specjax
-from specjax.boost import TEMPLATES, TOPICS, generate_corpus, read_shard, training_prompts
+from specjax.boost.corpus import (
+    TEMPLATES,
+    TOPICS,
+    generate_corpus,
+    read_shard,
+    training_prompts,
+)
+from specjax.decoding.sampling import SamplingParams
 from specjax.errors import InputError
-from specjax.sampling import SamplingParams
 from tests.conftest import dev_prompts
 from tests.toy import mesh_model, mesh_prompts
 
@@ -53,8 +59,8 @@ def test_teacher_targets_are_the_llm_top_k_at_each_continuation_token():
     import jax
     import numpy as np
 
-    from specjax.boost import teacher_targets
-    from specjax.generate import full_logits
+    from specjax.boost.teacher import teacher_targets
+    from specjax.decoding.incremental import full_logits
 
     model = mesh_model("opt")
     rng = np.random.RandomState(0)

@@ -14,17 +14,17 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.boost_tune import Member, boost_tune, read_corpus
-from specjax.distill import Examples, TrainConfig, evaluate, train
+from specjax.boost.distill import Examples, TrainConfig, evaluate, train
+from specjax.boost.pool import Member, boost_tune, read_corpus
+from specjax.boost.student import draft_vocabulary, make_student
+from specjax.decoding.incremental import full_logits
 from specjax.errors import ConfigError, InputError
-from specjax.generate import full_logits
-from specjax.student import draft_vocabulary, make_student
 from tests.toy import mesh_model, mesh_prompts
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from specjax.boost import generate_corpus
+    from specjax.boost.corpus import generate_corpus
 
     llm = mesh_model("llama")
     prompts = mesh_prompts(llm.config.vocab_size, lens=(5, 9, 3, 7, 4, 6, 8, 2)) * 3
@@ -115,7 +115,7 @@ def test_exported_draft_vocab_ssm_matches_in_transformers(corpus, tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from specjax.ssm import draft_vocab_mask, export_hf
+    from specjax.io.hf_export import draft_vocab_mask, export_hf
 
     llm, _, seqs = corpus
     ssm = make_student(llm, seqs, layers=(1, 3), draft_vocab_size=50, mlp_size=40)
@@ -134,7 +134,7 @@ def test_exported_draft_vocab_ssm_matches_in_transformers(corpus, tmp_path):
 
 
 def test_shipped_ssms_are_registered_small_and_share_the_llm_vocabulary():
-    from specjax import registry
+    from specjax.io import registry
 
     total = 0
     for name in ("smollm2-ssm-a", "smollm2-ssm-b"):
@@ -148,7 +148,7 @@ def test_shipped_ssms_are_registered_small_and_share_the_llm_vocabulary():
 
 
 def test_kl_loss_is_cross_entropy_for_a_one_hot_teacher_and_trains(corpus, tmp_path):
-    from specjax.distill import loss_fn
+    from specjax.boost.distill import loss_fn
 
     llm, _, seqs = corpus
     examples = Examples.build(seqs)
@@ -166,7 +166,7 @@ def test_kl_loss_is_cross_entropy_for_a_one_hot_teacher_and_trains(corpus, tmp_p
 
 
 def test_precomputed_teacher_trains_like_the_per_batch_teacher_and_is_cached(corpus, tmp_path):
-    from specjax.boost import cached_teacher_targets
+    from specjax.boost.teacher import cached_teacher_targets
 
     llm, _, seqs = corpus
     examples = Examples.build(seqs)

@@ -11,12 +11,12 @@ import pytest
 
 import specjax
 from specjax.models import param_logical_axes, param_specs
-from specjax.cache import cache_logical_axes, init_cache
+from specjax.models.cache import cache_logical_axes, init_cache
 
 
 def test_convert_cli_and_restore_give_identical_logits(tiny_opt_dir, tmp_path):
     dst = tmp_path / "ckpt"
-    r = subprocess.run([sys.executable, "-m", "specjax.cli", "convert", tiny_opt_dir, str(dst)],
+    r = subprocess.run([sys.executable, "-m", "specjax", "convert", tiny_opt_dir, str(dst)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     original = specjax.load_model(tiny_opt_dir, progress=False)
@@ -27,13 +27,13 @@ def test_convert_cli_and_restore_give_identical_logits(tiny_opt_dir, tmp_path):
 
 
 def test_restore_into_explicit_sharding(tiny_llama_dir, tmp_path):
-    from specjax.checkpoint import restore_checkpoint, save_checkpoint
-    from specjax.models.params import _is_spec
+    from specjax.io.checkpoint import restore_checkpoint, save_checkpoint
+    from specjax.models.params import is_param_spec
 
     m = specjax.load_model(tiny_llama_dir, progress=False)
     save_checkpoint(str(tmp_path / "c"), m.config, m.params)
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[-1])
-    shardings = jax.tree.map(lambda s: sharding, param_specs(m.config), is_leaf=_is_spec)
+    shardings = jax.tree.map(lambda s: sharding, param_specs(m.config), is_leaf=is_param_spec)
     cfg, params, tok = restore_checkpoint(str(tmp_path / "c"), shardings=shardings)
     assert tok is None
     for leaf in jax.tree.leaves(params):
@@ -42,8 +42,8 @@ def test_restore_into_explicit_sharding(tiny_llama_dir, tmp_path):
 
 
 def test_save_refuses_non_empty_destination(tiny_llama_dir, tmp_path):
-    from specjax.checkpoint import save_checkpoint
     from specjax.errors import CheckpointError
+    from specjax.io.checkpoint import save_checkpoint
 
     m = specjax.load_model(tiny_llama_dir, progress=False)
     (tmp_path / "c").mkdir()

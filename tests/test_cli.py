@@ -77,7 +77,7 @@ def test_json_records_are_per_prompt_and_the_only_stdout(tiny_llama_dir, tmp_pat
     assert [rec["prompt"] for rec in records] == [[1, 2, 3], [7, 8, 9, 10, 11]]
     model = specjax.load_model(tiny_llama_dir, progress=False)
     for rec in records:
-        alone = specjax.generate(model, [rec["prompt"]], max_new_tokens=9, ssms=[specjax.ssm.derive_ssm(model, 1)],
+        alone = specjax.generate(model, [rec["prompt"]], max_new_tokens=9, ssms=[specjax.derive_ssm(model, 1)],
                                  expansion=(1, 1))
         assert rec["token_ids"] == alone.token_ids[0]
         # this request's own statistics, not the batch's

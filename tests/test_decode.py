@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.generate import full_logits, generate_incremental_jit
-from specjax.sampling import SamplingParams, warp_logits, SamplingArrays
+from specjax.decoding.incremental import full_logits, generate_incremental_jit
+from specjax.decoding.sampling import SamplingArrays, SamplingParams, warp_logits
 from tests.conftest import random_ids
 
 

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import _mutation
-from specjax.sampling import gumbel_noise, warp_logits
-from specjax.speculate import draw_children
+from specjax.decoding.sampling import gumbel_noise, warp_logits
+from specjax.speculation import faults as _mutation
+from specjax.speculation.drafters.ssm import draw_children
 from tests import oracle
 from tests.stats import assert_fits
 from tests.toy import sampling_arrays

@@ -14,7 +14,7 @@ import pytest
 
 import specjax
 from specjax.errors import CheckpointError, ConfigError, InputError
-from specjax.weights.safetensors_io import SafetensorsFile
+from specjax.io.safetensors import SafetensorsFile
 
 
 def _copy(src, tmp_path, name="m"):
@@ -178,7 +178,7 @@ def test_bad_prompts(model):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "specjax.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "specjax", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_cli_errors(tiny_llama_dir, tmp_path):

@@ -13,13 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specjax.config import ModelConfig, config_from_gguf, config_from_hf
+from specjax.decoding.sampling import SamplingParams
 from specjax.errors import SpecjaxError
-from specjax.prompts import normalize_prompts, read_prompts_file
-from specjax.sampling import SamplingParams
+from specjax.io.gguf_file import GGUFFile
+from specjax.io.prompts import normalize_prompts, read_prompts_file
+from specjax.io.safetensors import SafetensorsFile
 from specjax.sharding.mesh import MeshShape
-from specjax.speculate import Expansion
-from specjax.weights.gguf_file import GGUFFile
-from specjax.weights.safetensors_io import SafetensorsFile
+from specjax.speculation.expansion import Expansion
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                          HealthCheck.too_slow])
@@ -159,7 +159,7 @@ def test_sampling_parameters(temperature, top_k, top_p, seed):
     p = _loads_or_refuses(lambda: SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
     if p is not None:
         assert math.isfinite(p.temperature) and 0 <= p.top_k < 2**31 and 0 < p.top_p <= 1 and 0 <= p.seed < 2**31
-        from specjax.sampling import SamplingArrays
+        from specjax.decoding.sampling import SamplingArrays
 
         SamplingArrays.from_params([p])  # fits the int32/float32 arrays
 

@@ -14,9 +14,14 @@ import pytest
 
 import specjax
 from specjax.errors import ShardingError
-from specjax.sharding.distributed import Cluster, check_coordinator, detect_cluster, first_slurm_host
+from specjax.sharding.distributed import (
+    Cluster,
+    check_coordinator,
+    detect_cluster,
+    first_slurm_host,
+)
 from specjax.sharding.launch import free_port, launch
-from specjax.ssm import derive_ssm
+from specjax.speculation.drafters.ssm import derive_ssm
 from tests.toy import mesh_model, mesh_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

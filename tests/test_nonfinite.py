@@ -12,7 +12,7 @@ import pytest
 
 import specjax
 from specjax.errors import GenerationError
-from specjax.ssm import derive_ssm
+from specjax.speculation.drafters.ssm import derive_ssm
 
 MODES = [
     ("incremental", {}),
@@ -80,7 +80,7 @@ def test_cli_exits_nonzero_and_prints_no_tokens_for_nan_weights(model, tmp_path)
     import subprocess
     import sys
 
-    from specjax.checkpoint import save_checkpoint
+    from specjax.io.checkpoint import save_checkpoint
 
     path = tmp_path / "nan-ckpt"
     save_checkpoint(str(path), model.config, {**model.params, "final_norm": model.params["final_norm"] * np.nan})

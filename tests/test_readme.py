@@ -122,7 +122,8 @@ def test_scale_out_commands_run_or_parse(tmp_path):
     for command in commands:
         if command.startswith("srun "):
             words = shlex.split(command.split("#")[0])
-            from specjax.cli import _check_generate_args, build_parser
+            from specjax.cli import build_parser
+            from specjax.cli.generate import _check_generate_args
 
             args = build_parser().parse_args(words[words.index("specjax") + 1:])
             _check_generate_args(args)
@@ -137,8 +138,8 @@ def test_scale_out_commands_run_or_parse(tmp_path):
 @pytest.mark.slow
 def test_boost_tune_commands_are_valid():
     """The training recipe is an hour of CPU: its flags are parsed and checked (what runs before any work)."""
-    from specjax.boost_cli import check_args
     from specjax.cli import build_parser
+    from specjax.cli.boost import check_args
 
     commands = [c for c in _commands(_readme()) if c.startswith("specjax boost-tune")]
     assert commands

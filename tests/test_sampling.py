@@ -7,7 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.sampling import SamplingArrays, SamplingParams, gumbel_noise, sample_tokens, warp_logits
+from specjax.decoding.sampling import (
+    SamplingArrays,
+    SamplingParams,
+    gumbel_noise,
+    sample_tokens,
+    warp_logits,
+)
 
 
 def _arrays(**kw):
@@ -85,7 +91,7 @@ def test_a_requests_warp_does_not_depend_on_its_batch_mates():
     import jax
     import jax.numpy as jnp
 
-    from specjax.sampling import SamplingArrays, warp_logits
+    from specjax.decoding.sampling import SamplingArrays, warp_logits
 
     logits = jax.random.normal(jax.random.key(3), (2, 4096)) * 6.0
     both = SamplingArrays(temperature=jnp.asarray([1.0, 1.0]), top_k=jnp.asarray([0, 5]),

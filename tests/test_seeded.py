@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import _mutation
-from specjax.generate import generate_incremental_jit
-from specjax.speculate import Expansion
-from specjax.speculative import SpecConfig, generate_speculative_jit
+from specjax.decoding.incremental import generate_incremental_jit
+from specjax.speculation import faults as _mutation
+from specjax.speculation.expansion import Expansion
+from specjax.speculation.loop import SpecConfig, generate_speculative_jit
 from tests.toy import perturbed, toy_model
 
 VOCAB = 8
@@ -33,7 +33,7 @@ def _models():
 
 def _batch(n=N_SEEDS, temperature=0.9, top_k=6, top_p=0.95):
     """n requests: mixed prompt lengths, distinct seeds, every 10th request greedy."""
-    from specjax.sampling import SamplingArrays
+    from specjax.decoding.sampling import SamplingArrays
 
     rng = np.random.default_rng(0)
     lens = np.asarray([PROMPT_LENS[i % len(PROMPT_LENS)] for i in range(n)], np.int32)

@@ -52,7 +52,7 @@ def hf_smollm2():
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from specjax.registry import resolve
+    from specjax.io.registry import resolve
 
     path = resolve("smollm2-135m-instruct")
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
@@ -100,12 +100,12 @@ def test_real_tree_logits_equal_incremental_decoding(smollm2):
     import jax
     import jax.numpy as jnp
 
-    from specjax.attention import causal_meta
-    from specjax.cache import init_cache
-    from specjax.generate import prefill
+    from specjax.attention.meta import causal_meta
+    from specjax.decoding.incremental import prefill
     from specjax.models import forward
-    from specjax.tree import from_paths, root_path
-    from specjax.tree_forward import tree_forward
+    from specjax.models.cache import init_cache
+    from specjax.speculation.commit import tree_forward
+    from specjax.speculation.tree import from_paths, root_path
 
     m = smollm2
     ids = specjax.api.encode_prompts(m, ["What is the capital of France?"])[0]
@@ -121,7 +121,8 @@ def test_real_tree_logits_equal_incremental_decoding(smollm2):
     prompt = jnp.asarray([ids[:-1] + [0] * (64 - committed)])
     _, cache = jax.jit(prefill, static_argnames="cfg")(m.params, prompt, jnp.asarray([committed]), cache,
                                                        cfg=m.config)
-    step = jax.jit(lambda c, t: forward(m.params, t[:, None], c.length[:, None], c, causal_meta(c.length), m.config))
+    step = jax.jit(lambda c, t: forward(m.params, t[:, None], c.length[:, None], c, causal_meta(c.length),
+                                        m.config)[:2])
     incremental = []
     floor = 0.0
     for i in range(n):
@@ -135,14 +136,14 @@ def test_real_tree_logits_equal_incremental_decoding(smollm2):
         floor = max(floor, float(np.abs(incremental[-1] - recompute).max()))
     incremental = np.stack(incremental)
     for impl in ("xla", "pallas"):
-        logits, _ = jax.jit(tree_forward, static_argnames=("cfg", "impl"))(m.params, tree, cache, cfg=m.config,
+        logits, _, _ = jax.jit(tree_forward, static_argnames=("cfg", "impl"))(m.params, tree, cache, cfg=m.config,
                                                                           impl=impl)
         got = np.asarray(logits)[0, :n]
         diff = float(np.abs(got - incremental).max())
         assert diff <= 1.5 * floor, f"{impl}: tree vs incremental {diff}, noise floor {floor}"
         np.testing.assert_array_equal(got.argmax(-1), incremental.argmax(-1))
     # The bound has power: a position off by one (pitfall 11) lands far outside it.
-    shifted, _ = jax.jit(tree_forward, static_argnames=("cfg", "impl"))(
+    shifted, _, _ = jax.jit(tree_forward, static_argnames=("cfg", "impl"))(
         m.params, tree.replace(depth=tree.depth + 1), cache, cfg=m.config, impl="xla")
     assert float(np.abs(np.asarray(shifted)[0, :n] - incremental).max()) > 100 * floor
 
@@ -166,7 +167,7 @@ def test_speculative_greedy_equals_incremental_on_smollm2(smollm2):
     is covered by the perfect-SSM check below and batch-slot invariance by the toy tests)."""
     import jax
 
-    from specjax.ssm import derive_ssm
+    from specjax.speculation.drafters.ssm import derive_ssm
 
     every = dev_prompts()
     prompts = (every[3::19] if len(every) >= 60 else every)[:4]
@@ -192,7 +193,7 @@ def test_seeded_speculative_equals_seeded_incremental_on_smollm2(smollm2):
     and stays inside the warped support."""
     import jax
 
-    from specjax.ssm import derive_ssm
+    from specjax.speculation.drafters.ssm import derive_ssm
 
     every = dev_prompts()
     prompts = (every[5::13] if len(every) >= 44 else every)[:4]  # 4 prompts with or without shared/
@@ -246,7 +247,7 @@ def test_cli_mesh_pp2_tp4_equals_one_device(smollm2, capsys):
     import jax.numpy as jnp
 
     from specjax import cli
-    from specjax.generate import full_logits
+    from specjax.decoding.incremental import full_logits
     from specjax.sharding import Parallel, ShardingRules
 
     every = dev_prompts()  # 78 with ../shared, 4 built-in ones in a bare clone

@@ -11,11 +11,17 @@ from hypothesis import strategies as st
 
 import specjax
 from specjax.errors import InputError
+from specjax.io.hf_export import export_hf
 from specjax.models import init_params
-from specjax.speculate import Expansion, merge_trees
-from specjax.speculative import SpecConfig, generate_speculative_jit, generate_stream
-from specjax.ssm import derive_ssm, export_hf
-from specjax.tree import root_path
+from specjax.speculation.drafters.merge import merge_trees
+from specjax.speculation.drafters.ssm import derive_ssm
+from specjax.speculation.expansion import Expansion
+from specjax.speculation.loop import (
+    SpecConfig,
+    generate_speculative_jit,
+    generate_stream,
+)
+from specjax.speculation.tree import root_path
 from tests.conftest import random_ids
 
 
@@ -124,7 +130,7 @@ def test_callable_inside_user_jit_and_streaming_twin_agrees(llama):
 
     @jax.jit
     def user_program(llm_params, ssm_params, *args):
-        from specjax.speculative import generate_speculative
+        from specjax.speculation.loop import generate_speculative
 
         return generate_speculative(llm_params, ssm_params, *args, **kw).tokens
 
@@ -206,7 +212,7 @@ def test_bad_speculation_configs(llama):
 
 
 def test_tokenizer_mismatch_is_refused(llama):
-    from specjax.ssm import check_compatible
+    from specjax.speculation.drafters.ssm import check_compatible
 
     class Tok:
         def __init__(self, vocab):
@@ -222,8 +228,8 @@ def test_tokenizer_mismatch_is_refused(llama):
 
 
 def test_hf_export_round_trip(llama, tmp_path):
-    import transformers
     import torch
+    import transformers
 
     ssm = derive_ssm(llama, [1])  # the second layer alone: exercises layer selection too
     export_hf(ssm, str(tmp_path / "ssm"))

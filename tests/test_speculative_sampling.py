@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import _mutation
-from specjax.speculate import Expansion
-from specjax.speculative import (
+from specjax.speculation import faults as _mutation
+from specjax.speculation.expansion import Expansion
+from specjax.speculation.loop import (
     SpecConfig,
     _init_state_jit,
     generate_speculative_jit,

@@ -1,4 +1,4 @@
-"""TokenTree builders, validation and the drawn example in specjax/tree.py's docstring."""
+"""TokenTree builders, validation and the drawn example in specjax/speculation/tree.py's docstring."""
 
 from __future__ import annotations
 
@@ -8,8 +8,15 @@ import jax
 import numpy as np
 import pytest
 
-import specjax.tree as tree_lib
-from specjax.tree import TreeError, ancestor_bits, from_parents, from_paths, mask_diagram, root_path
+import specjax.speculation.tree as tree_lib
+from specjax.speculation.tree import (
+    TreeError,
+    ancestor_bits,
+    from_parents,
+    from_paths,
+    mask_diagram,
+    root_path,
+)
 
 
 def test_docstring_literal_is_what_the_code_renders():

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax.attention import tree_attention
 from specjax.errors import InputError
-from specjax.kernels.tree_attention import tree_attention, tree_attention_reference
-from specjax.tree import from_parents
+from specjax.kernels.tree_attention import tree_attention_reference
+from specjax.speculation.tree import from_parents
 
 
 def _random_tree(rng, n_nodes, max_depth=8):

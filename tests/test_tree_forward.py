@@ -14,12 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import specjax
-from specjax.attention import causal_meta
-from specjax.cache import KVCache, init_cache
-from specjax.generate import full_logits
+from specjax.attention.meta import causal_meta
+from specjax.decoding.incremental import full_logits
 from specjax.models import forward
-from specjax.tree import from_parents, root_path
-from specjax.tree_forward import commit_path, tree_forward
+from specjax.models.cache import KVCache, init_cache
+from specjax.speculation.commit import commit_path, tree_forward
+from specjax.speculation.tree import from_parents, root_path
 
 N_MAX, MAX_LEN, BATCH = 64, 160, 2
 
@@ -34,7 +34,7 @@ def _prefix_cache(params, prefix, lengths, cfg):
     """Cache holding prefix[b, :lengths[b]] committed (written as a causal chain), NaN elsewhere."""
     cache = init_cache(cfg, prefix.shape[0], MAX_LEN, poison=True)
     positions = jnp.broadcast_to(jnp.arange(prefix.shape[1]), prefix.shape)
-    _, cache = forward(params, prefix, positions, cache, causal_meta(jnp.zeros_like(lengths)), cfg)
+    _, cache, _ = forward(params, prefix, positions, cache, causal_meta(jnp.zeros_like(lengths)), cfg)
     # Re-poison everything beyond the committed length so stray reads of scratch slots show up.
     slot = jnp.arange(MAX_LEN)[None, None, :, None, None]
     committed = slot < lengths[None, :, None, None, None]
@@ -63,7 +63,7 @@ def _check_tree_logits(model, sizes, lengths, seed, impl="xla"):
     tree = from_parents(tokens, parents, n_max=N_MAX, max_depth=8)
     cache = _prefix_cache(model.params, jnp.asarray(prefix[:, :MAX_LEN - N_MAX]), jnp.asarray(lengths, jnp.int32),
                           cfg)
-    logits, _ = _tree_forward_jit(model.params, tree, cache, cfg=cfg, impl=impl)
+    logits, _, _ = _tree_forward_jit(model.params, tree, cache, cfg=cfg, impl=impl)
     logits = np.asarray(logits)
     # Incremental reference: each node's full sequence = committed prefix + its root path tokens.
     seqs, where = [], []
@@ -107,7 +107,7 @@ def test_commit_equals_incremental_cache_and_decoding_continues(model):
     tokens = [rng.randint(0, cfg.vocab_size, len(p)).tolist() for p in parents]
     tree = from_parents(tokens, parents, n_max=32)
     cache = _prefix_cache(model.params, jnp.asarray(prefix), jnp.asarray(lengths), cfg)
-    tree_logits, cache = _tree_forward_jit(model.params, tree, cache, cfg=cfg, impl="xla")
+    tree_logits, cache, _ = _tree_forward_jit(model.params, tree, cache, cfg=cfg, impl="xla")
     # Accept the root path of the deepest node of each request.
     depth = np.asarray(tree.depth)
     paths = [root_path(tree, b, int(np.argmax(np.where(np.asarray(tree.valid[b]), depth[b], -1))))
@@ -137,8 +137,8 @@ def test_commit_equals_incremental_cache_and_decoding_continues(model):
     step = jax.jit(lambda c, t: forward(model.params, t[:, None], c.length[:, None], c, causal_meta(c.length), cfg))
     a, b_ = committed, ref_cache
     for _ in range(5):
-        la, a = step(a, nxt)
-        lb, b_ = step(b_, nxt)
+        la, a, _ = step(a, nxt)
+        lb, b_, _ = step(b_, nxt)
         np.testing.assert_allclose(np.asarray(la), np.asarray(lb), rtol=0, atol=1e-5)
         a, b_ = a.replace(length=a.length + 1), b_.replace(length=b_.length + 1)
         nxt = jnp.argmax(la[:, 0], axis=-1).astype(jnp.int32)

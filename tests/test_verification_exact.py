@@ -7,7 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.oracle import RandomLaws, complete, max_abs_diff, target_law, total_variation, tree_law
+from tests.oracle import (
+    RandomLaws,
+    complete,
+    max_abs_diff,
+    target_law,
+    total_variation,
+    tree_law,
+)
 
 N_RANDOM = 500
 EDGE_CASES = ("p_equals_q", "one_hot_p", "one_hot_q", "disjoint", "top_k_zeros", "top_p_zeros")

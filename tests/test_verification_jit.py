@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import _mutation
+from specjax.speculation import faults as _mutation
 from tests import oracle
 from tests.stats import assert_fits, fits
 from tests.verify_cases import make_case, outcomes, run
@@ -121,7 +121,7 @@ def test_mutant_coin_le_fails_t1():
 
 def test_no_probability_mass_is_reported_never_token_0():
     """NaN logits (or a residual without mass) must not silently become token 0."""
-    from specjax.keys import categorical_from_probs
+    from specjax.decoding.keys import categorical_from_probs
 
     key = jax.random.key(0)
     assert int(categorical_from_probs(key, jnp.zeros(5))[0]) == -2

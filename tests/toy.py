@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.generate import full_logits
+from specjax.decoding.incremental import full_logits
+from specjax.decoding.sampling import SamplingArrays, warp_logits
 from specjax.models import init_params
-from specjax.sampling import SamplingArrays, warp_logits
 
 
 def toy_model(vocab: int, seed: int, layers: int = 1, sharpness: float = 3.0):

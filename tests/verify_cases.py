@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.sampling import warp_logits
-from specjax.speculate import Expansion, merge_trees, static_tree
-from specjax.verify import verify_sampled
+from specjax.decoding.sampling import warp_logits
+from specjax.speculation.drafters.merge import merge_trees
+from specjax.speculation.expansion import Expansion, static_tree
+from specjax.speculation.verify.sampled import verify_sampled
 from tests import oracle
 from tests.toy import sampling_arrays
 

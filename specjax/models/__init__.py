@@ -1,22 +1,36 @@
 """Functional model families. ``forward`` dispatches on ``cfg.family``; all share one signature:
 
-    forward(params, tokens [B, T], positions [B, T], cache, meta, cfg, logits_indices=None, parallel=None)
-        -> (logits [B, T or K, V] float32, cache)
+    forward(params, tokens [B, T], positions [B, T], cache, meta, cfg, logits_indices=None,
+            parallel=None, hidden=None) -> ForwardOutput(logits [B, T or K, V] float32, cache, hidden)
 
 The block's K/V is written to the cache scratch slots; ``cache.length`` is not advanced here.
+``hidden`` (static, a tuple of layer indices in [0, L]; None = nothing, at no cost) asks for the
+hidden state entering each listed layer, L meaning the final hidden state (the input of the final
+norm), at the same positions as the logits: ``ForwardOutput.hidden`` [B, T or K, len(hidden), D].
+EAGLE-style drafters read (L,); EAGLE-3 fuses the inputs of layers 2, L/2 and L-3.
 """
 
 from __future__ import annotations
 
 from specjax.models import llama, opt
-from specjax.models.params import (ParamSpec, check_params, init_params, param_logical_axes,
-                                   param_specs)
+from specjax.models.output import ForwardOutput, check_hidden
+from specjax.models.params import (
+    ParamSpec,
+    check_params,
+    init_params,
+    is_param_spec,
+    param_logical_axes,
+    param_specs,
+)
 
 _FAMILIES = {"llama": llama.forward, "opt": opt.forward}
 
 
-def forward(params, tokens, positions, cache, meta, cfg, logits_indices=None, parallel=None):
-    return _FAMILIES[cfg.family](params, tokens, positions, cache, meta, cfg, logits_indices, parallel)
+def forward(params, tokens, positions, cache, meta, cfg, logits_indices=None, parallel=None,
+            hidden: tuple[int, ...] | None = None) -> ForwardOutput:
+    return _FAMILIES[cfg.family](params, tokens, positions, cache, meta, cfg, logits_indices, parallel,
+                                 hidden=check_hidden(hidden, cfg))
 
 
-__all__ = ["forward", "init_params", "param_specs", "param_logical_axes", "check_params", "ParamSpec"]
+__all__ = ["forward", "ForwardOutput", "init_params", "param_specs", "param_logical_axes", "check_params",
+           "ParamSpec", "is_param_spec"]

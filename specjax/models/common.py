@@ -1,6 +1,6 @@
 """Pieces shared by the model families: norms, RoPE, the cached attention block.
 
-The layers run through ``specjax.sharding.pipeline.run_layers`` (one scan, or the pipeline)."""
+The layers run through ``specjax.models.layers.run_layers`` (one scan, or the pipeline of a mesh)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.attention import AttentionMeta, attend_xla
+from specjax.attention import tree_attention
+from specjax.attention.meta import AttentionMeta
+from specjax.attention.xla import attend_xla
 from specjax.config import ModelConfig
-from specjax.kernels.tree_attention import tree_attention
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -102,10 +103,3 @@ def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMe
     if bias:
         out = out + lp["bo"]
     return out, k_cache, v_cache
-
-
-def select_positions(h: jax.Array, logits_indices: jax.Array | None) -> jax.Array:
-    """h: [B, T, D] -> [B, K, D] at logits_indices [B, K] (all T positions when None)."""
-    if logits_indices is None:
-        return h
-    return jnp.take_along_axis(h, logits_indices[:, :, None], axis=1)

@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.attention import AttentionMeta
-from specjax.cache import KVCache
+from specjax.attention.meta import AttentionMeta
 from specjax.config import ModelConfig
-from specjax.sharding.pipeline import run_layers
-from specjax.models.common import attention_block, rms_norm, rope_inv_freq, select_positions
+from specjax.models.cache import KVCache
+from specjax.models.common import attention_block, rms_norm, rope_inv_freq
+from specjax.models.layers import hidden_output, run_layers
+from specjax.models.output import ForwardOutput, select_positions
 
 
 @functools.lru_cache(maxsize=16)
@@ -25,9 +26,10 @@ def draft_rows(cfg: ModelConfig) -> np.ndarray:
 
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, meta: AttentionMeta,
-            cfg: ModelConfig, logits_indices: jax.Array | None = None, parallel=None,
-            row_logits: bool = False) -> tuple[jax.Array, KVCache]:
-    """tokens, positions: [B, T] -> (logits [B, T or K, V] float32, cache with the block written).
+            cfg: ModelConfig, logits_indices: jax.Array | None = None, parallel=None, hidden=None,
+            row_logits: bool = False) -> ForwardOutput:
+    """tokens, positions: [B, T] -> ForwardOutput(logits [B, T or K, V] float32, cache with the block
+    written, hidden states entering the ``hidden`` layers or None; see ``specjax.models``).
     parallel: a ``specjax.sharding.Parallel`` whose pp > 1 pipelines the layers (None = one scan).
     With ``cfg.draft_vocab``, logits are scattered into the full vocabulary (-inf elsewhere) unless
     ``row_logits`` asks for the raw head rows [B, T, len(draft_vocab) + 1] (training)."""
@@ -54,8 +56,10 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
             h = h + down
         return h, k_all, v_all
 
-    h, cache = run_layers(layer, h, params["layers"], cache, (positions, meta), parallel)
-    h = rms_norm(select_positions(h, logits_indices), params["final_norm"], cfg.norm_eps)
+    h, cache, captured = run_layers(layer, h, params["layers"], cache, (positions, meta), parallel, hidden,
+                                   logits_indices)
+    final_h = select_positions(h, logits_indices)  # the input of the final norm
+    h = rms_norm(final_h, params["final_norm"], cfg.norm_eps)
     if cfg.tie_word_embeddings:
         logits = jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=jnp.float32)
     else:
@@ -64,4 +68,4 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
         # The "other" row is dropped: it stands for many tokens, none of which the SSM can name.
         full = jnp.full(logits.shape[:-1] + (cfg.vocab_size,), -jnp.inf, jnp.float32)
         logits = full.at[..., np.asarray(cfg.draft_vocab)].set(logits[..., :-1])
-    return logits, cache
+    return ForwardOutput(logits, cache, hidden_output(hidden, captured, final_h, cfg.num_layers))

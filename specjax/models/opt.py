@@ -5,16 +5,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.attention import AttentionMeta
-from specjax.cache import KVCache
+from specjax.attention.meta import AttentionMeta
 from specjax.config import ModelConfig
-from specjax.sharding.pipeline import run_layers
-from specjax.models.common import attention_block, layer_norm, select_positions
+from specjax.models.cache import KVCache
+from specjax.models.common import attention_block, layer_norm
+from specjax.models.layers import hidden_output, run_layers
+from specjax.models.output import ForwardOutput, select_positions
 
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, meta: AttentionMeta,
-            cfg: ModelConfig, logits_indices: jax.Array | None = None, parallel=None) -> tuple[jax.Array, KVCache]:
-    """tokens, positions: [B, T] -> (logits [B, T or K, V] float32, cache with the block written).
+            cfg: ModelConfig, logits_indices: jax.Array | None = None, parallel=None,
+            hidden=None) -> ForwardOutput:
+    """tokens, positions: [B, T] -> ForwardOutput(logits [B, T or K, V] float32, cache with the block
+    written, hidden states entering the ``hidden`` layers or None; see ``specjax.models``).
     parallel: a ``specjax.sharding.Parallel`` whose pp > 1 pipelines the layers (None = one scan)."""
     eps, pre_ln, bias = cfg.norm_eps, cfg.do_layer_norm_before, cfg.enable_bias
     h = params["embed"][tokens]  # [B, T, E]
@@ -40,8 +43,9 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
                 h = layer_norm(h, lp["mlp_norm_scale"], lp["mlp_norm_bias"], eps)
         return h, k_all, v_all
 
-    h, cache = run_layers(layer, h, params["layers"], cache, (positions, meta), parallel)
-    h = select_positions(h, logits_indices)
+    h, cache, captured = run_layers(layer, h, params["layers"], cache, (positions, meta), parallel, hidden,
+                                   logits_indices)
+    h = final_h = select_positions(h, logits_indices)  # the input of the final norm
     if cfg.final_layer_norm:
         h = layer_norm(h, params["final_norm_scale"], params["final_norm_bias"], eps)
     if cfg.has_projections:
@@ -50,4 +54,4 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
         logits = jnp.einsum("bte,ve->btv", h, params["embed"], preferred_element_type=jnp.float32)
     else:
         logits = jnp.einsum("bte,ev->btv", h, params["lm_head"], preferred_element_type=jnp.float32)
-    return logits, cache
+    return ForwardOutput(logits, cache, hidden_output(hidden, captured, final_h, cfg.num_layers))

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
+from specjax.errors import CheckpointError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,19 +109,19 @@ def param_specs(cfg: ModelConfig) -> dict:
     return _llama_specs(cfg) if cfg.family == "llama" else _opt_specs(cfg)
 
 
-def _is_spec(x) -> bool:
+def is_param_spec(x) -> bool:
     return isinstance(x, ParamSpec)
 
 
 def param_logical_axes(cfg: ModelConfig) -> dict:
     """The params pytree with every leaf replaced by its tuple of logical axis names."""
-    return jax.tree.map(lambda s: s.axes, param_specs(cfg), is_leaf=_is_spec)
+    return jax.tree.map(lambda s: s.axes, param_specs(cfg), is_leaf=is_param_spec)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> dict:
     """Random parameters (for tests and freshly initialised SSMs)."""
     specs = param_specs(cfg)
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_param_spec)
     keys = jax.random.split(key, len(leaves))
     out = []
     for spec, k in zip(leaves, keys):
@@ -136,10 +137,9 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
 
 def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None:
     """Assert that ``params`` has exactly the leaves and shapes of the spec table."""
-    from specjax.errors import CheckpointError
 
     flat_specs = {jax.tree_util.keystr(p): s for p, s in
-                  jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=_is_spec)[0]}
+                  jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=is_param_spec)[0]}
     flat_params = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
     for name in flat_specs.keys() - flat_params.keys():
         raise CheckpointError(f"{source}: parameter {name} is missing")

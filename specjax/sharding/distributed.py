@@ -170,7 +170,8 @@ def rendezvous(cluster: Cluster, timeout_s: float) -> None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     missing = sorted(set(range(1, n)) - set(peers))
-                    raise ShardingError(f"process 0: only {len(peers)} of {n - 1} peer processes reached the coordinator "
+                    raise ShardingError(f"process 0: only {len(peers)} of {n - 1} peer processes reached the "
+                                        f"coordinator "
                                         f"{cluster.coordinator} within {timeout_s:g}s (missing process ids {missing}); "
                                         f"check --num-processes ({n}) against the processes actually started")
                 server.settimeout(remaining)

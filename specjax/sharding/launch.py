@@ -22,7 +22,11 @@ import threading
 import time
 
 from specjax.errors import ShardingError
-from specjax.sharding.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from specjax.sharding.distributed import (
+    ENV_COORDINATOR,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
 
 # Known last words of a process, and what they mean for the person reading the launcher's error.
 _DIAGNOSES = (

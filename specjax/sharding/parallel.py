@@ -13,11 +13,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from specjax.cache import CACHE_AXES, LENGTH_AXES, KVCache
 from specjax.config import ModelConfig
 from specjax.errors import ShardingError
-from specjax.models.params import _is_spec, param_specs
+from specjax.models.cache import CACHE_AXES, LENGTH_AXES, KVCache
+from specjax.models.params import is_param_spec, param_specs
 from specjax.sharding.mesh import MeshShape, make_mesh, mesh_shape
+from specjax.sharding.pipeline import pipeline_layers
 from specjax.sharding.rules import ShardingRules
 
 SCHEDULES = ("pipeline", "sequential")
@@ -121,7 +122,7 @@ class Parallel:
     def param_shardings(self, cfg: ModelConfig, rules: ShardingRules | None = None):
         """Pytree of NamedSharding matching the params of ``cfg``."""
         rules = rules or self.rules
-        flat, treedef = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=_is_spec)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=is_param_spec)
         out = [self._named(s.axes, s.shape, f"param {jax.tree_util.keystr(p)}", rules) for p, s in flat]
         return jax.tree.unflatten(treedef, out)
 
@@ -143,6 +144,10 @@ class Parallel:
         """Inside jit: pin a freshly created cache to its sharding (stage-local layers, split KV heads)."""
         shardings = self.cache_shardings(cfg, cache.batch, cache.max_len, rules)
         return jax.lax.with_sharding_constraint(cache, shardings)
+
+    def run_pipeline(self, layer_fn, h, layer_params, cache, per_request, capture_layers=(), logits_indices=None):
+        """The model's layers as pipeline stages over "pp" (``specjax.models.layers.run_layers`` calls this)."""
+        return pipeline_layers(layer_fn, h, layer_params, cache, per_request, self, capture_layers, logits_indices)
 
     def put(self, tree, shardings):
         """Place host or device arrays on the mesh; with several processes each one passes the same

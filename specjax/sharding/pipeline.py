@@ -21,25 +21,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from specjax.cache import KVCache
+from specjax.models.cache import KVCache
+from specjax.models.layers import sequential_layers
+from specjax.models.output import select_positions
 
 AXIS = "pp"
-
-
-def sequential_layers(layer_fn, h, layer_params, k_all, v_all, per_request):
-    """Run ``layer_fn(h, lp, k_all, v_all, i, per_request) -> (h, k_all, v_all)`` over the stacked layers.
-
-    The whole cache rides in the carry and each layer scatters only its new block into it, so a
-    forward pass never copies the cache (a scanned-out cache would be rebuilt on every call).
-    """
-
-    def body(carry, xs):
-        h, k_all, v_all = carry
-        lp, i = xs
-        return layer_fn(h, lp, k_all, v_all, i, per_request), None
-
-    (h, k_all, v_all), _ = jax.lax.scan(body, (h, k_all, v_all), (layer_params, jnp.arange(k_all.shape[0])))
-    return h, k_all, v_all
 
 
 def _split(x, axis: int, groups: int):
@@ -51,32 +37,42 @@ def _merge(x, axis: int):
     return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
 
 
-def pipeline_layers(layer_fn, h, layer_params, cache: KVCache, per_request, parallel):
+def pipeline_layers(layer_fn, h, layer_params, cache: KVCache, per_request, parallel, capture_layers=(),
+                    logits_indices=None):
     """The pipelined twin of ``sequential_layers`` over ``parallel.mesh``'s "pp" axis.
 
     h: [B, T, D] (replicated over pp, requests over dp); layer_params: stacked [L, ...] split over pp; cache k/v:
     [L, B, S, KVH, Dh] split over pp; per_request: pytree of [B, ...] arrays (positions, attention
-    metadata). Returns (h [B, T, D], cache) like ``sequential_layers``.
+    metadata). Returns (h [B, T, D], k, v, captured) like ``sequential_layers``: the stage that owns a
+    listed layer captures its input at ``logits_indices`` [B, K] (None = every position); one psum
+    over "pp" gathers them (the other stages hold exact zeros there).
     """
     stages = parallel.pp
     batch_axis = parallel.request_axis
     groups = parallel.num_microbatches(h.shape[0] // parallel.replicas)
+    batch, width = h.shape[:2]
+    positions = logits_indices if logits_indices is not None else jnp.zeros((batch, 1), jnp.int32)
+    every = logits_indices is None
 
-    def stage_fn(h, layer_params, k_all, v_all, per_request):
+    def stage_fn(h, layer_params, k_all, v_all, per_request, positions):
         stage = jax.lax.axis_index(AXIS)
         hm, km, vm = _split(h, 0, groups), _split(k_all, 1, groups), _split(v_all, 1, groups)
         reqm = jax.tree.map(lambda x: _split(x, 0, groups), per_request)
+        posm = _split(positions, 0, groups)
+        first_layer = stage * k_all.shape[0]  # global index of this stage's first layer
 
         def tick(t, carry):
-            received, km, vm, out = carry
+            received, km, vm, out, capm = carry
             group = t - stage
             valid = (group >= 0) & (group < groups)
             g = jnp.clip(group, 0, groups - 1)
             take = lambda x, axis: jax.lax.dynamic_index_in_dim(x, g, axis, keepdims=False)  # noqa: E731
             x = jnp.where(stage == 0, take(hm, 1), received)
             k_g, v_g = take(km, 2), take(vm, 2)
-            y, k_new, v_new = sequential_layers(layer_fn, x, layer_params, k_g, v_g,
-                                                jax.tree.map(lambda a: take(a, 1), reqm))
+            idx = take(posm, 1)
+            y, k_new, v_new, cap = sequential_layers(
+                layer_fn, x, layer_params, k_g, v_g, jax.tree.map(lambda a: take(a, 1), reqm), capture_layers,
+                lambda a: a if every else select_positions(a, idx), first_layer)
             # Bubble ticks may write back unmasked: before a stage's first group arrives it writes
             # garbage to group 0's scratch slots, which group 0 overwrites (same slots) before any
             # read; after its last group it recomputes group M - 1 from identical inputs, writing
@@ -85,29 +81,26 @@ def pipeline_layers(layer_fn, h, layer_params, cache: KVCache, per_request, para
             vm = jax.lax.dynamic_update_index_in_dim(vm, v_new, g, 2)
             last = valid & (stage == stages - 1)
             out = jax.lax.dynamic_update_index_in_dim(out, jnp.where(last, y, take(out, 1)), g, 1)
+            if capture_layers:
+                capm = jax.lax.dynamic_update_index_in_dim(capm, jnp.where(valid, cap, take(capm, 2)), g, 2)
             received = jax.lax.ppermute(y, AXIS, [(s, s + 1) for s in range(stages - 1)])
-            return received, km, vm, out
+            return received, km, vm, out, capm
 
-        carry = (jnp.zeros_like(hm[:, 0]), km, vm, jnp.zeros_like(hm))
-        _, km, vm, out = jax.lax.fori_loop(0, groups + stages - 1, tick, carry)
-        # Only the last stage wrote ``out``; the others add exact zeros, so this is a broadcast.
+        picked = (width if every else positions.shape[1])
+        capm = jnp.zeros((len(capture_layers), hm.shape[0], groups, picked, hm.shape[-1]), hm.dtype)
+        carry = (jnp.zeros_like(hm[:, 0]), km, vm, jnp.zeros_like(hm), capm)
+        _, km, vm, out, capm = jax.lax.fori_loop(0, groups + stages - 1, tick, carry)
+        # Only the last stage wrote ``out`` (and only a layer's own stage its capture); the others
+        # add exact zeros, so these sums are broadcasts.
         out = jax.lax.psum(out, AXIS)
-        return _merge(out, 0), _merge(km, 1), _merge(vm, 1)
+        capm = jax.lax.psum(capm, AXIS)
+        return _merge(out, 0), _merge(km, 1), _merge(vm, 1), _merge(capm, 1)
 
     # "pp" and the request axis are manual (each dp replica pipelines its own requests); "tp" is automatic.
     rows, cache_spec = P(batch_axis), P(AXIS, batch_axis)
     run = jax.shard_map(stage_fn, mesh=parallel.mesh,
-                        in_specs=(rows, P(AXIS), cache_spec, cache_spec, rows),
-                        out_specs=(rows, cache_spec, cache_spec),
+                        in_specs=(rows, P(AXIS), cache_spec, cache_spec, rows, rows),
+                        out_specs=(rows, cache_spec, cache_spec, P(None, batch_axis)),
                         axis_names={AXIS} | ({batch_axis} if batch_axis else set()), check_vma=False)
-    h, k_all, v_all = run(h, layer_params, cache.k, cache.v, per_request)
-    return h, k_all, v_all
-
-
-def run_layers(layer_fn, h, layer_params, cache: KVCache, per_request, parallel=None):
-    """Sequential scan, or the pipeline when ``parallel`` has pp > 1 (schedule "pipeline"). Returns (h, cache)."""
-    if parallel is not None and parallel.pipelined:
-        h, k_all, v_all = pipeline_layers(layer_fn, h, layer_params, cache, per_request, parallel)
-    else:
-        h, k_all, v_all = sequential_layers(layer_fn, h, layer_params, cache.k, cache.v, per_request)
-    return h, cache.replace(k=k_all, v=v_all)
+    h, k_all, v_all, captured = run(h, layer_params, cache.k, cache.v, per_request, positions)
+    return h, k_all, v_all, (captured if capture_layers else None)

@@ -1,0 +1,10 @@
+"""Attention over the KV cache with explicit metadata: ``AttentionMeta`` (committed lengths, an
+optional ancestor bitmask), the XLA path, and the tree-attention entry point (XLA or the Pallas
+kernel of ``specjax.kernels.tree_attention``). One forward serves prefill, decoding, tree
+verification and drafting."""
+
+from specjax.attention.meta import AttentionMeta, causal_meta, visibility_mask
+from specjax.attention.tree import IMPLS, resolve_impl, tree_attention
+from specjax.attention.xla import attend_xla
+
+__all__ = ["AttentionMeta", "causal_meta", "visibility_mask", "attend_xla", "tree_attention", "resolve_impl", "IMPLS"]

@@ -1,0 +1,46 @@
+"""Tree attention: one entry point over the XLA path and the Pallas kernel (specjax.kernels.tree_attention).
+
+Query i of request b sees the committed prefix ``[0, lengths[b])`` and the tree slot
+``lengths[b] + j`` (j < region) iff bit j of ``ancestor[b, i]`` is set. The tree's K/V must already
+sit in the scratch slots ``[lengths[b], lengths[b] + region)`` of ``k``/``v``. The queries may be
+all N nodes of the tree (verification: region = N = T) or any subset of them (SSM drafting scores
+one frontier per pass: T < region).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from specjax.attention.meta import AttentionMeta
+from specjax.attention.xla import attend_xla
+from specjax.errors import InputError
+from specjax.kernels.tree_attention import (
+    tree_attention_pallas,
+    validate_tree_attention,
+)
+
+IMPLS = ("auto", "xla", "pallas")
+
+
+def resolve_impl(impl: str) -> str:
+    if impl not in IMPLS:
+        raise InputError(f"tree attention impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return impl
+
+
+def tree_attention(q, k, v, lengths, ancestor, *, scale: float, impl: str = "auto", region: int | None = None):
+    """q: [B, T, H, Dh]; k, v: [B, S, KVH, Dh]; lengths: [B] int32; ancestor: [B, T, W] uint32;
+    region: tree slots N (default T)."""
+    region = q.shape[1] if region is None else region
+    validate_tree_attention(q, k, v, lengths, ancestor.shape[1], "ancestor", region=region)
+    if ancestor.shape[2] * 32 < region:
+        raise InputError(f"ancestor has {ancestor.shape[2]} uint32 words per row, too few for a tree of "
+                         f"{region} slots")
+    impl = resolve_impl(impl)
+    if impl == "xla":
+        meta = AttentionMeta(lengths=lengths, ancestor=ancestor, region=region)
+        return attend_xla(q, k, v, meta, scale=scale)
+    return tree_attention_pallas(q, k, v, lengths, ancestor, scale=scale, region=region,
+                                 interpret=jax.default_backend() != "gpu")

@@ -1,0 +1,116 @@
+"""Boost-tuning data: training prompts and the LLM's own continuations (first piece of the
+learning-based speculator; training and the SSM pool build on the corpus written here).
+
+Training prompts are synthesised from templates x topics written for specjax, so the shared dev
+prompts stay held out for evaluation. Continuations come from specjax's own batch generation
+(incremental decoding: exactly the LLM's greedy / seeded-sampled tokens), written as resumable
+shards: re-running with the same arguments skips the shards already on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from specjax.api import generate
+from specjax.decoding.sampling import SamplingParams
+from specjax.errors import InputError
+
+TEMPLATES = {
+    "generic": ["What are some practical ways to get better at {t}?", "Give me advice about {t} for a beginner.",
+                "What are the pros and cons of {t}?"],
+    "knowledge": ["Explain how {t} works.", "What is the history of {t}?", "Why does {t} matter?"],
+    "roleplay": ["You are an expert in {t}. Introduce yourself to a new student.",
+                 "Pretend you are a tour guide who loves {t}. Describe your favourite day."],
+    "common-sense": ["How can you tell whether someone is really interested in {t}?",
+                     "What would people notice first if {t} suddenly disappeared?"],
+    "fermi": ["Estimate how many people in the world work on {t}. Explain your reasoning step by step.",
+              "Roughly how much money is spent on {t} every year? Walk through the estimate."],
+    "counterfactual": ["What if {t} had never been invented?", "How would daily life change if {t} were free?"],
+    "coding": ["Write a Python function related to {t} and explain it.",
+               "Describe a simple program that could help with {t}, with pseudocode."],
+    "math": ["Make up a word problem about {t} and solve it step by step.",
+             "Explain a piece of mathematics that is useful for {t}."],
+    "writing": ["Write a short poem about {t}.", "Write a persuasive paragraph about {t}.",
+                "Draft a friendly email inviting a colleague to a workshop on {t}."],
+}
+TOPICS = ["gardening", "time management", "renewable energy", "the printing press", "public speaking", "chess",
+          "machine learning", "volcanoes", "cooking pasta", "personal finance", "bird migration", "the internet",
+          "marathon training", "ancient Rome", "electric cars", "photography", "sleep", "coffee", "space travel",
+          "learning a language", "climate change", "jazz music", "bicycles", "vaccines", "city planning",
+          "board games", "honey bees", "recycling", "smartphones", "meditation", "the ocean", "libraries",
+          "video games", "baking bread", "mountain climbing", "databases", "solar panels", "painting", "trains",
+          "friendship", "budget travel", "weather forecasting", "origami", "robotics", "tea", "volunteering",
+          "the moon", "podcasts", "architecture", "rainforests", "3D printing", "running a small business",
+          "birdwatching", "cryptography", "nutrition", "the Olympic Games", "remote work", "earthquakes",
+          "classical music", "dinosaurs"]
+
+
+def training_prompts(n: int, seed: int = 0, exclude=()) -> list[str]:
+    """``n`` distinct synthetic prompts in a seeded order, none of them in ``exclude``."""
+    every = [tpl.format(t=topic) for templates in TEMPLATES.values() for tpl in templates for topic in TOPICS]
+    held_out = set(exclude)
+    pool = [p for p in every if p not in held_out]
+    if n > len(pool):
+        raise InputError(f"asked for {n} training prompts, the templates give {len(pool)}")
+    order = np.random.RandomState(seed).permutation(len(pool))
+    return [pool[i] for i in order[:n]]
+
+
+def generate_corpus(model, prompts, out_dir: str, *, max_new_tokens: int = 128, batch_size: int = 32,
+                    temperatures=(0.0, 1.0), seed: int = 0, chat_template: bool = True, progress: bool = True,
+                    recipe: dict | None = None) -> list[str]:
+    """The LLM's continuations of every prompt at every temperature, as shards
+    ``out_dir/shard-XXXXX.npz`` (tokens = prompt + continuation, concatenated, with offsets and prompt
+    lengths). Request i of a shard samples with seed ``seed + global request index``. Returns the shard paths."""
+
+    if not prompts:
+        raise InputError("generate_corpus: no prompts")
+    if batch_size < 1 or max_new_tokens < 1:
+        raise InputError(f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
+    os.makedirs(out_dir, exist_ok=True)
+    manifest = {"num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "batch_size": batch_size,
+                "temperatures": list(temperatures), "seed": seed, "chat_template": chat_template, **(recipe or {})}
+    manifest_path = os.path.join(out_dir, "manifest.json")
+    if os.path.exists(manifest_path):
+        with open(manifest_path) as f:
+            existing = json.load(f)
+        if existing != manifest:
+            raise InputError(f"{manifest_path}: the corpus there was made with {existing}, not {manifest}; "
+                             f"use another directory")
+    else:
+        with open(manifest_path, "w") as f:
+            json.dump(manifest, f, indent=1)
+    jobs = [(t, i) for t in temperatures for i in range(0, len(prompts), batch_size)]
+    paths = []
+    from tqdm import tqdm
+
+    for index, (temperature, start) in enumerate(tqdm(jobs, desc="LLM continuations", disable=not progress)):
+        path = os.path.join(out_dir, f"shard-{index:05d}.npz")
+        paths.append(path)
+        if os.path.exists(path):
+            continue  # resumable: this shard was written by an earlier run
+        batch = prompts[start:start + batch_size]
+        first = seed + index * batch_size
+        sampling = [SamplingParams(temperature=temperature, seed=first + j) for j in range(len(batch))]
+        result = generate(model, batch, max_new_tokens=max_new_tokens, sampling=sampling,
+                                  chat_template=chat_template, mode="incremental")
+        seqs = [p + c for p, c in zip(result.prompt_token_ids, result.token_ids)]
+        offsets = np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64)
+        tmp = path + ".tmp.npz"
+        np.savez(tmp, tokens=np.concatenate(seqs).astype(np.int32), offsets=offsets,
+                 prompt_lens=np.array([len(p) for p in result.prompt_token_ids], np.int32),
+                 temperature=np.float32(temperature), seeds=np.arange(first, first + len(batch), dtype=np.int64))
+        os.replace(tmp, path)  # a shard is either complete or absent
+    return paths
+
+
+def read_shard(path: str) -> list[tuple[list[int], int]]:
+    """[(prompt + continuation token ids, prompt length), ...] of one shard."""
+    with np.load(path) as z:
+        tokens, offsets, lens = z["tokens"], z["offsets"], z["prompt_lens"]
+    return [(tokens[offsets[i]:offsets[i + 1]].tolist(), int(lens[i])) for i in range(len(lens))]
+
+

@@ -1,0 +1,231 @@
+"""`specjax generate`: every flag checked before the model loads, text streamed, one stats line per prompt."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from specjax.errors import GenerationError, InputError
+from specjax.io import registry
+
+
+def _positive(name: str, value, allow_none: bool = False):
+    if value is None and allow_none:
+        return
+    if value is None or value < 1:
+        raise InputError(f"{name} must be >= 1, got {value}")
+
+
+def _read_prompts(args) -> list:
+    from specjax.io.prompts import check_text, read_prompts_file
+
+    if args.prompt is not None and args.prompts_file is not None:
+        raise InputError("give either --prompt or --prompts-file, not both")
+    if args.prompt is not None:
+        if not args.prompt:
+            raise InputError("--prompt is empty")
+        return [check_text(args.prompt, "--prompt")]
+    if args.prompts_file is None:
+        raise InputError("give --prompt TEXT or --prompts-file FILE.jsonl")
+    return read_prompts_file(args.prompts_file, flag="--prompts-file")
+
+
+def _check_generate_args(args) -> None:
+    """Everything about ``generate``'s flags that needs neither JAX nor the model."""
+    from specjax.decoding.sampling import SamplingParams
+    from specjax.speculation.expansion import Expansion
+
+    _positive("--max-new-tokens", args.max_new_tokens)
+    _positive("--batch-size", args.batch_size)
+    _positive("--microbatches", args.microbatches, allow_none=True)
+    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.expansion is not None:
+        Expansion.parse(args.expansion)
+    if args.mode == "incremental" and (args.ssm or args.expansion):
+        raise InputError("--mode incremental drafts nothing: drop --ssm / --expansion, or choose --mode tree")
+    if args.microbatches is not None:
+        if args.mesh is None:
+            raise InputError("--microbatches needs --mesh with pp > 1 (pipeline request groups)")
+        if args.microbatches > args.batch_size:
+            raise InputError(f"--microbatches {args.microbatches} exceeds --batch-size {args.batch_size}: the extra "
+                             f"pipeline groups would hold nothing but padding")
+    if args.init_timeout <= 0:
+        raise InputError(f"--init-timeout must be > 0 seconds, got {args.init_timeout}")
+
+
+def _parallel(args):
+    """Join the cluster (when there is one) and build the mesh from --mesh; None without --mesh."""
+    from specjax.sharding import Parallel, ShardingRules, distributed
+
+    cluster = distributed.detect_cluster(args.coordinator, args.num_processes, args.process_id,
+                                         slurm=args.distributed == "slurm")
+    if cluster is not None and args.distributed == "off":
+        raise InputError(f"--distributed off, but a cluster is configured ({cluster.source})")
+    distributed.initialize(cluster, timeout_s=args.init_timeout)
+    if args.mesh is None:
+        if cluster is not None and cluster.num_processes > 1:
+            raise InputError("several processes need a --mesh that spans them (e.g. --mesh pp=2,tp=4)")
+        return None
+    rules = ShardingRules(heads=None, kv_heads=None) if args.replicate_attention else ShardingRules()
+    return Parallel.create(args.mesh, rules=rules, microbatches=args.microbatches)
+
+
+def _ssm_specs(args) -> tuple[list[str], str | None]:
+    """(--ssm entries, --expansion) after the defaults: the shipped SSM in its best measured shape for
+    the default LLM, otherwise the LLM's first layers (derived:auto)."""
+    if args.mode == "incremental":
+        return [], None
+    if not args.ssm and args.model == registry.DEFAULT_MODEL:
+        expansion = args.expansion
+        if expansion is None and args.mode == "tree":
+            expansion = ",".join(map(str, registry.DEFAULT_EXPANSION))
+        return list(registry.DEFAULT_SSMS), expansion
+    return args.ssm or ["derived:auto"], args.expansion
+
+
+def _ssm(spec: str, llm, load: bool):
+    """One --ssm entry: described (config only) or loaded."""
+    import specjax
+    from specjax.speculation.drafters.ssm import derive_ssm, parse_derived
+
+    if spec.startswith("derived:"):
+        return derive_ssm(llm, parse_derived(spec, llm.config))
+    return specjax.load_model(spec, progress=False) if load else specjax.describe_model(spec)
+
+
+class _TextStream:
+    """Incremental detokenisation: the new text since the last call, holding back an incomplete
+    UTF-8 sequence (a token may end in the middle of a character)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], 0
+
+    def feed(self, ids) -> str:
+        if self.tokenizer is None:  # token ids, space-separated
+            new = " ".join(map(str, ids))
+            new, self.ids = (" " + new if self.ids else new), self.ids + list(ids)
+            return new
+        self.ids += list(ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self.shown = text[self.shown:], len(text)
+        return new
+
+    def finish(self) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return text[self.shown:]
+
+
+def _stats_line(req: dict, load_s: float, compile_s: float, batch: int, description: str) -> str:
+    return (f"# {req['generated_tokens']} tokens in {req['seconds']:.2f} s = {req['tokens_per_s']:.1f} tokens/s | "
+            f"load {load_s:.1f} s, compile {compile_s:.1f} s | {req['llm_passes']} LLM passes, "
+            f"{req['mean_tokens_per_pass']:.2f} tokens per pass | {description}"
+            + (f", batch of {batch}" if batch > 1 else ""))
+
+
+def _compile_cache(directory: str) -> None:
+    """Keep compiled programs on disk: a second run with the same shapes skips most compilation."""
+    if directory == "none":
+        return
+    import jax
+
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"--compile-cache {directory}: cannot create it ({e.strerror or e}); use 'none' to turn the "
+                         f"cache off") from None
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def _cmd_generate(args, out) -> int:
+    _check_generate_args(args)
+    prompts = _read_prompts(args)
+    parallel = _parallel(args)  # joins the cluster: must precede any other JAX use
+    _compile_cache(args.compile_cache)
+    import jax
+
+    import specjax
+    from specjax.api import plan_generation, run_plan
+
+    printing = jax.process_index() == 0  # every process computes; process 0 reports
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if printing else (lambda *a: None)
+    sampling = specjax.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                      seed=args.seed)
+    ssm_specs, expansion = _ssm_specs(args)
+    # Check the whole request against the configs and tokenizer before the weights load.
+    light = specjax.describe_model(args.model)
+    light_ssms = [_ssm(s, light, load=False) for s in ssm_specs]
+    batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
+    kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, chat_template=not args.no_chat_template,
+              mode=args.mode, expansion=expansion, verifier=args.verifier, draft=args.draft)
+    plans = [plan_generation(light, batch, ssms=light_ssms, **kw) for batch in batches]
+    if parallel is not None:
+        for batch in batches:
+            extra = parallel.padding_for(len(batch))
+            parallel.validate(light.config, len(batch) + extra, [s.config for s in light_ssms])
+    t0 = time.perf_counter()
+    # With a mesh the LLM goes straight to its sharding (a model larger than one device never sits on one).
+    model = specjax.load_model(args.model, dtype=args.dtype, progress=not args.json and printing, parallel=parallel)
+    ssms = [_ssm(s, model, load=True) for s in ssm_specs]
+    if parallel is not None:  # place once; generation then finds everything where it belongs
+        ssms = [s._replace(params=parallel.put_params(s.params, s.config, parallel.ssm_rules)) for s in ssms]
+    load_s = time.perf_counter() - t0
+    description = args.mode + (f", SSMs {','.join(ssm_specs)}, expansion "
+                               + ";".join(",".join(map(str, e.widths)) for e in plans[0].spec.expansions)
+                               if ssm_specs else "")
+    failures = []
+    headers = len(prompts) > 1 and not args.json  # "### prompt i" before each text
+    for number, (batch, plan) in enumerate(zip(batches, plans)):
+        first = number * args.batch_size
+        streams = [_TextStream(model.tokenizer) for _ in batch]
+        stream_live = printing and not args.json and len(batch) == 1
+        if stream_live and headers:
+            out.write(f"### prompt {first}\n")
+
+        def on_tokens(i, ids, streams=streams, stream_live=stream_live):
+            text = streams[i].feed(ids)
+            if stream_live and text:
+                out.write(text)
+                out.flush()
+
+        try:
+            result = run_plan(model, plan, ssms, parallel=parallel, on_tokens=on_tokens)
+            failed = set()
+        except GenerationError as e:
+            result, failed = e.result, set(e.failed)
+            failures.append(str(e))
+        st = result.stats
+        for i, (prompt, ids) in enumerate(zip(batch, result.token_ids)):
+            req = st["requests"][i]
+            if not printing:
+                continue
+            if args.json:
+                if i in failed:
+                    continue
+                out.write(json.dumps({"prompt": prompt, "token_ids": ids, "text": result.texts[i], "mode": st["mode"],
+                                      "llm_passes": req["llm_passes"],
+                                      "mean_accepted_tokens_per_pass": round(req["mean_tokens_per_pass"], 4),
+                                      "tokens_per_pass_histogram": req["tokens_per_pass_histogram"],
+                                      "tokens_per_s": round(req["tokens_per_s"], 3)}) + "\n")
+                out.flush()
+                continue
+            if stream_live:
+                out.write(streams[i].finish() + "\n")
+            else:
+                if headers:
+                    out.write(f"### prompt {first + i}\n")
+                out.write((result.texts[i] if result.texts[i] is not None else " ".join(map(str, ids))) + "\n")
+            out.flush()
+            if i not in failed:
+                log(_stats_line(req, load_s, st.get("compile_seconds", 0.0), len(batch), description))
+    if failures:
+        for message in failures:
+            log(f"specjax: error: {message}")
+        return 2
+    return 0

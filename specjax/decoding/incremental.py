@@ -1,0 +1,148 @@
+"""Incremental decoding, the reference decoder: jitted prefill + one ``lax.while_loop`` decode.
+
+``generate_incremental`` is a pure, jittable function of arrays (call it inside your own
+``jax.jit``); ``decode_init`` + ``decode_step`` are its host-loop twin (one call per LLM pass, the
+state donated), used for streaming; ``specjax.api.generate`` is the host wrapper that tokenises,
+buckets and detokenises. Non-finite logits (NaN weights, overflow) fail the request: it stops and
+emits nothing more, never a token read off a NaN row.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.attention.meta import causal_meta
+from specjax.config import ModelConfig
+from specjax.decoding.sampling import SamplingArrays, finite_rows, sample_tokens
+from specjax.models import forward
+from specjax.models.cache import KVCache, init_cache
+
+PAD_TOKEN = -1  # fills the unused tail of the output buffer
+
+
+@struct.dataclass
+class DecodeState:
+    """Loop state of incremental decoding (B requests, M = output buffer length)."""
+
+    cache: KVCache  # committed K/V; cache.length[b] = tokens of request b whose K/V is cached
+    last_token: jax.Array  # [B] int32, newest token of each request; its K/V is not cached yet
+    tokens: jax.Array  # [B, M] int32, generated tokens, PAD_TOKEN beyond num_generated
+    num_generated: jax.Array  # [B] int32
+    done: jax.Array  # [B] bool, request finished (EOS, max_new_tokens or failure)
+    failed: jax.Array  # [B] bool, the LLM gave non-finite logits: the request stopped, nothing invented
+    llm_passes: jax.Array  # [] int32, LLM forward passes so far (prefill included)
+
+
+@struct.dataclass
+class GenerateOutput:
+    tokens: jax.Array  # [B, M] int32, generated tokens (prompt excluded), PAD_TOKEN padded
+    num_generated: jax.Array  # [B] int32
+    llm_passes: jax.Array  # [] int32
+    failed: jax.Array  # [B] bool
+
+
+def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    if not eos_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
+
+
+def prefill(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, cache: KVCache, cfg: ModelConfig,
+            parallel=None):
+    """Run the padded prompts [B, T] through the model; returns (logits at each last prompt token
+    [B, V], cache with length = prompt_lens). Padding slots are written but never committed."""
+    batch, num_tokens = prompt_tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (batch, num_tokens))
+    meta = causal_meta(jnp.zeros((batch,), jnp.int32))
+    logits, cache, _ = forward(params, prompt_tokens, positions, cache, meta, cfg,
+                            logits_indices=(prompt_lens - 1)[:, None], parallel=parallel)
+    return logits[:, 0], cache.replace(length=prompt_lens.astype(jnp.int32))
+
+
+def decode_step(params, state: DecodeState, sampling: SamplingArrays, max_new_tokens: jax.Array,
+                cfg: ModelConfig, eos_ids: tuple[int, ...], parallel=None) -> DecodeState:
+    """Feed each request's last token, commit it, sample the next one (for active requests)."""
+    cache = state.cache
+    logits, cache, _ = forward(params, state.last_token[:, None], cache.length[:, None], cache,
+                            causal_meta(cache.length), cfg, parallel=parallel)
+    ok = finite_rows(logits[:, 0])
+    failed = state.failed | (~state.done & ~ok)
+    active = ~state.done & ok
+    new_length = cache.length + (~state.done).astype(jnp.int32)  # the fed token's K/V is committed
+    next_token = sample_tokens(logits[:, 0], sampling, positions=new_length)
+    rows = jnp.arange(state.tokens.shape[0])
+    slot = jnp.where(active, state.num_generated, state.tokens.shape[1])  # out of range -> dropped
+    tokens = state.tokens.at[rows, slot].set(next_token, mode="drop")
+    num_generated = state.num_generated + active.astype(jnp.int32)
+    done = state.done | failed | is_eos(next_token, eos_ids) | (num_generated >= max_new_tokens)
+    return DecodeState(cache=cache.replace(length=new_length),
+                       last_token=jnp.where(active, next_token, state.last_token),
+                       tokens=tokens, num_generated=num_generated, done=done, failed=failed,
+                       llm_passes=state.llm_passes + 1)
+
+
+def decode_init(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, max_new_tokens: jax.Array,
+                sampling: SamplingArrays, *, cfg: ModelConfig, cache_len: int, max_out: int,
+                eos_ids: tuple[int, ...] = (), parallel=None) -> DecodeState:
+    """Prefill and sample each request's first token: the loop state before the first decode step."""
+    batch = prompt_tokens.shape[0]
+    dtype = jax.tree.leaves(params)[0].dtype
+    cache = init_cache(cfg, batch, cache_len, dtype)
+    if parallel is not None:
+        cache = parallel.constrain_cache(cache, cfg)
+    logits, cache = prefill(params, prompt_tokens, prompt_lens, cache, cfg, parallel)
+    ok = finite_rows(logits)
+    first = sample_tokens(logits, sampling, positions=prompt_lens)
+    tokens = jnp.full((batch, max_out), PAD_TOKEN, jnp.int32).at[:, 0].set(jnp.where(ok, first, PAD_TOKEN))
+    return DecodeState(cache=cache, last_token=first, tokens=tokens, num_generated=ok.astype(jnp.int32),
+                       done=~ok | is_eos(first, eos_ids) | (max_new_tokens <= 1), failed=~ok,
+                       llm_passes=jnp.ones((), jnp.int32))
+
+
+def generate_incremental(params, prompt_tokens: jax.Array, prompt_lens: jax.Array,
+                         max_new_tokens: jax.Array, sampling: SamplingArrays, *, cfg: ModelConfig,
+                         cache_len: int, max_out: int, eos_ids: tuple[int, ...] = (),
+                         parallel=None) -> GenerateOutput:
+    """Incremental decoding of a batch of right-padded prompts. Pure and jittable.
+
+    prompt_tokens: [B, T] int32 (right-padded); prompt_lens: [B] >= 1; max_new_tokens: [B] in
+    [1, max_out]. Static: cfg, cache_len (>= T and >= max(prompt_len + max_new_tokens)), max_out,
+    parallel (a ``specjax.sharding.Parallel``: the cache is pinned to its sharding and pp > 1 runs
+    the layers as a pipeline; None = whatever device the inputs are on).
+    The host wrapper validates these bounds; inside jit they are the caller's contract.
+    """
+    state = decode_init(params, prompt_tokens, prompt_lens, max_new_tokens, sampling, cfg=cfg, cache_len=cache_len,
+                        max_out=max_out, eos_ids=eos_ids, parallel=parallel)
+
+    def cond(state: DecodeState):
+        return jnp.any(~state.done)  # some request still needs tokens
+
+    step = functools.partial(decode_step, params, sampling=sampling, max_new_tokens=max_new_tokens,
+                             cfg=cfg, eos_ids=eos_ids, parallel=parallel)
+    state = jax.lax.while_loop(cond, step, state)
+    return GenerateOutput(tokens=state.tokens, num_generated=state.num_generated, llm_passes=state.llm_passes,
+                          failed=state.failed)
+
+
+generate_incremental_jit = jax.jit(generate_incremental,
+                                   static_argnames=("cfg", "cache_len", "max_out", "eos_ids", "parallel"))
+decode_init_jit = jax.jit(decode_init, static_argnames=("cfg", "cache_len", "max_out", "eos_ids", "parallel"))
+# The state is donated: its cache is updated in place, never copied per step.
+decode_step_jit = jax.jit(decode_step, static_argnames=("cfg", "eos_ids", "parallel"), donate_argnames=("state",))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "parallel"))
+def full_logits(params, tokens: jax.Array, cfg: ModelConfig, parallel=None) -> jax.Array:
+    """Logits [B, T, V] of a full (right-padded) sequence, recomputed from scratch (no reuse)."""
+    batch, num_tokens = tokens.shape
+    dtype = jax.tree.leaves(params)[0].dtype
+    cache = init_cache(cfg, batch, num_tokens, dtype)
+    if parallel is not None:
+        cache = parallel.constrain_cache(cache, cfg)
+    positions = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (batch, num_tokens))
+    return forward(params, tokens, positions, cache, causal_meta(jnp.zeros((batch,), jnp.int32)), cfg,
+                   parallel=parallel).logits

@@ -1,0 +1,136 @@
+"""Sampling: one warp pipeline and position-keyed Gumbel-max sampling.
+
+Definition (shared by incremental decoding and seeded speculative verification): the token
+at ABSOLUTE position t of a request with seed s is
+
+    y_t = argmax_v( warp(logits_{t-1})[v] + G(s, t)[v] ),   G(s, t) = Gumbel(fold_in(key(s), t))
+
+which is an exact sample from softmax(warp(logits)). Greedy (temperature 0) is argmax of the raw
+logits, first index on ties. The warp is temperature -> top-k -> top-p -> renormalise, in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax.decoding.keys import sampling_key
+from specjax.errors import InputError
+
+MIN_TEMPERATURE = 1e-6  # below it, float32 logits / temperature can overflow to inf
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings. temperature=0 means greedy (top_k/top_p then ignored)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    seed: int = 0
+
+    def __post_init__(self):
+        t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise InputError(f"temperature must be a finite number >= 0, got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:  # logits / t would overflow float32: use 0 for greedy decoding
+            raise InputError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {t!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < 2**31:
+            raise InputError(f"top_k must be an int in [0, 2**31) (0 = off), got {k!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
+            raise InputError(f"top_p must be in (0, 1], got {p!r}")
+        if isinstance(s, bool) or not isinstance(s, int) or not (0 <= s < 2**31):
+            raise InputError(f"seed must be an int in [0, 2**31), got {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@struct.dataclass
+class SamplingArrays:
+    """Batched sampling settings as arrays, so changing them never recompiles."""
+
+    temperature: jax.Array  # [B] float32, 0 = greedy
+    top_k: jax.Array  # [B] int32, 0 = off
+    top_p: jax.Array  # [B] float32, 1 = off
+    seed: jax.Array  # [B] int32
+
+    @property
+    def sampled(self) -> jax.Array:
+        """[B] bool: requests that sample (temperature > 0) rather than decode greedily."""
+        return self.temperature > 0
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams]) -> "SamplingArrays":
+        return cls(temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
+                   top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
+                   top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
+                   seed=jnp.asarray([p.seed for p in params], jnp.int32))
+
+
+def _filter_top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    vocab = x.shape[-1]
+    sorted_x = -jnp.sort(-x, axis=-1)  # descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_x, (k - 1)[:, None], axis=-1)  # [B, 1]
+    x = jnp.where(x < kth, -jnp.inf, x)  # ties with the k-th value are kept
+    sorted_x = jnp.where(sorted_x < kth, -jnp.inf, sorted_x)
+    probs = jax.nn.softmax(sorted_x, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    # The top token always has mass_before 0 < top_p. top_p = 1 keeps everything exactly: the float32
+    # cumulative sum can round to 1.0 before the tail, and a request's law must not depend on whether
+    # another request in its batch switched the filter on.
+    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    last_kept = jnp.sum(keep, axis=-1) - 1
+    threshold = jnp.take_along_axis(sorted_x, last_kept[:, None], axis=-1)
+    return jnp.where(x < threshold, -jnp.inf, x)
+
+
+def warp_logits(logits: jax.Array, sampling: SamplingArrays) -> jax.Array:
+    """logits [B, ..., V] -> warped log-probabilities, same shape, float32 (-inf outside top-k/top-p).
+
+    Request b's settings apply to every row logits[b, ...]. Rows with temperature 0 are warped as
+    temperature 1 (their token is the raw argmax anyway). This one pipeline serves incremental
+    sampling, the verifier's targets at every tree node and the SSMs' drafting laws.
+    """
+    shape = logits.shape
+    rows = int(np.prod(shape[1:-1], dtype=np.int64))
+    x = logits.astype(jnp.float32).reshape(shape[0] * rows, shape[-1])
+    per_row = lambda a: jnp.repeat(a, rows, axis=0)  # noqa: E731
+    temperature = per_row(jnp.where(sampling.temperature > 0, sampling.temperature, 1.0))
+    top_k, top_p = per_row(sampling.top_k), per_row(sampling.top_p)
+    x = x / temperature[:, None]
+    needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
+    # The sort costs O(V log V) per row; skip it when no request asks for top-k/top-p.
+    x = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda x, *_: x, x, top_k, top_p)
+    return jax.nn.log_softmax(x, axis=-1).reshape(shape)
+
+
+def gumbel_noise(seed: jax.Array, position: jax.Array, vocab: int) -> jax.Array:
+    """G(seed, t): [B, V] float32 Gumbel noise keyed ONLY by the request seed and absolute position."""
+
+    def one(s, t):
+        return jax.random.gumbel(sampling_key(s, t), (vocab,), jnp.float32)
+
+    return jax.vmap(one)(seed, position)
+
+
+def finite_rows(logits: jax.Array) -> jax.Array:
+    """[..., V] -> [...] bool: the row has no NaN or infinite logit. A request whose LLM logits fail
+    this fails; nothing is sampled from such a row (argmax over NaN would invent token 0)."""
+    return jnp.all(jnp.isfinite(logits), axis=-1)
+
+
+def sample_tokens(logits: jax.Array, sampling: SamplingArrays, positions: jax.Array) -> jax.Array:
+    """Sample one token per request. logits [B, V]; positions [B] = absolute position of the new token."""
+    greedy_tokens = jnp.argmax(logits, axis=-1)
+    warped = warp_logits(logits, sampling)
+    noise = gumbel_noise(sampling.seed, positions, logits.shape[-1])
+    sampled = jnp.argmax(warped + noise, axis=-1)
+    return jnp.where(sampling.temperature > 0, sampled, greedy_tokens).astype(jnp.int32)

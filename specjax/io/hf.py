@@ -1,0 +1,99 @@
+"""HuggingFace model directories: config.json + safetensors (single or sharded), torch-free."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from specjax.config import ModelConfig, config_from_hf_file
+from specjax.errors import CheckpointError
+from specjax.io.keymap import (
+    HEADS_BIAS,
+    HEADS_IN,
+    HEADS_OUT,
+    LINEAR,
+    KeyMapEntry,
+    load_params,
+)
+from specjax.io.safetensors import open_hf_weights
+
+E = KeyMapEntry
+
+LLAMA_HF = [
+    E("embed", "model.embed_tokens.weight"),
+    E("layers.attn_norm", "model.layers.{i}.input_layernorm.weight"),
+    E("layers.wq", "model.layers.{i}.self_attn.q_proj.weight", HEADS_IN),
+    E("layers.wk", "model.layers.{i}.self_attn.k_proj.weight", HEADS_IN),
+    E("layers.wv", "model.layers.{i}.self_attn.v_proj.weight", HEADS_IN),
+    E("layers.wo", "model.layers.{i}.self_attn.o_proj.weight", HEADS_OUT),
+    E("layers.bq", "model.layers.{i}.self_attn.q_proj.bias", HEADS_BIAS),
+    E("layers.bk", "model.layers.{i}.self_attn.k_proj.bias", HEADS_BIAS),
+    E("layers.bv", "model.layers.{i}.self_attn.v_proj.bias", HEADS_BIAS),
+    E("layers.bo", "model.layers.{i}.self_attn.o_proj.bias"),
+    E("layers.mlp_norm", "model.layers.{i}.post_attention_layernorm.weight"),
+    E("layers.w_gate", "model.layers.{i}.mlp.gate_proj.weight", LINEAR),
+    E("layers.w_up", "model.layers.{i}.mlp.up_proj.weight", LINEAR),
+    E("layers.w_down", "model.layers.{i}.mlp.down_proj.weight", LINEAR),
+    E("layers.b_gate", "model.layers.{i}.mlp.gate_proj.bias"),
+    E("layers.b_up", "model.layers.{i}.mlp.up_proj.bias"),
+    E("layers.b_down", "model.layers.{i}.mlp.down_proj.bias"),
+    E("final_norm", "model.norm.weight"),
+    E("lm_head", "lm_head.weight", LINEAR),
+]
+
+_D = "model.decoder."
+_L = _D + "layers.{i}."
+OPT_HF = [
+    E("embed", _D + "embed_tokens.weight"),
+    E("pos_embed", _D + "embed_positions.weight"),
+    E("project_in", _D + "project_in.weight", LINEAR),
+    E("project_out", _D + "project_out.weight", LINEAR),
+    E("final_norm_scale", _D + "final_layer_norm.weight"),
+    E("final_norm_bias", _D + "final_layer_norm.bias"),
+    E("layers.attn_norm_scale", _L + "self_attn_layer_norm.weight"),
+    E("layers.attn_norm_bias", _L + "self_attn_layer_norm.bias"),
+    E("layers.wq", _L + "self_attn.q_proj.weight", HEADS_IN),
+    E("layers.wk", _L + "self_attn.k_proj.weight", HEADS_IN),
+    E("layers.wv", _L + "self_attn.v_proj.weight", HEADS_IN),
+    E("layers.wo", _L + "self_attn.out_proj.weight", HEADS_OUT),
+    E("layers.bq", _L + "self_attn.q_proj.bias", HEADS_BIAS),
+    E("layers.bk", _L + "self_attn.k_proj.bias", HEADS_BIAS),
+    E("layers.bv", _L + "self_attn.v_proj.bias", HEADS_BIAS),
+    E("layers.bo", _L + "self_attn.out_proj.bias"),
+    E("layers.mlp_norm_scale", _L + "final_layer_norm.weight"),
+    E("layers.mlp_norm_bias", _L + "final_layer_norm.bias"),
+    E("layers.fc1", _L + "fc1.weight", LINEAR),
+    E("layers.fc1_bias", _L + "fc1.bias"),
+    E("layers.fc2", _L + "fc2.weight", LINEAR),
+    E("layers.fc2_bias", _L + "fc2.bias"),
+    E("lm_head", "lm_head.weight", LINEAR),
+]
+
+TABLES = {"llama": LLAMA_HF, "opt": OPT_HF}
+_EMBED_KEY = {"llama": "model.embed_tokens.weight", "opt": _D + "embed_tokens.weight"}
+
+
+def load_hf_dir(model_dir: str, dtype=np.float32, progress: bool = True) -> tuple[ModelConfig, dict]:
+    if not os.path.isdir(model_dir):
+        raise CheckpointError(f"{model_dir}: not a directory")
+    cfg = config_from_hf_file(os.path.join(model_dir, "config.json"))
+    keys, get = open_hf_weights(model_dir)
+    if cfg.family == "opt" and keys and all(k.startswith("decoder.") or k == "lm_head.weight" for k in keys):
+        # Saved from OPTModel rather than OPTForCausalLM: same tensors without the "model." prefix.
+        raw_get = get
+        keys = [k if k == "lm_head.weight" else "model." + k for k in keys]
+        get = lambda k: raw_get(k if k == "lm_head.weight" else k[len("model."):])  # noqa: E731
+    ignored = {}
+    if cfg.tie_word_embeddings and "lm_head.weight" in keys:
+        # Some exporters write the tied head out; accept it only if it really is the embedding.
+        if not np.array_equal(np.asarray(get("lm_head.weight")), np.asarray(get(_EMBED_KEY[cfg.family]))):
+            raise CheckpointError(f"{model_dir}: config ties the embeddings but 'lm_head.weight' differs "
+                                  f"from {_EMBED_KEY[cfg.family]!r}")
+        ignored["lm_head.weight"] = "tied duplicate of the embedding"
+    for key in keys:
+        if key.endswith("rotary_emb.inv_freq"):
+            ignored[key] = "recomputed from the config"
+    params = load_params(cfg, TABLES[cfg.family], keys, get, source=model_dir, dtype=dtype,
+                         optional_ignored=ignored, progress=progress)
+    return cfg, params

@@ -1,0 +1,84 @@
+"""Loading models by registered name or path: HF directories, GGUF files, specjax checkpoints."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import config_from_hf_file
+from specjax.errors import CheckpointError, InputError
+from specjax.io import checkpoint, registry
+from specjax.io import tokenizer as tok_lib
+from specjax.io.gguf import gguf_config, load_gguf, read_gguf_metadata
+from specjax.io.hf import load_hf_dir
+from specjax.types import Model
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """The file or directory behind a registered name or a path; a clear error if there is none."""
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise InputError(f"model must be a registered name or a path, got {name_or_path!r}")
+    path = registry.resolve(name_or_path) if registry.is_registered(name_or_path) else name_or_path
+    if not os.path.exists(path):
+        raise CheckpointError(f"{name_or_path!r} is neither a registered model {registry.registered_names()} "
+                              f"nor an existing file or directory")
+    return path
+
+
+def describe_model(name_or_path: str = registry.DEFAULT_MODEL) -> Model:
+    """The configuration and tokenizer of a model, without its weights (``params`` is None): enough
+    to check a generation request (``plan_generation``) before the weights load."""
+
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path) and checkpoint.is_checkpoint(path):
+        cfg, tok_dir = checkpoint.read_checkpoint_config(path)
+        return Model(cfg, None, tok_lib.load_dir_tokenizer(tok_dir) if tok_dir else None)
+    if os.path.isdir(path):
+        return Model(config_from_hf_file(os.path.join(path, "config.json")), None, tok_lib.load_dir_tokenizer(path))
+    if path.endswith(".gguf"):
+        return Model(gguf_config(*read_gguf_metadata(path)), None, tok_lib.load_gguf_tokenizer(path))
+    raise CheckpointError(f"{path}: unsupported model file (expected an HF directory, a .gguf file "
+                          f"or a specjax checkpoint directory)")
+
+
+def load_model(name_or_path: str = registry.DEFAULT_MODEL, dtype: str = "float32", shardings=None,
+               progress: bool = True, parallel=None) -> Model:
+    """Load a registered model name, an HF directory, a .gguf file or a specjax orbax checkpoint.
+
+    parallel: a ``specjax.sharding.Parallel``; the params are placed on its mesh under its rules
+    (a checkpoint restores straight into that sharding, whatever mesh it was saved from).
+    ``shardings``: an explicit pytree (or function cfg -> pytree) of shardings instead."""
+
+    if dtype not in _DTYPES:
+        raise InputError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if parallel is not None and shardings is not None:
+        raise InputError("pass either shardings or parallel, not both")
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path) and checkpoint.is_checkpoint(path):
+        cfg, params, tok_dir = checkpoint.restore_checkpoint(
+            path, shardings=parallel.param_shardings if parallel is not None else shardings, dtype=dtype)
+        tokenizer = tok_lib.load_dir_tokenizer(tok_dir) if tok_dir else None
+        return Model(cfg, params, tokenizer)
+    if os.path.isdir(path):
+        cfg, np_params = load_hf_dir(path, progress=progress)
+        tokenizer = tok_lib.load_dir_tokenizer(path)
+    elif path.endswith(".gguf"):
+        cfg, np_params = load_gguf(path, progress=progress)
+        tokenizer = tok_lib.load_gguf_tokenizer(path)
+    else:
+        raise CheckpointError(f"{path}: unsupported model file (expected an HF directory, a .gguf file "
+                              f"or a specjax checkpoint directory)")
+    cast = lambda a: a.astype(_DTYPES[dtype])  # noqa: E731
+    if parallel is not None:
+        params = parallel.put_params(jax.tree.map(lambda a: np.asarray(a).astype(_DTYPES[dtype]), np_params), cfg)
+    elif shardings is None:
+        params = jax.tree.map(lambda a: cast(jnp.asarray(a)), np_params)
+    else:
+        shardings = shardings(cfg) if callable(shardings) else shardings
+        params = jax.tree.map(lambda a, s: jax.device_put(cast(jnp.asarray(a)), s), np_params, shardings)
+    return Model(cfg, params, tokenizer)

@@ -1,0 +1,112 @@
+"""Prompts at the boundary: one reader for prompt files and one check for prompts given to the API.
+
+A prompt is text (``str``, valid UTF-8) or an explicit list of token ids (ints, not bools). Anything
+else is refused with an ``InputError`` naming the prompt (or the file and line): no ``None`` turned
+into the text "None", no ``bytes`` read as token ids, no booleans taken for ids 0 and 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+
+from specjax.errors import InputError
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
+
+
+def _is_token_list(p) -> bool:
+    if isinstance(p, np.ndarray):
+        return p.ndim == 1 and p.dtype.kind in "iu"
+    return isinstance(p, (list, tuple)) and all(_is_token_id(t) for t in p)
+
+
+def check_text(text: str, where: str) -> str:
+    """``text`` if it is valid Unicode that encodes to UTF-8 (argv and files decoded with
+    surrogateescape carry undecodable bytes as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start:e.end].encode("utf-8", "surrogateescape")
+        raise InputError(f"{where} is not valid UTF-8 text (bytes {bad!r} at character {e.start})") from None
+    return text
+
+
+def normalize_prompts(prompts) -> list:
+    """Strings or token-id lists -> a non-empty list of them (a single prompt is wrapped), checked."""
+    if isinstance(prompts, str) or (_is_token_list(prompts) and len(prompts) > 0):
+        prompts = [prompts]
+    if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, (Sequence, np.ndarray)) \
+            or len(prompts) == 0:
+        raise InputError(f"prompts must be a non-empty list of strings or of token-id lists, got "
+                         f"{type(prompts).__name__}")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            out.append(check_text(p, f"prompt {i}"))
+        elif isinstance(p, (bytes, bytearray)):
+            raise InputError(f"prompt {i} is bytes: decode it to a str, or pass token ids as a list of ints")
+        elif _is_token_list(p):
+            out.append([int(t) for t in p])
+        elif isinstance(p, (list, tuple, np.ndarray)):
+            bad = next((t for t in p if not _is_token_id(t)), None) if not isinstance(p, np.ndarray) else p.dtype
+            raise InputError(f"prompt {i}: a token-id list must hold ints only, found {bad!r}")
+        else:
+            raise InputError(f"prompt {i} must be a str or a list of token ids, got {type(p).__name__} {p!r}")
+    return out
+
+
+def read_prompts_file(path: str, *, flag: str = "--prompts-file", allow_token_ids: bool = True,
+                      plain_lines: bool = False) -> list:
+    """Prompts of a JSONL file, one ``{"prompt": TEXT}`` (or ``{"prompt": [ids]}`` when
+    ``allow_token_ids``) per non-blank line. ``plain_lines``: a file not ending in .jsonl holds one
+    text prompt per line instead. Every problem names the file and the line."""
+    where = f"{flag} {path}"
+    if os.path.isdir(path):
+        raise InputError(f"{where}: is a directory, expected a file")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise InputError(f"{where}: prompts file not found") from None
+    except OSError as e:
+        raise InputError(f"{where}: cannot read ({e.strerror or e})") from None
+    jsonl = not plain_lines or path.endswith(".jsonl")
+    prompts = []
+    for n, line in enumerate(raw.split(b"\n"), 1):
+        try:
+            text = line.decode("utf-8").rstrip("\r")
+        except UnicodeDecodeError as e:
+            raise InputError(f"{path}:{n}: not valid UTF-8 (byte {line[e.start:e.start + 1]!r} at column "
+                             f"{e.start + 1})") from None
+        if not text.strip():
+            continue
+        if not jsonl:
+            prompts.append(text)
+            continue
+        try:
+            record = json.loads(text)
+        except (json.JSONDecodeError, RecursionError):
+            record = None
+        prompt = record.get("prompt") if isinstance(record, dict) else None
+        if isinstance(prompt, str) and prompt:
+            prompts.append(prompt)
+        elif allow_token_ids and isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
+            prompts.append([int(t) for t in prompt])
+        else:
+            kinds = "a non-empty string or a list of token ids (ints)" if allow_token_ids else "a non-empty string"
+            if not isinstance(record, dict):
+                got = "the line is not a JSON object"
+            elif "prompt" not in record:
+                got = "it has no 'prompt' key"
+            else:
+                got = f"'prompt' is {json.dumps(prompt)[:60]}"
+            raise InputError(f"{path}:{n}: expected a JSON object whose 'prompt' is {kinds}; {got}")
+    if not prompts:
+        raise InputError(f"{where}: no prompts in the file")
+    return prompts

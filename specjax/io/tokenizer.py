@@ -1,0 +1,88 @@
+"""Tokenizers through ``transformers.AutoTokenizer`` (optional: tiny test checkpoints have none)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from specjax._compat import gguf_tokenizer_from_fields
+from specjax.errors import CheckpointError
+from specjax.io.gguf_file import GGUFFile
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def cache_dir() -> str:
+    return os.environ.get("SPECJAX_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "specjax"))
+
+
+def load_dir_tokenizer(path: str):
+    """The tokenizer saved in a model directory, or None if it has no tokenizer files."""
+    if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for broken files
+        raise CheckpointError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+
+
+# GGUF metadata key -> transformers name, for the tokenizer and the tokenizer config.
+_GGUF_TOKENIZER_KEYS = {
+    "tokenizer.ggml.model": "tokenizer_type", "tokenizer.ggml.pre": "pre_tokenizer_type",
+    "tokenizer.ggml.tokens": "tokens", "tokenizer.ggml.scores": "scores",
+    "tokenizer.ggml.token_type": "token_type", "tokenizer.ggml.merges": "merges",
+    "tokenizer.ggml.precompiled_charsmap": "precompiled_charsmap",
+    "tokenizer.ggml.bos_token_id": "bos_token_id", "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.unknown_token_id": "unk_token_id", "tokenizer.ggml.padding_token_id": "pad_token_id",
+    "tokenizer.ggml.add_space_prefix": "add_prefix_space",
+}
+_GGUF_CONFIG_KEYS = {"tokenizer.chat_template": "chat_template", "tokenizer.ggml.add_bos_token": "add_bos_token",
+                     "tokenizer.ggml.add_eos_token": "add_eos_token"}
+_SPECIAL = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unk_token_id",
+            "pad_token": "pad_token_id"}
+
+
+def _gguf_tokenizer_fields(gguf_path: str):
+
+    fields = GGUFFile(gguf_path).fields
+    values = {key: fields[key] for key in {**_GGUF_TOKENIZER_KEYS, **_GGUF_CONFIG_KEYS, "general.architecture": None}
+              if key in fields}
+    if "tokenizer.ggml.tokens" not in values:
+        raise CheckpointError(f"{gguf_path}: no embedded tokenizer (metadata key 'tokenizer.ggml.tokens')")
+    tokenizer = {name: values[k] for k, name in _GGUF_TOKENIZER_KEYS.items() if k in values}
+    config = {name: values[k] for k, name in _GGUF_CONFIG_KEYS.items() if k in values}
+    tokens = tokenizer["tokens"]
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise CheckpointError(f"{gguf_path}: metadata 'tokenizer.ggml.tokens' is not a list of strings")
+    for name, id_key in _SPECIAL.items():
+        token_id = tokenizer.get(id_key)
+        if token_id is not None and (not isinstance(token_id, int) or not 0 <= token_id < len(tokens)):
+            raise CheckpointError(f"{gguf_path}: metadata {id_key!r} = {token_id!r} is not a token id in "
+                                  f"[0, {len(tokens)})")
+        config[name] = tokens[token_id] if token_id is not None else None
+    return values.get("general.architecture"), tokenizer, config
+
+
+def load_gguf_tokenizer(gguf_path: str):
+    """The tokenizer embedded in a GGUF file, built torch-free; the conversion is cached on disk."""
+    from transformers import AutoTokenizer
+
+
+    stat = os.stat(gguf_path)
+    digest = hashlib.sha256(f"{os.path.realpath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    converted = os.path.join(cache_dir(), "tokenizers", digest[:16])
+    if os.path.exists(os.path.join(converted, "tokenizer.json")):
+        return AutoTokenizer.from_pretrained(converted)
+    try:
+        tok = gguf_tokenizer_from_fields(*_gguf_tokenizer_fields(gguf_path))
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers/tokenizers raise many types
+        raise CheckpointError(f"{gguf_path}: cannot build the tokenizer ({type(e).__name__}: {e})") from None
+    try:
+        tok.save_pretrained(converted)
+    except OSError:
+        pass  # a read-only cache only costs the conversion time next run
+    return tok

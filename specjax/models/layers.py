@@ -1,0 +1,73 @@
+"""Running the stacked layers: one ``lax.scan`` over the layer axis, or the pipeline of a mesh.
+
+The model families call ``run_layers``; a ``parallel`` object (``specjax.sharding.Parallel``) whose
+``pipelined`` is true supplies ``run_pipeline`` (shard_map + ppermute stages, tested against the
+scan). The models never import the sharding package: it depends on them, not the other way.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models.cache import KVCache
+from specjax.models.output import capture, select_positions
+
+
+def sequential_layers(layer_fn, h, layer_params, k_all, v_all, per_request, capture_layers=None, select=None,
+                      first_layer=0):
+    """Run ``layer_fn(h, lp, k_all, v_all, i, per_request) -> (h, k_all, v_all)`` over the stacked layers.
+
+    The whole cache rides in the carry and each layer scatters only its new block into it, so a
+    forward pass never copies the cache (a scanned-out cache would be rebuilt on every call).
+    ``capture_layers`` (static layer indices < L): the input of each listed layer, through
+    ``select`` (the logits positions), is returned as [n, B, K, D] (None when nothing is asked);
+    ``first_layer`` is the global index of the first stacked layer (a pipeline stage's offset).
+    """
+    buffers = None
+    if capture_layers:
+        picked = select(h)
+        buffers = jnp.zeros((len(capture_layers),) + picked.shape, picked.dtype)
+
+    def body(carry, xs):
+        h, k_all, v_all, buffers = carry
+        lp, i = xs
+        buffers = capture(buffers, first_layer + i, h, capture_layers, select)
+        h, k_all, v_all = layer_fn(h, lp, k_all, v_all, i, per_request)
+        return (h, k_all, v_all, buffers), None
+
+    (h, k_all, v_all, buffers), _ = jax.lax.scan(body, (h, k_all, v_all, buffers),
+                                                  (layer_params, jnp.arange(k_all.shape[0])))
+    return h, k_all, v_all, buffers
+
+
+def run_layers(layer_fn, h, layer_params, cache: KVCache, per_request, parallel=None, hidden=None,
+               logits_indices=None):
+    """The scan, or ``parallel.run_pipeline`` when it pipelines (pp > 1). Returns (h, cache, captured):
+    captured [n, B, K, D] holds the inputs of the layers < L listed in ``hidden`` (None if none)."""
+    layers = tuple(i for i in hidden if i < k_layers(cache)) if hidden else ()
+    if parallel is not None and parallel.pipelined:
+        h, k_all, v_all, captured = parallel.run_pipeline(layer_fn, h, layer_params, cache, per_request, layers,
+                                                          logits_indices)
+    else:
+        h, k_all, v_all, captured = sequential_layers(layer_fn, h, layer_params, cache.k, cache.v, per_request,
+                                                      layers, lambda x: select_positions(x, logits_indices))
+    return h, cache.replace(k=k_all, v=v_all), captured
+
+
+def k_layers(cache: KVCache) -> int:
+    return cache.k.shape[0]
+
+
+def hidden_output(hidden, captured, final_h, num_layers: int):
+    """[B, K, len(hidden), D]: the captured layer inputs and, for index L, the final hidden state."""
+    if not hidden:
+        return None
+    rows, j = [], 0
+    for i in hidden:
+        if i == num_layers:
+            rows.append(final_h)
+        else:
+            rows.append(captured[j])
+            j += 1
+    return jnp.stack(rows, axis=2)

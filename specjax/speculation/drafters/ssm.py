@@ -1,0 +1,183 @@
+"""Small speculative models (SSMs): deriving one from an LLM, checking compatibility, HF export."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.attention.meta import AttentionMeta, causal_meta
+from specjax.config import ModelConfig
+from specjax.decoding.keys import DRAFT, purpose_key
+from specjax.decoding.sampling import SamplingArrays, gumbel_noise, warp_logits
+from specjax.errors import InputError
+from specjax.models import forward
+from specjax.models.cache import KVCache
+from specjax.speculation import faults as _mutation
+from specjax.speculation.expansion import Expansion, static_tree
+from specjax.types import Model
+
+
+def derived_layers(cfg, layers) -> list[int]:
+    """The LLM layer indices of a derived SSM: an int K (the first K layers) or a layer list;
+    checked against the LLM's layer count (a derived SSM must be smaller than the LLM)."""
+    total = cfg.num_layers
+    if isinstance(layers, (int, np.integer)) and not isinstance(layers, bool):
+        if not 1 <= layers < total:
+            raise InputError(f"a derived SSM takes the LLM's first K layers: K must be in [1, {total - 1}] for this "
+                             f"{total}-layer LLM, got {layers}")
+        return list(range(int(layers)))
+    idx = list(layers) if isinstance(layers, (list, tuple)) else None
+    if not idx or not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in idx) \
+            or idx != sorted(set(idx)) or idx[0] < 0 or idx[-1] >= total or len(idx) >= total:
+        raise InputError(f"a derived SSM needs strictly increasing layer indices in [0, {total - 1}], fewer than all "
+                         f"{total}, got {layers!r}")
+    return [int(i) for i in idx]
+
+
+def parse_derived(text: str, cfg) -> list[int]:
+    """``derived:auto`` (the first min(4, max(1, L // 4)) layers), ``derived:K`` or ``derived:i,j,..``."""
+    body = text.split(":", 1)[1]
+    if body == "auto":
+        return derived_layers(cfg, min(4, max(1, cfg.num_layers // 4)))
+    items = body.split(",")
+    if not all(x.strip().isascii() and x.strip().isdigit() for x in items):
+        raise InputError(f"--ssm {text!r}: expected derived:auto, derived:K or derived:i,j,... (non-negative ints)")
+    values = [int(x) for x in items]
+    return derived_layers(cfg, values[0] if len(values) == 1 else values)
+
+
+def derive_ssm(llm: Model, layers) -> Model:
+    """An SSM made of a subset of the LLM's layers (in order) plus its embedding, final norm and head.
+
+    ``layers``: an int k (the first k layers) or a sequence of layer indices. Needs no training and
+    shares the tokenizer, so the main job speculates out of the box; trained SSMs replace it later.
+    With ``llm.params`` None (``specjax.describe_model``) the result has no params either.
+    """
+    cfg = llm.config
+    idx = derived_layers(cfg, layers)
+    config = dataclasses.replace(cfg, num_layers=len(idx))
+    if llm.params is None:
+        return Model(config, None, llm.tokenizer)
+    params = dict(llm.params)
+    take = np.asarray(idx)
+    params["layers"] = jax.tree.map(lambda a: a[take], llm.params["layers"])
+    return Model(config, params, llm.tokenizer)
+
+
+def check_compatible(llm: Model, ssm: Model, name: str = "SSM") -> None:
+    """An SSM must share the LLM's vocabulary (and tokenizer, when both have one)."""
+    if ssm.config.vocab_size != llm.config.vocab_size:
+        raise InputError(f"{name} has vocab_size {ssm.config.vocab_size} but the LLM has {llm.config.vocab_size}; "
+                         f"an SSM must share the LLM's tokenizer")
+    if llm.tokenizer is not None and ssm.tokenizer is not None:
+        if llm.tokenizer.get_vocab() != ssm.tokenizer.get_vocab():
+            raise InputError(f"{name}'s tokenizer differs from the LLM's (different token-to-id maps)")
+
+
+DRAFTS = ("topk", "iid", "wor", "coupled")
+
+
+SAMPLED_DRAFTS = ("iid", "wor")  # drafts whose entries declare the SSM's law q (law_row >= 0)
+
+
+def draft_slot(ssm_index: int, node, draw) -> jax.Array:
+    """Slot of a drafting key: unique per (SSM, node, draw) within one step (node, draw < 2**10)."""
+    return (ssm_index << 20) + (jnp.asarray(node, jnp.int32) << 10) + jnp.asarray(draw, jnp.int32)
+
+
+def draw_children(logits: jax.Array, k: int, draft: str, sampling: SamplingArrays | None, length: jax.Array,
+                  depth: int, nodes: np.ndarray, ssm_index: int):
+    """Children of the frontier ``nodes`` (static ids) from SSM logits [B, F, V]; the children sit
+    at position ``length + depth + 1``. Returns (tokens [B, F, k] in draw order, ok [B, F, k],
+    declared law as warped log-probabilities [B, F, V] or None for one-hot entries)."""
+    top = jax.lax.top_k(logits, k)[1].astype(jnp.int32)
+    always = jnp.ones(top.shape, bool)
+    if draft == "topk":
+        if _mutation.active() == "allow_mss_on_topk":  # the paper's rule: entries declare softmax q
+            return top, always, warp_logits(logits, sampling)
+        return top, always, None
+    batch, frontier, vocab = logits.shape
+    logq = warp_logits(logits, sampling)
+    seed = sampling.seed[:, None]
+    node_ids = jnp.asarray(nodes, jnp.int32)[None, :]
+    if draft == "iid":
+        draws = jnp.arange(k, dtype=jnp.int32)
+        slots = draft_slot(ssm_index, node_ids[:, :, None], draws[None, None, :])  # [1, F, k]
+
+        def one(s, t, slot, lq):
+            return jax.random.categorical(purpose_key(s, DRAFT, t, slot), lq).astype(jnp.int32)
+
+        per_draw = jax.vmap(jax.vmap(jax.vmap(one, (None, None, 0, None)), (None, None, 0, 0)), (0, 0, None, 0))
+        tokens = per_draw(seed[:, 0], length, slots[0], logq)
+        ok = jnp.take_along_axis(logq, tokens, axis=-1) > -jnp.inf
+    else:
+        if draft == "wor":
+            def one(s, t, node):
+                return jax.random.gumbel(purpose_key(s, DRAFT, t, draft_slot(ssm_index, node, 0)), (vocab,))
+
+            noise = jax.vmap(jax.vmap(one, (None, None, 0)), (0, 0, None))(seed[:, 0], length, node_ids[0])
+        elif draft == "coupled":
+            noise = gumbel_noise(sampling.seed, length + depth + 1, vocab)[:, None, :]
+        else:
+            raise InputError(f"unknown drafting mode {draft!r}; choose from {DRAFTS}")
+        scores, tokens = jax.lax.top_k(logq + noise, k)  # perturbed-score order = sequential draw order
+        tokens = tokens.astype(jnp.int32)
+        ok = scores > -jnp.inf  # fewer than k tokens in q's support: the missing draws do not exist
+    sampled = sampling.sampled[:, None, None]
+    tokens = jnp.where(sampled, tokens, top)
+    ok = jnp.where(sampled, ok, always)
+    if _mutation.active() == "law_wrong_temperature":
+        logq = warp_logits(logits, sampling.replace(temperature=jnp.ones_like(sampling.temperature)))
+    return tokens, ok, logq
+
+
+def chain_logits(params, cfg: ModelConfig, cache: KVCache, history: jax.Array, length: jax.Array,
+                 chain: int) -> tuple[jax.Array, KVCache]:
+    """Re-read the ``chain`` tokens ending at the root (position ``length``) and return the root's
+    logits [B, V]. Writes their K/V at their positions; slots past the root get scratch values that
+    the frontier passes overwrite before anything reads them."""
+    start = jnp.maximum(length - chain + 1, 0)
+    idx = start[:, None] + jnp.arange(chain)[None, :]
+    tokens = jnp.take_along_axis(history, jnp.minimum(idx, history.shape[1] - 1), axis=1)
+    logits, cache, _ = forward(params, tokens, idx, cache, causal_meta(start), cfg,
+                            logits_indices=(length - start)[:, None])
+    return logits[:, 0], cache
+
+
+def draft_expansion(params, cfg: ModelConfig, cache: KVCache, history: jax.Array, length: jax.Array,
+                    expansion: Expansion, impl: str = "auto", draft: str = "topk",
+                    sampling: SamplingArrays | None = None, ssm_index: int = 0):
+    """Expansion drafting. Returns (tokens [B, N] (root = history[length]), entry_ok [B, N],
+    laws [B, N, V] warped log q at each drafted-from node (None for top-k drafts), cache)."""
+    batch = history.shape[0]
+    parents, levels = expansion.topology()
+    n = len(parents)
+    tree = static_tree(expansion, batch, jnp.zeros((batch, n), jnp.int32))
+    root = jnp.take_along_axis(history, length[:, None], axis=1)[:, 0]
+    tokens = jnp.zeros((batch, n), jnp.int32).at[:, 0].set(root)
+    entry_ok = jnp.ones((batch, n), bool)
+    laws = None
+    logits, cache = chain_logits(params, cfg, cache, history, length, expansion.depth + 1)
+    frontier_logits = logits[:, None, :]  # [B, |frontier|, V]
+    for depth, k in enumerate(expansion.widths):
+        frontier = np.asarray(levels[depth])
+        children = np.asarray(levels[depth + 1])  # static ids, grouped by parent in frontier order
+        drawn, ok, logq = draw_children(frontier_logits, k, draft, sampling, length, depth, frontier, ssm_index)
+        tokens = tokens.at[:, children].set(drawn.reshape(batch, -1))
+        entry_ok = entry_ok.at[:, children].set(ok.reshape(batch, -1))
+        if logq is not None:
+            if laws is None:
+                laws = jnp.full((batch, n, logq.shape[-1]), -jnp.inf, jnp.float32)
+            laws = laws.at[:, frontier].set(logq)
+        if depth + 1 == expansion.depth:
+            break  # the deepest frontier needs no SSM pass: nothing is drafted below it
+        meta = AttentionMeta(lengths=length, ancestor=tree.ancestor[:, children],
+                             slots=jnp.broadcast_to(jnp.asarray(children, jnp.int32), (batch, len(children))),
+                             region=n, impl=impl)
+        positions = length[:, None] + depth + 1
+        positions = jnp.broadcast_to(positions, (batch, len(children)))
+        frontier_logits, cache, _ = forward(params, tokens[:, children], positions, cache, meta, cfg)
+    return tokens, entry_ok, laws, cache

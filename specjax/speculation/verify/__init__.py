@@ -1,0 +1,1 @@
+"""speculation/verify"""

@@ -1,0 +1,43 @@
+"""What every verifier returns, and the walk that follows the LLM's own token down the tree."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.speculation.tree import TokenTree
+
+
+@struct.dataclass
+class Verdict:
+    path: jax.Array  # [B, D + 1] node ids, path[:, 0] = 0 (root), accepted nodes in depth order, -1 pad
+    num_accepted: jax.Array  # [B] int32, accepted tree nodes below the root (0..D)
+    bonus: jax.Array  # [B] int32, the LLM's own token after the accepted path
+    emitted: jax.Array  # [B, D + 1] int32, accepted tokens then the bonus token; garbage beyond
+    ok: jax.Array  # [B] bool, False if a residual had no probability mass (NaN logits): never a silent 0
+    residual: jax.Array | None = None  # [B, V] the law the final token was drawn from (sampled rules only)
+
+
+def follow(target: jax.Array, tree: TokenTree, max_depth: int) -> Verdict:
+    """Walk down children whose token equals the LLM's token target [B, N] at the current node."""
+    batch = target.shape[0]
+    rows = jnp.arange(batch)
+    node = jnp.zeros((batch,), jnp.int32)
+    alive = jnp.ones((batch,), bool)
+    path = jnp.full((batch, max_depth + 1), -1, jnp.int32).at[:, 0].set(0)
+    emitted = jnp.zeros((batch, max_depth + 1), jnp.int32)
+    accepted = jnp.zeros((batch,), jnp.int32)
+    for depth in range(1, max_depth + 1):  # static trip count
+        want = target[rows, node]  # [B]
+        match = tree.valid & (tree.parent == node[:, None]) & (tree.tokens == want[:, None])
+        found = alive & jnp.any(match, axis=1)
+        child = jnp.argmax(match, axis=1).astype(jnp.int32)  # equal-token siblings: identical contexts
+        node = jnp.where(found, child, node)
+        path = path.at[:, depth].set(jnp.where(found, child, -1))
+        emitted = emitted.at[:, depth - 1].set(jnp.where(found, want, emitted[:, depth - 1]))
+        accepted = accepted + found.astype(jnp.int32)
+        alive = found
+    bonus = target[rows, node]
+    emitted = emitted.at[rows, accepted].set(bonus)
+    return Verdict(path=path, num_accepted=accepted, bonus=bonus, emitted=emitted, ok=jnp.ones((batch,), bool))

@@ -131,3 +131,20 @@ def test_cluster_detection_flags_environment_slurm():
         detect_cluster("10.0.0.1", 2, 0, environ={})
     with pytest.raises(ShardingError, match="SLURM_NTASKS / SLURM_PROCID are not set"):
         detect_cluster(slurm=True, environ={})
+
+
+def test_launch_generate_json_is_valid_jsonl(tiny_llama_dir, tmp_path):
+    """`specjax launch -n 2 ... generate --json`: stdout holds exactly one JSON record per prompt and
+    nothing else (gloo's native connection lines go to stderr), with the single-process tokens."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": [1, 2, 3]}\n{"prompt": [7, 8, 9, 10]}\n')
+    cmd = [sys.executable, "-m", "specjax", "launch", "-n", "2", "--cpu-devices", "4", "--timeout", "240", "--",
+           sys.executable, "-m", "specjax", "generate", "--model", tiny_llama_dir, "--prompts-file", str(prompts),
+           "--max-new-tokens", "6", "--mode", "incremental", "--mesh", "pp=2,tp=4", "--batch-size", "2", "--json"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    records = [json.loads(line) for line in r.stdout.splitlines()]  # every stdout line is JSON
+    assert [rec["prompt"] for rec in records] == [[1, 2, 3], [7, 8, 9, 10]]
+    alone = specjax.generate(specjax.load_model(tiny_llama_dir, progress=False), [[1, 2, 3], [7, 8, 9, 10]],
+                             max_new_tokens=6)
+    assert [rec["token_ids"] for rec in records] == alone.token_ids

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from specjax.decoding.incremental import generate_incremental_jit
-from specjax.speculation import faults as _mutation
 from specjax.speculation.expansion import Expansion
 from specjax.speculation.loop import SpecConfig, generate_speculative_jit
 from tests.toy import perturbed, toy_model
@@ -57,11 +56,11 @@ TREES = {  # name: (SSMs, expansions, draft)
 }
 
 
-def _speculative(name, prompts, lens, sampling):
+def _speculative(name, prompts, lens, sampling, fault=None):
     cfg, params, ssms = _models()
     names, widths, draft = TREES[name]
     spec = SpecConfig(tuple(ssms[n][0] for n in names), tuple(Expansion(w) for w in widths), impl="xla",
-                      verifier="seeded", draft=draft)
+                      verifier="seeded", draft=draft, fault=fault)
     n = prompts.shape[0]
     out = generate_speculative_jit(params, tuple(ssms[n_][1] for n_ in names), prompts, lens,
                                    jnp.full((n,), MAX_NEW, jnp.int32), sampling, cfg=cfg, spec=spec,
@@ -99,6 +98,5 @@ def test_t5_batch_slot_invariance():
 
 def test_mutant_seeded_by_depth_breaks_identity():
     expected = _incremental()
-    with _mutation.inject("seeded_by_depth"):
-        tokens, _ = _speculative("chain", *_batch())
+    tokens, _ = _speculative("chain", *_batch(), fault="seeded_by_depth")
     assert (tokens != expected).any(axis=1).mean() > 0.5

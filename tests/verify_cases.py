@@ -71,7 +71,7 @@ def _draft_static(rng, q, widths, draft, root_token):
 
 
 def make_case(seed: int, vocab: int, widths_per_ssm, draft: str, rule: str, merged: bool = False,
-              p_kw=None, q_kw=None, top_k: int = 0, same_q: bool = False) -> Case:
+              p_kw=None, q_kw=None, top_k: int = 0, same_q: bool = False, fault: str | None = None) -> Case:
     rng = np.random.default_rng(seed)
     p = oracle.RandomLaws(vocab, 10 * seed + 1, **(p_kw or {}))
     qs = [oracle.RandomLaws(vocab, 10 * seed + 2 + (0 if same_q else s), **(q_kw or {}))
@@ -87,7 +87,8 @@ def make_case(seed: int, vocab: int, widths_per_ssm, draft: str, rule: str, merg
         laws = np.stack([_log(qs[0](c)) for c in ctx])
     else:
         tree = merge_trees([jnp.asarray([t], jnp.int32) for t, _, _ in drafted], exps,
-                           [jnp.asarray([o]) for _, o, _ in drafted], [law_rows if declares else None] * len(exps))
+                           [jnp.asarray([o]) for _, o, _ in drafted], [law_rows if declares else None] * len(exps),
+                           fault=fault)
         laws = np.concatenate([np.stack([_log(q(c)) for c in ctx]) for q, (_, _, ctx) in zip(qs, drafted)])
     tok, par = np.asarray(tree.tokens[0]), np.asarray(tree.parent[0])
     node_ctx = [()] * len(tok)
@@ -104,15 +105,15 @@ def broadcast(tree, batch: int):
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (batch,) + x.shape[1:]), tree)
 
 
-_verify_jit = jax.jit(verify_sampled, static_argnames=("rule", "max_depth"))
+_verify_jit = jax.jit(verify_sampled, static_argnames=("rule", "max_depth", "fault"))
 
 
-def run(case: Case, n: int, injected=None, seed0: int = 0):
-    """Verify the fixed tree for n requests (seeds seed0 .. seed0 + n - 1)."""
+def run(case: Case, n: int, injected=None, seed0: int = 0, fault: str | None = None):
+    """Verify the fixed tree for n requests (seeds seed0 .. seed0 + n - 1); ``fault`` re-creates a pitfall."""
     s = sampling_arrays(n, 1.0, case.top_k, seeds=seed0 + np.arange(n))
     return _verify_jit(jnp.broadcast_to(case.logits, (n,) + case.logits.shape[1:]), broadcast(case.tree, n),
                        jnp.broadcast_to(case.laws, (n,) + case.laws.shape[1:]), s, jnp.full((n,), 7, jnp.int32),
-                       rule=case.rule, max_depth=case.max_depth, injected=injected)
+                       rule=case.rule, max_depth=case.max_depth, injected=injected, fault=fault)
 
 
 def outcomes(verdict) -> list[tuple]:

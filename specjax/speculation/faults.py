@@ -1,14 +1,17 @@
 """Test-only fault injection: each name re-introduces one pitfall of docs' verification checklist.
 
-The mutation tests switch one on, re-trace the verifier or loop, and assert that the statistical
-tests fail. Production code reads ``active()`` at trace time only; nothing sets it outside tests.
+A fault is an explicit, static setting, never a global: ``SpecConfig(fault=...)`` for the loop, the
+drafters and the merge, the ``fault`` argument of the verifiers. Because it is part of the static
+configuration, a faulty program is its own compiled program: it can never leak into, or be served
+from the compilation cache of, a correct one. The mutation tests pass one, run, and assert that the
+statistical tests fail; production code never sets it (``None``).
 """
 
 from __future__ import annotations
 
-import contextlib
+from specjax.errors import InputError
 
-MUTATIONS = (
+FAULTS = (
     "allow_mss_on_topk",  # 1: MSS ratio with deterministic top-k drafts (entries declare the SSM's q)
     "mss_on_wor",  # 2: plain MSS on without-replacement drafts (no removal of drawn tokens)
     "dedupe_merged",  # 3: merged duplicate proposals kept as ONE entry (residual applied once)
@@ -25,26 +28,9 @@ MUTATIONS = (
     "seeded_by_depth",  # 14: seeded noise keyed by tree depth instead of absolute position
 )
 
-_active: str | None = None
 
-
-def active() -> str | None:
-    return _active
-
-
-@contextlib.contextmanager
-def inject(name: str):
-    """Enable one mutation (tests only). Compiled code is dropped on entry and exit, so jitted
-    functions re-trace with the mutation inside and without it afterwards."""
-    import jax
-
-    global _active
-    if name not in MUTATIONS:
-        raise ValueError(f"unknown mutation {name!r}; known: {MUTATIONS}")
-    previous, _active = _active, name
-    jax.clear_caches()
-    try:
-        yield
-    finally:
-        _active = previous
-        jax.clear_caches()
+def check_fault(fault: str | None) -> str | None:
+    """None (production) or one of FAULTS."""
+    if fault is not None and fault not in FAULTS:
+        raise InputError(f"unknown fault {fault!r}; known: {FAULTS}")
+    return fault

@@ -23,7 +23,7 @@ from specjax.decoding.sampling import SamplingArrays, finite_rows, sample_tokens
 from specjax.errors import InputError
 from specjax.models import forward
 from specjax.models.cache import KVCache, init_cache
-from specjax.speculation import faults as _mutation
+from specjax.speculation.faults import check_fault
 from specjax.speculation.commit import commit_path, tree_forward
 from specjax.speculation.drafters.merge import merge_trees
 from specjax.speculation.drafters.ssm import DRAFTS, SAMPLED_DRAFTS, draft_expansion
@@ -40,13 +40,13 @@ LOSSLESS = {"greedy": DRAFTS, "seeded": DRAFTS, "naive": DRAFTS, "mss": ("iid",)
 DEFAULT_DRAFT = {"greedy": "topk", "seeded": "coupled", "naive": "topk", "mss": "iid", "rrs": "wor"}
 
 
-def check_combination(draft: str, verifier: str) -> None:
+def check_combination(draft: str, verifier: str, fault: str | None = None) -> None:
     """Refuse a (drafting, verifier) pair that would not be lossless, naming the exact ones."""
     if verifier not in VERIFIERS:
         raise InputError(f"unknown verifier {verifier!r}; choose from {VERIFIERS}")
     if draft not in DRAFTS:
         raise InputError(f"unknown drafting mode {draft!r}; choose from {DRAFTS}")
-    if draft in LOSSLESS[verifier] or (_mutation.active() == "allow_mss_on_topk" and verifier == "mss"):
+    if draft in LOSSLESS[verifier] or (fault == "allow_mss_on_topk" and verifier == "mss"):
         return
     exact = [v for v in VERIFIERS if draft in LOSSLESS[v]]
     why = {"mss": "MSS needs entries drawn i.i.d. from the declared SSM law",
@@ -64,11 +64,13 @@ class SpecConfig:
     impl: str = "auto"  # tree attention implementation
     verifier: str = "greedy"  # one of VERIFIERS; greedy ignores the sampling settings
     draft: str = "topk"  # how the SSMs draw children (speculate.DRAFTS)
+    fault: str | None = None  # tests only: one of faults.FAULTS re-creates that pitfall (static, compiled apart)
 
     def __post_init__(self):
         if len(self.ssm_configs) != len(self.expansions):
             raise InputError(f"{len(self.ssm_configs)} SSMs but {len(self.expansions)} expansion configs")
-        check_combination(self.draft, self.verifier)
+        check_fault(self.fault)
+        check_combination(self.draft, self.verifier, self.fault)
         too_big = [e.widths for e in self.expansions if e.num_nodes > MAX_NODES_PER_SSM]
         if too_big:  # drafting keys give node and draw 10 bits each (speculate.draft_slot)
             raise InputError(f"expansions {too_big} exceed {MAX_NODES_PER_SSM} nodes per SSM")
@@ -120,20 +122,20 @@ def build_tree(ssm_params: tuple, state: SpecState, spec: SpecConfig, sampling: 
     for i, (params, cfg, expansion, cache) in enumerate(zip(ssm_params, spec.ssm_configs, spec.expansions,
                                                             state.ssm_caches)):
         tokens, ok, law, cache = draft_expansion(params, cfg, cache, history, length, expansion, spec.impl,
-                                                 spec.draft, sampling, ssm_index=i)
+                                                 spec.draft, sampling, ssm_index=i, fault=spec.fault)
         drafted.append(tokens)
         oks.append(ok)
         laws.append(law)
         caches.append(cache)
     # Only i.i.d. and without-replacement entries declare the SSM's law; top-k and coupled entries are
     # one-hot (the mutant "allow_mss_on_topk" re-creates the paper's rule: top-k entries declaring q).
-    declares_q = spec.draft in SAMPLED_DRAFTS or _mutation.active() == "allow_mss_on_topk"
+    declares_q = spec.draft in SAMPLED_DRAFTS or spec.fault == "allow_mss_on_topk"
     declares = sampling.sampled if declares_q else None
     laws = jnp.concatenate(laws, axis=1) if declares_q else None
     if len(drafted) == 1:
         tree = static_tree(spec.expansions[0], batch, drafted[0], entry_ok=oks[0], law_rows=declares)
     else:
-        tree = merge_trees(drafted, list(spec.expansions), oks, [declares] * len(drafted))
+        tree = merge_trees(drafted, list(spec.expansions), oks, [declares] * len(drafted), fault=spec.fault)
     return tree, laws, tuple(caches)
 
 
@@ -149,8 +151,8 @@ def verify(logits, tree: TokenTree, laws, sampling: SamplingArrays, length: jax.
     if spec.verifier == "greedy":
         return verify_greedy(logits, tree, spec.max_depth)
     if spec.verifier == "seeded":
-        return verify_seeded(logits, tree, sampling, length, spec.max_depth)
-    return verify_sampled(logits, tree, laws, sampling, length, spec.verifier, spec.max_depth)
+        return verify_seeded(logits, tree, sampling, length, spec.max_depth, fault=spec.fault)
+    return verify_sampled(logits, tree, laws, sampling, length, spec.verifier, spec.max_depth, fault=spec.fault)
 
 
 def spec_step(llm_params, ssm_params: tuple, state: SpecState, sampling: SamplingArrays, max_new_tokens: jax.Array,
@@ -220,7 +222,7 @@ def init_state(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, max_ne
     logits, llm_cache = prefill(llm_params, prompt_tokens, prompt_lens, llm_cache, cfg, parallel)
     ok = finite_rows(logits)
     first = sample_tokens(logits, sampling, positions=prompt_lens)
-    if spec.verifier == "greedy" or _mutation.active() == "greedy_first_token":
+    if spec.verifier == "greedy" or spec.fault == "greedy_first_token":
         first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     history = jnp.zeros((batch, cache_len), jnp.int32).at[:, :width].set(prompt_tokens)
     history = history.at[jnp.arange(batch), prompt_lens].set(first)

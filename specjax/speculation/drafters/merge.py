@@ -7,13 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.speculation import faults as _mutation
 from specjax.speculation.expansion import Expansion
 from specjax.speculation.tree import TokenTree, ancestor_bits
 
 
 def merge_trees(token_sets: list[jax.Array], expansions: list[Expansion], entry_oks: list | None = None,
-                law_rows: list | None = None) -> TokenTree:
+                law_rows: list | None = None, fault: str | None = None) -> TokenTree:
     """Merge several drafted trees (same root) into one: each distinct token sequence becomes exactly
     one node; every proposal remains a child entry (duplicates allowed) in draw order (SSM order,
     then node order). Jittable; node count padded to 1 + sum(N_s - 1).
@@ -41,7 +40,7 @@ def merge_trees(token_sets: list[jax.Array], expansions: list[Expansion], entry_
     root = token_sets[0][:, 0]
     oks = [jnp.ones(t.shape, bool) if o is None else o for t, o in zip(token_sets, entry_oks)]
     sampled = [jnp.zeros((batch,), bool) if r is None else r for r in law_rows]
-    dedupe = _mutation.active() == "dedupe_merged"
+    dedupe = fault == "dedupe_merged"
 
     def merge_one(toks_per_set, ok_per_set, sampled_per_set, root_tok):
         tokens = jnp.zeros((max_nodes,), jnp.int32).at[0].set(root_tok)

@@ -15,7 +15,6 @@ from specjax.decoding.sampling import SamplingArrays, gumbel_noise, warp_logits
 from specjax.errors import InputError
 from specjax.models import forward
 from specjax.models.cache import KVCache
-from specjax.speculation import faults as _mutation
 from specjax.speculation.expansion import Expansion, static_tree
 from specjax.types import Model
 
@@ -89,14 +88,14 @@ def draft_slot(ssm_index: int, node, draw) -> jax.Array:
 
 
 def draw_children(logits: jax.Array, k: int, draft: str, sampling: SamplingArrays | None, length: jax.Array,
-                  depth: int, nodes: np.ndarray, ssm_index: int):
+                  depth: int, nodes: np.ndarray, ssm_index: int, fault: str | None = None):
     """Children of the frontier ``nodes`` (static ids) from SSM logits [B, F, V]; the children sit
     at position ``length + depth + 1``. Returns (tokens [B, F, k] in draw order, ok [B, F, k],
     declared law as warped log-probabilities [B, F, V] or None for one-hot entries)."""
     top = jax.lax.top_k(logits, k)[1].astype(jnp.int32)
     always = jnp.ones(top.shape, bool)
     if draft == "topk":
-        if _mutation.active() == "allow_mss_on_topk":  # the paper's rule: entries declare softmax q
+        if fault == "allow_mss_on_topk":  # the paper's rule: entries declare softmax q
             return top, always, warp_logits(logits, sampling)
         return top, always, None
     batch, frontier, vocab = logits.shape
@@ -129,7 +128,7 @@ def draw_children(logits: jax.Array, k: int, draft: str, sampling: SamplingArray
     sampled = sampling.sampled[:, None, None]
     tokens = jnp.where(sampled, tokens, top)
     ok = jnp.where(sampled, ok, always)
-    if _mutation.active() == "law_wrong_temperature":
+    if fault == "law_wrong_temperature":
         logq = warp_logits(logits, sampling.replace(temperature=jnp.ones_like(sampling.temperature)))
     return tokens, ok, logq
 
@@ -149,7 +148,7 @@ def chain_logits(params, cfg: ModelConfig, cache: KVCache, history: jax.Array, l
 
 def draft_expansion(params, cfg: ModelConfig, cache: KVCache, history: jax.Array, length: jax.Array,
                     expansion: Expansion, impl: str = "auto", draft: str = "topk",
-                    sampling: SamplingArrays | None = None, ssm_index: int = 0):
+                    sampling: SamplingArrays | None = None, ssm_index: int = 0, fault: str | None = None):
     """Expansion drafting. Returns (tokens [B, N] (root = history[length]), entry_ok [B, N],
     laws [B, N, V] warped log q at each drafted-from node (None for top-k drafts), cache)."""
     batch = history.shape[0]
@@ -165,7 +164,7 @@ def draft_expansion(params, cfg: ModelConfig, cache: KVCache, history: jax.Array
     for depth, k in enumerate(expansion.widths):
         frontier = np.asarray(levels[depth])
         children = np.asarray(levels[depth + 1])  # static ids, grouped by parent in frontier order
-        drawn, ok, logq = draw_children(frontier_logits, k, draft, sampling, length, depth, frontier, ssm_index)
+        drawn, ok, logq = draw_children(frontier_logits, k, draft, sampling, length, depth, frontier, ssm_index, fault)
         tokens = tokens.at[:, children].set(drawn.reshape(batch, -1))
         entry_ok = entry_ok.at[:, children].set(ok.reshape(batch, -1))
         if logq is not None:

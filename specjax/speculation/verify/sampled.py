@@ -29,7 +29,6 @@ from specjax.decoding.keys import (
     uniform_coin,
 )
 from specjax.decoding.sampling import SamplingArrays, warp_logits
-from specjax.speculation import faults as _mutation
 from specjax.speculation.tree import TokenTree
 from specjax.speculation.verify.base import Verdict
 
@@ -48,16 +47,17 @@ class _Walk:
 
 
 def verify_sampled(logits: jax.Array, tree: TokenTree, laws: jax.Array | None, sampling: SamplingArrays,
-                   length: jax.Array, rule: str, max_depth: int, injected=None) -> Verdict:
+                   length: jax.Array, rule: str, max_depth: int, injected=None, fault: str | None = None) -> Verdict:
     """Multi-step speculative sampling over the tree (see the module docstring); one
     ``lax.while_loop`` per request, one entry per iteration. laws [B, R, V]: declared drafting laws
     as warped log-probabilities, indexed by ``tree.law_row`` (-1 = one-hot).
 
     injected (white-box tests only): (coins [B, D + 1, K] used as xi at (depth, entry), Gumbel noise
-    [B, D + 1, V] for the final token at each depth) instead of the keyed random numbers."""
+    [B, D + 1, V] for the final token at each depth) instead of the keyed random numbers.
+    fault (mutation tests only): one of ``faults.FAULTS`` re-creates that verifier pitfall."""
     if rule not in RULES:
         raise ValueError(f"unknown verification rule {rule!r}; choose from {RULES}")
-    mutation = _mutation.active()
+    mutation = fault
     batch, n, vocab = logits.shape
     warp_with = sampling
     if mutation == "target_unwarped":

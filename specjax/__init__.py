@@ -5,19 +5,20 @@ from specjax.config import ModelConfig
 from specjax.decoding.incremental import generate_incremental
 from specjax.decoding.sampling import SamplingArrays, SamplingParams
 from specjax.errors import (
-           CheckpointError,
-           ConfigError,
-           GenerationError,
-           InputError,
-           ShardingError,
-           SpecjaxError,
+    CheckpointError,
+    ConfigError,
+    GenerationError,
+    InputError,
+    ShardingError,
+    SpecjaxError,
 )
 from specjax.io.loader import describe_model, load_model
-from specjax.speculation.drafters.ssm import derive_ssm
+from specjax.speculation.drafters.base import Bound, Drafter
+from specjax.speculation.drafters.ssm import SSMDrafter, derive_ssm
 from specjax.types import Model
 
 __version__ = "0.1.0"
 
 __all__ = ["load_model", "describe_model", "generate", "logits", "Model", "GenerationResult", "ModelConfig",
            "SamplingParams", "SamplingArrays", "generate_incremental", "SpecjaxError", "ConfigError", "CheckpointError",
-           "InputError", "ShardingError", "GenerationError", "derive_ssm"]
+           "InputError", "ShardingError", "GenerationError", "derive_ssm", "Bound", "Drafter", "SSMDrafter"]

@@ -22,7 +22,8 @@ from specjax.decoding.incremental import (
 from specjax.decoding.sampling import SamplingArrays, SamplingParams
 from specjax.errors import GenerationError, InputError
 from specjax.io.prompts import normalize_prompts
-from specjax.speculation.drafters.ssm import check_compatible
+from specjax.speculation.drafters.base import Bound
+from specjax.speculation.drafters.ssm import SSMDrafter, check_compatible
 from specjax.speculation.expansion import Expansion
 from specjax.speculation.loop import (
     DEFAULT_DRAFT,
@@ -109,17 +110,18 @@ class GenerationPlan:
     max_out: int
     cache_len: int
     eos_ids: tuple[int, ...]
-    spec: Any = None  # speculative.SpecConfig or None
+    spec: Any = None  # speculation.loop.SpecConfig or None
     verifier: str | None = None
     draft: str | None = None
 
 
 def plan_generation(model: Model, prompts, max_new_tokens: int = 128, sampling=None, chat_template: bool = True,
                     ignore_eos: bool = False, mode: str | None = None, ssms=(), expansion=None, impl: str = "auto",
-                    verifier: str = "auto", draft: str = "auto") -> GenerationPlan:
+                    verifier: str = "auto", draft: str = "auto", drafters=()) -> GenerationPlan:
     """Validate a generation request and prepare it (see ``generate``). Reads only the configs and
-    tokenizers of ``model`` and ``ssms``, so it can run before their weights are loaded."""
-    mode = mode or ("tree" if ssms else "incremental")
+    tokenizers of ``model`` and ``ssms`` (and the drafters' static parts), so it can run before their
+    weights are loaded."""
+    mode = mode or ("tree" if ssms or drafters else "incremental")
     if mode not in MODES:
         raise InputError(f"mode must be one of {MODES}, got {mode!r}")
     _check_max_new_tokens(max_new_tokens)
@@ -128,11 +130,11 @@ def plan_generation(model: Model, prompts, max_new_tokens: int = 128, sampling=N
     spec = verifier_name = draft_name = None
     extra_slots = 0
     if mode != "incremental":
-        spec, verifier_name, draft_name = _spec_config(model, list(ssms), mode, expansion, impl, verifier, draft,
-                                                       any(not s.greedy for s in samplings))
+        spec, verifier_name, draft_name = _spec_config(model, list(ssms), list(drafters), mode, expansion, impl,
+                                                       verifier, draft, any(not s.greedy for s in samplings))
         extra_slots = spec.num_nodes  # tree scratch slots
-    elif ssms:
-        raise InputError(f"mode 'incremental' takes no SSMs, got {len(ssms)}")
+    elif ssms or drafters:
+        raise InputError(f"mode 'incremental' takes no SSMs or drafters, got {len(ssms) + len(drafters)}")
     ids = encode_prompts(model, prompts, chat_template)
     limit = model.config.max_positions
     for i, p in enumerate(ids):
@@ -155,13 +157,15 @@ def plan_generation(model: Model, prompts, max_new_tokens: int = 128, sampling=N
 def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, chat_template: bool = True,
              ignore_eos: bool = False, mode: str | None = None, ssms=(), expansion=None,
              impl: str = "auto", verifier: str = "auto", draft: str = "auto", parallel=None,
-             on_tokens=None) -> GenerationResult:
+             on_tokens=None, drafters=()) -> GenerationResult:
     """Generate for a batch of prompts (strings or token-id lists).
 
     mode: "incremental" (the reference decoder), "sequence" (one SSM drafts a chain of
     ``len(expansion)`` tokens) or "tree" (expansion-based with one SSM, merge-based with several).
     Default: "tree" when SSMs are given, else "incremental". ssms: Models sharing the LLM's
-    tokenizer. expansion: widths <k1, ..., km> (default <1,1,3,1,1,1,1,1>), or one per SSM.
+    tokenizer, each drafting an expansion tree. expansion: widths <k1, ..., km> (default
+    ``registry.DEFAULT_EXPANSION``), or one per SSM. drafters: other drafters, as
+    ``specjax.Bound(drafter, params)`` (``specjax.speculation.drafters``), merged with the SSMs.
     sampling: None (greedy), a SamplingParams for all prompts, or one per prompt (each carries its
     seed; a request's tokens depend only on its own seed and positions, not on its batch slot).
     verifier (speculative modes): "auto" = greedy for greedy requests, else "seeded" (the output
@@ -181,16 +185,19 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
     token from that pass: ``GenerationError`` names it, with the whole result attached.
     """
     plan = plan_generation(model, prompts, max_new_tokens, sampling, chat_template, ignore_eos, mode, ssms,
-                           expansion, impl, verifier, draft)
-    return run_plan(model, plan, list(ssms), parallel=parallel, on_tokens=on_tokens)
+                           expansion, impl, verifier, draft, drafters)
+    return run_plan(model, plan, list(ssms), parallel=parallel, on_tokens=on_tokens, drafters=drafters)
 
 
-def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_tokens=None) -> GenerationResult:
-    """Execute a validated plan (``plan_generation``) with loaded weights."""
+def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_tokens=None,
+             drafters=()) -> GenerationResult:
+    """Execute a validated plan (``plan_generation``) with loaded weights (the SSMs' and drafters'
+    params in the plan's drafter order: SSMs first)."""
 
     cfg = model.config
     n = len(plan.ids)
-    params, ssm_params, inputs, host = _place(parallel, model, ssms, plan)
+    drafter_params = tuple(s.params for s in ssms) + tuple(_bound(d).params for d in drafters)
+    params, ssm_params, inputs, host = _place(parallel, model, plan, drafter_params)
     statics = dict(cfg=cfg, cache_len=plan.cache_len, max_out=plan.max_out, eos_ids=plan.eos_ids, parallel=parallel)
     if plan.spec is None:
         run_all = functools.partial(generate_incremental_jit, params, *inputs, **statics)
@@ -275,7 +282,8 @@ def _result(model: Model, plan: GenerationPlan, out, tokens, host, n: int, timin
     else:
         hist = host(out.tokens_per_pass)[:n].astype(np.int64)
         depth_acc = host(out.accepted_at_depth)[:n]
-        stats.update({"tree_nodes": plan.spec.num_nodes, "expansions": [e.widths for e in plan.spec.expansions],
+        stats.update({"tree_nodes": plan.spec.num_nodes, "drafters": [d.describe() for d in plan.spec.drafters],
+                      "expansions": [d.expansion.widths for d in plan.spec.drafters if isinstance(d, SSMDrafter)],
                       "verifier": plan.verifier, "draft": plan.draft})
     batch_hist = hist.sum(0)
     stats.update({"tokens_per_pass_histogram": batch_hist.tolist(),
@@ -306,8 +314,8 @@ def _mean(hist) -> float:
     return float((hist * np.arange(len(hist))).sum() / passes) if passes else 0.0
 
 
-def _place(parallel, model: Model, ssms, plan: GenerationPlan):
-    """(LLM params, SSM params, per-request inputs, fetch-to-host function), on the mesh when given.
+def _place(parallel, model: Model, plan: GenerationPlan, drafter_params: tuple):
+    """(LLM params, drafter params, per-request inputs, fetch-to-host function), on the mesh when given.
 
     On a mesh the batch is padded with inert copies of request 0 (budget of 1 token, dropped from the
     results) to a multiple of dp x microbatches, so any batch size runs."""
@@ -316,17 +324,20 @@ def _place(parallel, model: Model, ssms, plan: GenerationPlan):
     if parallel is None:
         inputs = (jnp.asarray(padded), jnp.asarray(lens), jnp.full((n,), plan.max_new_tokens, jnp.int32),
                   SamplingArrays.from_params(samplings))
-        return model.params, tuple(s.params for s in ssms), inputs, lambda x: np.asarray(jax.device_get(x))
+        return model.params, drafter_params, inputs, lambda x: np.asarray(jax.device_get(x))
     extra = parallel.padding_for(n)
     padded = np.concatenate([padded, np.repeat(padded[:1], extra, axis=0)])
     lens = np.concatenate([lens, np.repeat(lens[:1], extra)]).astype(np.int32)
     budget = np.array([plan.max_new_tokens] * n + [1] * extra, np.int32)
-    parallel.validate(model.config, n + extra, [s.config for s in ssms])
+    parallel.validate(model.config, n + extra)
+    drafters = plan.spec.drafters if plan.spec is not None else ()
+    for d in drafters:
+        d.check_mesh(parallel, n + extra)
     params = parallel.put_params(model.params, model.config)
-    ssm_params = tuple(parallel.put_params(s.params, s.config, parallel.ssm_rules) for s in ssms)
+    drafter_params = tuple(d.place(p, parallel) for d, p in zip(drafters, drafter_params))
     sampling = SamplingArrays.from_params(list(samplings) + [samplings[0]] * extra)
     inputs = parallel.put_batch((padded, lens, budget, sampling))
-    return params, ssm_params, inputs, parallel.fetch
+    return params, drafter_params, inputs, parallel.fetch
 
 
 def logits(model: Model, token_ids) -> list[np.ndarray]:
@@ -392,20 +403,34 @@ def resolve_verifier(verifier: str, draft: str, sampled: bool) -> tuple[str, str
     return verifier, draft
 
 
-def _spec_config(model: Model, ssms: list, mode: str, expansion, impl: str, verifier: str, draft: str,
-                 sampled: bool):
+def _bound(d) -> Bound:
+    if isinstance(d, Bound):
+        return d
+    if isinstance(d, tuple) and len(d) == 2:
+        return Bound(*d)
+    raise InputError(f"a drafter must be given as specjax.Bound(drafter, params) or a (drafter, params) pair, "
+                     f"got {type(d).__name__}")
 
-    if not ssms:
-        raise InputError(f"mode {mode!r} needs at least one SSM (ssms=[...])")
-    if mode == "sequence" and len(ssms) != 1:
-        raise InputError(f"mode 'sequence' takes exactly one SSM, got {len(ssms)}")
+
+def _spec_config(model: Model, ssms: list, drafters: list, mode: str, expansion, impl: str, verifier: str,
+                 draft: str, sampled: bool):
+
+    if not ssms and not drafters:
+        raise InputError(f"mode {mode!r} needs at least one SSM (ssms=[...]) or drafter (drafters=[...])")
+    if mode == "sequence" and (len(ssms) != 1 or drafters):
+        raise InputError(f"mode 'sequence' takes exactly one SSM and no other drafter, got {len(ssms)} SSMs and "
+                         f"{len(drafters)} drafters")
     for i, ssm in enumerate(ssms):
         if not isinstance(ssm, Model):
             raise InputError(f"SSM {i} must be a Model (specjax.load_model or specjax.derive_ssm), got "
                              f"{type(ssm).__name__}")
         check_compatible(model, ssm, name=f"SSM {i}")
     verifier, draft = resolve_verifier(verifier, draft, sampled)
-    exps = _expansions(mode, expansion, len(ssms))
-    spec = SpecConfig(ssm_configs=tuple(s.config for s in ssms), expansions=tuple(exps), impl=resolve_impl(impl),
-                      verifier=verifier, draft=draft)
+    exps = _expansions(mode, expansion, len(ssms)) if ssms else []
+    bound = [_bound(d) for d in drafters]
+    spec = SpecConfig(drafters=tuple(SSMDrafter(s.config, e, draft) for s, e in zip(ssms, exps))
+                      + tuple(b.drafter for b in bound), impl=resolve_impl(impl), verifier=verifier)
+    if spec.num_nodes > MAX_TREE_NODES:
+        raise InputError(f"the drafters {[d.describe() for d in spec.drafters]} make a token tree of {spec.num_nodes} "
+                         f"nodes; the limit is {MAX_TREE_NODES} (N_max)")
     return spec, verifier, draft

@@ -62,7 +62,7 @@ def test_tiny_model_generate_streams_and_prints_one_stats_line(tiny_llama_dir, t
     assert len(stats) == 2, r.stderr
     for line in stats:
         assert re.search(r"# 6 tokens in [\d.]+ s = [\d.]+ tokens/s \| load [\d.]+ s, compile [\d.]+ s \| \d+ LLM "
-                         r"passes, [\d.]+ tokens per pass \| tree, SSMs derived:1, expansion 1,2", line), line
+                         r"passes, [\d.]+ tokens per pass \| tree, SSMs derived:1, drafters ssm\(<1,2>, topk\)", line), line
 
 
 def test_json_records_are_per_prompt_and_the_only_stdout(tiny_llama_dir, tmp_path):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from specjax.decoding.incremental import generate_incremental_jit
-from specjax.speculation.expansion import Expansion
+from specjax.speculation.drafters.ssm import ssm_drafters
 from specjax.speculation.loop import SpecConfig, generate_speculative_jit
 from tests.toy import perturbed, toy_model
 
@@ -59,8 +59,8 @@ TREES = {  # name: (SSMs, expansions, draft)
 def _speculative(name, prompts, lens, sampling, fault=None):
     cfg, params, ssms = _models()
     names, widths, draft = TREES[name]
-    spec = SpecConfig(tuple(ssms[n][0] for n in names), tuple(Expansion(w) for w in widths), impl="xla",
-                      verifier="seeded", draft=draft, fault=fault)
+    spec = SpecConfig(ssm_drafters([ssms[n][0] for n in names], widths, draft), impl="xla", verifier="seeded",
+                      fault=fault)
     n = prompts.shape[0]
     out = generate_speculative_jit(params, tuple(ssms[n_][1] for n_ in names), prompts, lens,
                                    jnp.full((n,), MAX_NEW, jnp.int32), sampling, cfg=cfg, spec=spec,

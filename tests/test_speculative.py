@@ -13,8 +13,9 @@ import specjax
 from specjax.errors import InputError
 from specjax.io.hf_export import export_hf
 from specjax.models import init_params
-from specjax.speculation.drafters.merge import merge_trees
-from specjax.speculation.drafters.ssm import derive_ssm
+from specjax.speculation.drafters.base import Proposal
+from specjax.speculation.drafters.merge import merge_proposals
+from specjax.speculation.drafters.ssm import SSMDrafter, derive_ssm, ssm_drafters
 from specjax.speculation.expansion import Expansion
 from specjax.speculation.loop import (
     SpecConfig,
@@ -106,7 +107,7 @@ def _raw_args(model, prompts, width=32, max_new=24):
 
 def test_compiles_once_per_bucket_and_no_transfers_inside_the_loop(llama):
     ssm = derive_ssm(llama, 1)
-    spec = SpecConfig(ssm_configs=(ssm.config,), expansions=(Expansion((1, 2, 1)),), impl="xla")
+    spec = SpecConfig(ssm_drafters([ssm.config], [(1, 2, 1)]), impl="xla")
     rng = np.random.RandomState(3)
     kw = dict(cfg=llama.config, spec=spec, cache_len=32 + 32 + spec.num_nodes, max_out=32)
     args = _raw_args(llama, [random_ids(rng, 128, 20)])
@@ -123,7 +124,7 @@ def test_compiles_once_per_bucket_and_no_transfers_inside_the_loop(llama):
 
 def test_callable_inside_user_jit_and_streaming_twin_agrees(llama):
     ssm = derive_ssm(llama, 1)
-    spec = SpecConfig(ssm_configs=(ssm.config,), expansions=(Expansion((2, 1, 1)),), impl="xla")
+    spec = SpecConfig(ssm_drafters([ssm.config], [(2, 1, 1)]), impl="xla")
     prompts = [random_ids(np.random.RandomState(4), 128, n) for n in (6, 11)]
     args = _raw_args(llama, prompts)
     kw = dict(cfg=llama.config, spec=spec, cache_len=32 + 32 + spec.num_nodes, max_out=32)
@@ -154,7 +155,17 @@ def test_merge_holds_every_proposed_sequence_exactly_once(drafts, vocab):
         t = np.random.RandomState(seed).randint(0, vocab, (1, e.num_nodes)).astype(np.int32)  # small vocab: collisions
         t[:, 0] = 7
         token_sets.append(jnp.asarray(t))
-    merged = merge_trees(token_sets, expansions)
+    props = []
+    for e, toks in zip(expansions, token_sets):
+        parents = jnp.asarray([e.topology()[0]], jnp.int32)
+        props.append(Proposal(tokens=toks, parent=parents, ok=jnp.ones(toks.shape, bool),
+                              law_row=jnp.full(toks.shape, -1, jnp.int32)))
+    static = [tuple(e.topology()[0]) for e in expansions]
+    # the static bookkeeping (expansion drafters) and the dynamic one (parents read as arrays) agree
+    merged = merge_proposals(props, static)
+    dynamic = merge_proposals(props)
+    for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(dynamic)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     proposals = []
     for e, toks in zip(expansions, token_sets):
         parents, _ = e.topology()
@@ -193,15 +204,20 @@ def test_bad_speculation_configs(llama):
     hot = specjax.SamplingParams(temperature=1.0)
     with pytest.raises(InputError, match="verifier 'greedy' decodes greedily but a request has temperature > 0"):
         specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], sampling=hot, verifier="greedy")
-    with pytest.raises(InputError, match=r"verifier 'mss' is not lossless for drafting mode 'topk'.*"
-                                         r"\['greedy', 'seeded', 'naive'\]"):
-        specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], sampling=hot, verifier="mss", draft="topk")
-    with pytest.raises(InputError, match="verifier 'rrs' is not lossless for drafting mode 'iid'"):
-        specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], sampling=hot, verifier="rrs", draft="iid")
-    with pytest.raises(InputError, match="verifier 'mss' is not lossless for drafting mode 'wor'"):
+    # The pairing check asks each drafter's declared law: deterministic (top-k) entries are exact under
+    # every verifier (MSS then treats them as one-hot); i.i.d. entries need MSS, without-replacement RRS.
+    assert SSMDrafter(ssm.config, Expansion((2,)), "topk").law == "onehot"
+    SpecConfig(ssm_drafters([ssm.config], [(2,)], "topk"), verifier="mss")
+    with pytest.raises(InputError, match=r"verifier 'rrs' is not lossless for drafter ssm\(<1,1,3,1,1,1,1,1>, iid\) "
+                                         r"\(entries drawn i.i.d. .*\['greedy', 'seeded', 'naive', 'mss'\]"):
+        specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], sampling=hot, verifier="rrs", draft="iid",
+                         expansion=(1, 1, 3, 1, 1, 1, 1, 1))
+    with pytest.raises(InputError, match=r"verifier 'mss' is not lossless for drafter ssm\(.*, wor\)"):
         specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], sampling=hot, verifier="mss", draft="wor")
-    with pytest.raises(InputError, match=r"exceed 1024 nodes per SSM"):
-        SpecConfig((ssm.config,), (Expansion((32, 32)),))
+    with pytest.raises(InputError, match=r"has 1057 nodes, beyond 1024 per SSM"):
+        SSMDrafter(ssm.config, Expansion((32, 32)))
+    with pytest.raises(InputError, match="unknown fault 'nope'"):
+        SpecConfig(fault="nope")
     with pytest.raises(InputError, match="verifier must be one of"):
         specjax.generate(llama, p, max_new_tokens=4, ssms=[ssm], sampling=hot, verifier="typo")
     import dataclasses

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.speculation.expansion import Expansion
+from specjax.speculation.drafters.ssm import ssm_drafters
 from specjax.speculation.loop import (
     SpecConfig,
     _init_state_jit,
@@ -65,8 +65,8 @@ def _ssm_cfg(i):
 
 def _spec(name, fault=None):
     draft, verifier, widths, *_, ssm_ids = CONFIGS[name]
-    return SpecConfig(tuple(_ssm_cfg(i) for i in ssm_ids), tuple(Expansion(w) for w in widths), impl="xla",
-                      verifier=verifier, draft=draft, fault=fault)
+    return SpecConfig(ssm_drafters([_ssm_cfg(i) for i in ssm_ids], widths, draft), impl="xla", verifier=verifier,
+                      fault=fault)
 
 
 def _sample(name, n, seed0=0, prompts=(PROMPT,), fault=None):

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.decoding.sampling import warp_logits
-from specjax.speculation.drafters.merge import merge_trees
+from specjax.speculation.drafters.base import Proposal
+from specjax.speculation.drafters.merge import merge_proposals
 from specjax.speculation.expansion import Expansion, static_tree
 from specjax.speculation.verify.sampled import verify_sampled
 from tests import oracle
@@ -79,17 +80,20 @@ def make_case(seed: int, vocab: int, widths_per_ssm, draft: str, rule: str, merg
     declares = draft in ("iid", "wor")
     drafted = [_draft_static(rng, q, w, draft, 0) for q, w in zip(qs, widths_per_ssm)]
     exps = [Expansion(tuple(w)) for w in widths_per_ssm]
-    law_rows = jnp.asarray([declares])
+    parents = [e.topology()[0] for e in exps]
+    # a sampled entry declares the row of the node it was drawn from (its parent); top-k entries one-hot
+    law_rows = [jnp.asarray([[p if declares and p >= 0 else -1 for p in par]], jnp.int32) for par in parents]
     if not merged:
         tokens, ok, ctx = drafted[0]
-        tree = static_tree(exps[0], 1, jnp.asarray([tokens], jnp.int32), jnp.asarray([ok]),
-                           law_rows if declares else None)
+        tree = static_tree(exps[0], 1, jnp.asarray([tokens], jnp.int32), jnp.asarray([ok]), law_rows[0])
         laws = np.stack([_log(qs[0](c)) for c in ctx])
     else:
-        tree = merge_trees([jnp.asarray([t], jnp.int32) for t, _, _ in drafted], exps,
-                           [jnp.asarray([o]) for _, o, _ in drafted], [law_rows if declares else None] * len(exps),
-                           fault=fault)
-        laws = np.concatenate([np.stack([_log(q(c)) for c in ctx]) for q, (_, _, ctx) in zip(qs, drafted)])
+        per_set = [np.stack([_log(q(c)) for c in ctx]) for q, (_, _, ctx) in zip(qs, drafted)]
+        proposals = [Proposal(tokens=jnp.asarray([t], jnp.int32), parent=jnp.asarray([par], jnp.int32),
+                              ok=jnp.asarray([o]), law_row=rows, laws=jnp.asarray(lw[None], jnp.float32))
+                     for (t, o, _), par, rows, lw in zip(drafted, parents, law_rows, per_set)]
+        tree = merge_proposals(proposals, [tuple(p) for p in parents], fault=fault)
+        laws = np.concatenate(per_set)
     tok, par = np.asarray(tree.tokens[0]), np.asarray(tree.parent[0])
     node_ctx = [()] * len(tok)
     for i in range(1, len(tok)):

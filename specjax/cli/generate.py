@@ -176,9 +176,8 @@ def _cmd_generate(args, out) -> int:
     if parallel is not None:  # place once; generation then finds everything where it belongs
         ssms = [s._replace(params=parallel.put_params(s.params, s.config, parallel.ssm_rules)) for s in ssms]
     load_s = time.perf_counter() - t0
-    description = args.mode + (f", SSMs {','.join(ssm_specs)}, expansion "
-                               + ";".join(",".join(map(str, e.widths)) for e in plans[0].spec.expansions)
-                               if ssm_specs else "")
+    description = args.mode + (f", SSMs {','.join(ssm_specs)}, drafters "
+                               + "; ".join(d.describe() for d in plans[0].spec.drafters) if ssm_specs else "")
     failures = []
     headers = len(prompts) > 1 and not args.json  # "### prompt i" before each text
     for number, (batch, plan) in enumerate(zip(batches, plans)):

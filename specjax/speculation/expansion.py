@@ -1,23 +1,9 @@
-"""Speculators: token trees drafted by small speculative models (SSMs).
+"""Expansion configurations <k1, ..., km> and their static token-tree topology.
 
-* Expansion-based: one SSM, a static expansion configuration <k1, ..., km>; at depth i every
-  frontier node gets k_i children. The topology is static, so its parent/depth/ancestor arrays are
-  built once on the host; the SSM scores a whole frontier per forward pass with tree attention.
-  How children are drawn (``DRAFTS``), each entry recording the law it was drawn from:
-  ``topk`` the SSM's top-k (deterministic: law one-hot, -1); ``iid`` k samples with replacement
-  from the SSM's warped distribution q; ``wor`` k samples without replacement (Gumbel-top-k, in
-  perturbed-score order = draw order); ``coupled`` the top-k of log q + G(seed, t), the same Gumbel
-  noise seeded verification uses at position t. Greedy requests (temperature 0) always draft top-k.
-* Sequence-based: expansion <1, ..., 1>. Incremental decoding: the empty tree (root only).
-* Merge-based: several SSMs each draft their own tree; ``merge_trees`` builds the tree that holds
-  every proposed token sequence exactly once as a node, while each proposal stays its own child
-  entry in draw order (paper Definition 3.2).
-
-Keeping SSM caches in step with the LLM: each step an SSM re-reads a fixed chain of the last
-``m + 1`` committed tokens ending at the root (m = its tree depth). A step commits at most m + 1
-tokens, so this chain always covers every token the SSM has not processed (an accepted leaf at
-maximum depth, the bonus token, or a merged path another SSM proposed) with static shapes; the
-chain's logits at the root give the depth-1 children.
+At depth i every frontier node gets k_i children, so the topology (parents, depths, ancestor bits,
+child entries) is fixed per configuration: it is built once on the host and broadcast over the
+batch. Sequence speculation is <1, ..., 1>; incremental decoding is the root-only tree. The SSM
+drafter (``specjax.speculation.drafters.ssm``) fills such a topology with drafted tokens.
 """
 
 from __future__ import annotations
@@ -86,33 +72,32 @@ class Expansion:
         return cls(tuple(int(x) for x in items))
 
 
-def static_tree(expansion: Expansion, batch: int, tokens: jax.Array, entry_ok: jax.Array | None = None,
-                law_rows: jax.Array | None = None) -> TokenTree:
-    """The expansion's static topology as a TokenTree carrying ``tokens`` [B, N].
+def static_tree(topology: Expansion | tuple[int, ...], batch: int, tokens: jax.Array,
+                entry_ok: jax.Array | None = None, law_row: jax.Array | None = None) -> TokenTree:
+    """A static topology (an expansion, or a parents tuple stored parents-before-children) as a
+    TokenTree carrying ``tokens`` [B, N].
 
     entry_ok [B, N]: False drops node i as an entry of its parent (a draw that does not exist, e.g.
-    without replacement from a law with fewer than k tokens). law_rows [B]: True makes every entry
-    of node u declare law row u (sampled drafts); otherwise entries are one-hot (-1)."""
-    t = _topology_tree(expansion)
+    without replacement from a law with fewer than k tokens). law_row [B, N]: the stored law row
+    node i was drawn from as its parent's child (-1 or None: one-hot entries)."""
+    parents = tuple(topology.topology()[0]) if isinstance(topology, Expansion) else tuple(topology)
+    t = _topology_tree(parents)
     rep = lambda x: jnp.broadcast_to(jnp.asarray(x), (batch,) + x.shape[1:])
     children = rep(t.children)
+    flat = jnp.maximum(children, 0).reshape(batch, -1)
     if entry_ok is not None:
-        ok = jnp.take_along_axis(entry_ok, jnp.maximum(children, 0).reshape(batch, -1), axis=1)
+        ok = jnp.take_along_axis(entry_ok, flat, axis=1)
         children = jnp.where(ok.reshape(children.shape), children, -1)
-    node = jnp.arange(children.shape[1], dtype=jnp.int32)[None, :, None]
-    law_row = jnp.full(children.shape, -1, jnp.int32)
-    if law_rows is not None:
-        law_row = jnp.where(law_rows[:, None, None] & (children >= 0), node, -1)
+    entry_law = jnp.full(children.shape, -1, jnp.int32)
+    if law_row is not None:
+        entry_law = jnp.where(children >= 0, jnp.take_along_axis(law_row, flat, axis=1).reshape(children.shape), -1)
     return TokenTree(tokens=tokens, parent=rep(t.parent), depth=rep(t.depth), valid=rep(t.valid),
-                     ancestor=rep(t.ancestor), children=children, law_row=law_row)
+                     ancestor=rep(t.ancestor), children=children, law_row=entry_law)
 
 
 @functools.lru_cache(maxsize=64)
-def _topology_tree(expansion: Expansion) -> TokenTree:
-    """The static topology as host (numpy) arrays, built and validated once per expansion."""
-    parents, _ = expansion.topology()
+def _topology_tree(parents: tuple[int, ...]) -> TokenTree:
+    """The static topology as host (numpy) arrays, built and validated once per parents tuple."""
     with jax.ensure_compile_time_eval():  # may first be called while tracing a jitted step
-        t = from_parents([[0] * len(parents)], [parents], n_max=len(parents))
+        t = from_parents([[0] * len(parents)], [list(parents)], n_max=len(parents))
         return jax.tree.map(np.asarray, t)
-
-

@@ -16,72 +16,55 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.attention.meta import causal_meta
 from specjax.config import ModelConfig
 from specjax.decoding.incremental import PAD_TOKEN, is_eos, prefill
 from specjax.decoding.sampling import SamplingArrays, finite_rows, sample_tokens
 from specjax.errors import InputError
-from specjax.models import forward
 from specjax.models.cache import KVCache, init_cache
-from specjax.speculation.faults import check_fault
 from specjax.speculation.commit import commit_path, tree_forward
-from specjax.speculation.drafters.merge import merge_trees
-from specjax.speculation.drafters.ssm import DRAFTS, SAMPLED_DRAFTS, draft_expansion
-from specjax.speculation.expansion import Expansion, static_tree
+from specjax.speculation.drafters.base import Accepted, DraftContext, Drafter, check_pairing
+from specjax.speculation.drafters.merge import concat_laws, merge_proposals
+from specjax.speculation.expansion import static_tree
+from specjax.speculation.faults import check_fault
 from specjax.speculation.tree import TokenTree
 from specjax.speculation.verify.greedy import verify_greedy
 from specjax.speculation.verify.sampled import verify_sampled
 from specjax.speculation.verify.seeded import verify_seeded
 
 VERIFIERS = ("greedy", "seeded", "mss", "rrs", "naive")
-MAX_NODES_PER_SSM = 1024
-# Which drafting modes each verifier is lossless for (docs/verification.md, "Which declared law").
-LOSSLESS = {"greedy": DRAFTS, "seeded": DRAFTS, "naive": DRAFTS, "mss": ("iid",), "rrs": ("wor",)}
 DEFAULT_DRAFT = {"greedy": "topk", "seeded": "coupled", "naive": "topk", "mss": "iid", "rrs": "wor"}
-
-
-def check_combination(draft: str, verifier: str, fault: str | None = None) -> None:
-    """Refuse a (drafting, verifier) pair that would not be lossless, naming the exact ones."""
-    if verifier not in VERIFIERS:
-        raise InputError(f"unknown verifier {verifier!r}; choose from {VERIFIERS}")
-    if draft not in DRAFTS:
-        raise InputError(f"unknown drafting mode {draft!r}; choose from {DRAFTS}")
-    if draft in LOSSLESS[verifier] or (fault == "allow_mss_on_topk" and verifier == "mss"):
-        return
-    exact = [v for v in VERIFIERS if draft in LOSSLESS[v]]
-    why = {"mss": "MSS needs entries drawn i.i.d. from the declared SSM law",
-           "rrs": "RRS needs entries drawn without replacement (draft 'wor')"}[verifier]
-    raise InputError(f"verifier {verifier!r} is not lossless for drafting mode {draft!r} ({why}); "
-                     f"lossless verifiers for {draft!r}: {exact}")
 
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-    """Static speculation setup: one expansion per SSM (none = incremental decoding)."""
+    """Static speculation setup: the drafters (none = incremental decoding) and the verifier."""
 
-    ssm_configs: tuple[ModelConfig, ...] = ()
-    expansions: tuple[Expansion, ...] = ()
+    drafters: tuple[Drafter, ...] = ()
     impl: str = "auto"  # tree attention implementation
     verifier: str = "greedy"  # one of VERIFIERS; greedy ignores the sampling settings
-    draft: str = "topk"  # how the SSMs draw children (speculate.DRAFTS)
     fault: str | None = None  # tests only: one of faults.FAULTS re-creates that pitfall (static, compiled apart)
 
     def __post_init__(self):
-        if len(self.ssm_configs) != len(self.expansions):
-            raise InputError(f"{len(self.ssm_configs)} SSMs but {len(self.expansions)} expansion configs")
+        if not isinstance(self.drafters, tuple) or not all(isinstance(d, Drafter) for d in self.drafters):
+            raise InputError(f"SpecConfig.drafters must be a tuple of Drafter objects, got {self.drafters!r}")
+        if self.verifier not in VERIFIERS:
+            raise InputError(f"unknown verifier {self.verifier!r}; choose from {VERIFIERS}")
         check_fault(self.fault)
-        check_combination(self.draft, self.verifier, self.fault)
-        too_big = [e.widths for e in self.expansions if e.num_nodes > MAX_NODES_PER_SSM]
-        if too_big:  # drafting keys give node and draw 10 bits each (speculate.draft_slot)
-            raise InputError(f"expansions {too_big} exceed {MAX_NODES_PER_SSM} nodes per SSM")
+        check_pairing(self.drafters, self.verifier)
 
     @property
     def max_depth(self) -> int:
-        return max((e.depth for e in self.expansions), default=0)
+        return max((d.max_depth for d in self.drafters), default=0)
 
     @property
     def num_nodes(self) -> int:
-        return 1 + sum(e.num_nodes - 1 for e in self.expansions)
+        return 1 + sum(d.num_nodes for d in self.drafters)
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...] | None:
+        """The LLM hidden states the drafters read (union, sorted), asked of the tree pass."""
+        layers = sorted({i for d in self.drafters for i in (d.hidden_layers or ())})
+        return tuple(layers) or None
 
 
 @struct.dataclass
@@ -89,7 +72,7 @@ class SpecState:
     """Loop state (B requests, S cache slots, M output slots, D = max tree depth)."""
 
     llm_cache: KVCache  # committed LLM K/V; llm_cache.length[b] = position of request b's root
-    ssm_caches: tuple  # one KVCache per SSM (kept in step by the re-read chain, see speculate.py)
+    drafter_states: tuple  # one pytree per drafter (an SSM's: its KV cache), batch-major rows
     history: jax.Array  # [B, S] int32, prompt + generated tokens; history[b, length[b]] = the root
     tokens: jax.Array  # [B, M] int32, generated tokens, PAD_TOKEN beyond num_generated
     num_generated: jax.Array  # [B] int32
@@ -110,33 +93,27 @@ class SpecOutput:
     failed: jax.Array  # [B] bool
 
 
-def build_tree(ssm_params: tuple, state: SpecState, spec: SpecConfig, sampling: SamplingArrays):
-    """Draft this step's token tree with every SSM (or the root-only tree with none).
-    Returns (tree, declared laws [B, R, V] or None, SSM caches)."""
+def build_tree(drafter_params: tuple, state: SpecState, spec: SpecConfig, sampling: SamplingArrays):
+    """This step's token tree: every drafter's proposal, merged (or the root-only tree without
+    drafters). Returns (tree, stored laws [B, R, V] or None, new drafter states)."""
     history, length = state.history, state.llm_cache.length
-    batch = history.shape[0]
-    if not spec.expansions:
-        root = jnp.take_along_axis(history, length[:, None], axis=1)
+    root = jnp.take_along_axis(history, length[:, None], axis=1)
+    if not spec.drafters:
         return _root_only(root), None, ()
-    drafted, oks, laws, caches = [], [], [], []
-    for i, (params, cfg, expansion, cache) in enumerate(zip(ssm_params, spec.ssm_configs, spec.expansions,
-                                                            state.ssm_caches)):
-        tokens, ok, law, cache = draft_expansion(params, cfg, cache, history, length, expansion, spec.impl,
-                                                 spec.draft, sampling, ssm_index=i, fault=spec.fault)
-        drafted.append(tokens)
-        oks.append(ok)
-        laws.append(law)
-        caches.append(cache)
-    # Only i.i.d. and without-replacement entries declare the SSM's law; top-k and coupled entries are
-    # one-hot (the mutant "allow_mss_on_topk" re-creates the paper's rule: top-k entries declaring q).
-    declares_q = spec.draft in SAMPLED_DRAFTS or spec.fault == "allow_mss_on_topk"
-    declares = sampling.sampled if declares_q else None
-    laws = jnp.concatenate(laws, axis=1) if declares_q else None
-    if len(drafted) == 1:
-        tree = static_tree(spec.expansions[0], batch, drafted[0], entry_ok=oks[0], law_rows=declares)
+    proposals, states = [], []
+    for i, (drafter, params, dstate) in enumerate(zip(spec.drafters, drafter_params, state.drafter_states)):
+        ctx = DraftContext(history=history, length=length, sampling=sampling, index=i, impl=spec.impl,
+                           fault=spec.fault)
+        proposal, dstate = drafter.propose(params, dstate, ctx)
+        proposals.append(proposal.replace(tokens=proposal.tokens.at[:, 0].set(root[:, 0])))
+        states.append(dstate)
+    parents = [d.static_parents() for d in spec.drafters]
+    if len(proposals) == 1 and parents[0] is not None:
+        p = proposals[0]
+        tree = static_tree(parents[0], p.tokens.shape[0], p.tokens, entry_ok=p.ok, law_row=p.law_row)
     else:
-        tree = merge_trees(drafted, list(spec.expansions), oks, [declares] * len(drafted), fault=spec.fault)
-    return tree, laws, tuple(caches)
+        tree = merge_proposals(proposals, parents, fault=spec.fault)
+    return tree, concat_laws(proposals), tuple(states)
 
 
 def _root_only(root: jax.Array) -> TokenTree:
@@ -155,14 +132,16 @@ def verify(logits, tree: TokenTree, laws, sampling: SamplingArrays, length: jax.
     return verify_sampled(logits, tree, laws, sampling, length, spec.verifier, spec.max_depth, fault=spec.fault)
 
 
-def spec_step(llm_params, ssm_params: tuple, state: SpecState, sampling: SamplingArrays, max_new_tokens: jax.Array,
-              cfg: ModelConfig, spec: SpecConfig, eos_ids: tuple[int, ...], parallel=None) -> SpecState:
+def spec_step(llm_params, drafter_params: tuple, state: SpecState, sampling: SamplingArrays,
+              max_new_tokens: jax.Array, cfg: ModelConfig, spec: SpecConfig, eos_ids: tuple[int, ...],
+              parallel=None) -> SpecState:
     """One speculative step for every request (finished requests are carried along unchanged)."""
     active = ~state.done
     depth = spec.max_depth
     length = state.llm_cache.length
-    tree, laws, ssm_caches = build_tree(ssm_params, state, spec, sampling)
-    logits, llm_cache, _ = tree_forward(llm_params, tree, state.llm_cache, cfg, spec.impl, parallel)
+    tree, laws, drafter_states = build_tree(drafter_params, state, spec, sampling)
+    out = tree_forward(llm_params, tree, state.llm_cache, cfg, spec.impl, parallel, hidden=spec.hidden_layers)
+    logits = out.logits
     verdict = verify(logits, tree, laws, sampling, length, spec)
     # Accepted token d + 1 was decided by the LLM's logits at path node d (the root is node 0); the bonus
     # by the last accepted node. If path node j has non-finite logits (NaN weights, overflow), the tokens
@@ -194,7 +173,9 @@ def spec_step(llm_params, ssm_params: tuple, state: SpecState, sampling: Samplin
     done = state.done | failed | (active & finished)
 
     keep = jnp.where(active, verdict.num_accepted + 1, 0)  # root + accepted nodes
-    llm_cache = commit_path(llm_cache, verdict.path, keep)
+    llm_cache = commit_path(out.cache, verdict.path, keep)
+    drafter_states = _commit_drafters(drafter_params, drafter_states, spec, verdict, n_emit, llm_cache.length,
+                                      out.hidden)
 
     req = jnp.arange(state.tokens.shape[0])
     counted = active & ~failed  # a failing pass is not a speculative pass of the request's histogram
@@ -203,17 +184,32 @@ def spec_step(llm_params, ssm_params: tuple, state: SpecState, sampling: Samplin
     if depth:
         reached = (jnp.arange(depth)[None, :] < verdict.num_accepted[:, None]) & counted[:, None]
         acc = acc + reached.astype(jnp.int32)
-    return SpecState(llm_cache=llm_cache, ssm_caches=ssm_caches, history=history, tokens=tokens,
+    return SpecState(llm_cache=llm_cache, drafter_states=drafter_states, history=history, tokens=tokens,
                      num_generated=num_generated, done=done, llm_passes=state.llm_passes + 1,
                      tokens_per_pass=hist, accepted_at_depth=acc, failed=failed)
 
 
-def init_state(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, max_new_tokens, sampling: SamplingArrays,
-               *, cfg: ModelConfig, spec: SpecConfig, cache_len: int, max_out: int,
+def _commit_drafters(drafter_params, drafter_states, spec: SpecConfig, verdict, n_emit, new_length, hidden):
+    """Tell every drafter what was accepted; a drafter that reads hidden states gets the LLM's at the
+    accepted path's nodes, for the layers it asked (a subset of ``spec.hidden_layers``)."""
+    out = []
+    for drafter, params, dstate in zip(spec.drafters, drafter_params, drafter_states):
+        at_path = None
+        if drafter.hidden_layers:
+            cols = [spec.hidden_layers.index(i) for i in drafter.hidden_layers]
+            at_path = jnp.take_along_axis(hidden, jnp.maximum(verdict.path, 0)[:, :, None, None], axis=1)[:, :, cols]
+        accepted = Accepted(path=verdict.path, num_accepted=verdict.num_accepted, emitted=verdict.emitted,
+                            num_emitted=n_emit, length=new_length, hidden=at_path)
+        out.append(drafter.commit(params, dstate, accepted))
+    return tuple(out)
+
+
+def init_state(llm_params, drafter_params: tuple, prompt_tokens, prompt_lens, max_new_tokens,
+               sampling: SamplingArrays, *, cfg: ModelConfig, spec: SpecConfig, cache_len: int, max_out: int,
                eos_ids: tuple[int, ...], parallel=None) -> SpecState:
-    """Prefill the LLM and every SSM; the LLM's token after the prompt (sampled exactly as incremental
+    """Prefill the LLM and every drafter; the LLM's token after the prompt (sampled exactly as incremental
     decoding samples it) becomes the first root. With ``parallel`` the LLM cache is pinned to the LLM's
-    sharding (stage-local layers) and each SSM cache to the SSM rules (requests over dp)."""
+    sharding (stage-local layers); drafters place their own state (SSM caches under the SSM rules)."""
     batch, width = prompt_tokens.shape
     dtype = jax.tree.leaves(llm_params)[0].dtype
     llm_cache = init_cache(cfg, batch, cache_len, dtype)
@@ -226,17 +222,10 @@ def init_state(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, max_ne
         first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     history = jnp.zeros((batch, cache_len), jnp.int32).at[:, :width].set(prompt_tokens)
     history = history.at[jnp.arange(batch), prompt_lens].set(first)
-    ssm_caches = []
-    for params, scfg in zip(ssm_params, spec.ssm_configs):
-        cache = init_cache(scfg, batch, cache_len, jax.tree.leaves(params)[0].dtype)
-        if parallel is not None:
-            cache = parallel.constrain_cache(cache, scfg, parallel.ssm_rules)
-        positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-        _, cache, _ = forward(params, prompt_tokens, positions, cache, causal_meta(jnp.zeros((batch,), jnp.int32)),
-                           scfg, logits_indices=jnp.zeros((batch, 1), jnp.int32))
-        ssm_caches.append(cache.replace(length=prompt_lens.astype(jnp.int32)))
+    drafter_states = tuple(d.init(p, prompt_tokens, prompt_lens, cache_len=cache_len, parallel=parallel)
+                           for d, p in zip(spec.drafters, drafter_params))
     depth = spec.max_depth
-    return SpecState(llm_cache=llm_cache, ssm_caches=tuple(ssm_caches), history=history,
+    return SpecState(llm_cache=llm_cache, drafter_states=drafter_states, history=history,
                      tokens=jnp.full((batch, max_out), PAD_TOKEN, jnp.int32).at[:, 0].set(
                          jnp.where(ok, first, PAD_TOKEN)),
                      num_generated=ok.astype(jnp.int32),
@@ -245,26 +234,28 @@ def init_state(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, max_ne
                      accepted_at_depth=jnp.zeros((batch, max(depth, 1)), jnp.int32), failed=~ok)
 
 
-def generate_speculative(llm_params, ssm_params: tuple, prompt_tokens: jax.Array, prompt_lens: jax.Array,
+def generate_speculative(llm_params, drafter_params: tuple, prompt_tokens: jax.Array, prompt_lens: jax.Array,
                          max_new_tokens: jax.Array, sampling: SamplingArrays | None = None, *, cfg: ModelConfig,
                          spec: SpecConfig, cache_len: int, max_out: int, eos_ids: tuple[int, ...] = (),
                          parallel=None) -> SpecOutput:
     """Tree-speculative generation of right-padded prompts [B, T]. Pure and jittable.
 
-    sampling: per-request settings (None = greedy). ``spec.verifier`` "greedy" decodes greedily
-    whatever the settings say (the host API refuses temperature > 0 with it); the others sample.
-    cache_len must be >= T and >= max(prompt_len + max_new_tokens) + spec.num_nodes (tree scratch).
-    parallel: a ``specjax.sharding.Parallel`` (static): the LLM runs under its rules (pp > 1 =
-    pipelined layers), the SSMs under its ssm_rules; the whole loop stays one jitted program.
+    drafter_params: one params pytree per ``spec.drafters`` entry (an SSM's weights; () for a
+    drafter without params). sampling: per-request settings (None = greedy). ``spec.verifier``
+    "greedy" decodes greedily whatever the settings say (the host API refuses temperature > 0 with
+    it); the others sample. cache_len must be >= T and >= max(prompt_len + max_new_tokens) +
+    spec.num_nodes (tree scratch). parallel: a ``specjax.sharding.Parallel`` (static): the LLM runs
+    under its rules (pp > 1 = pipelined layers), SSM drafters under its ssm_rules; the whole loop
+    stays one jitted program.
     """
     sampling = greedy_sampling(prompt_tokens.shape[0]) if sampling is None else sampling
-    state = init_state(llm_params, ssm_params, prompt_tokens, prompt_lens, max_new_tokens, sampling, cfg=cfg,
+    state = init_state(llm_params, drafter_params, prompt_tokens, prompt_lens, max_new_tokens, sampling, cfg=cfg,
                        spec=spec, cache_len=cache_len, max_out=max_out, eos_ids=eos_ids, parallel=parallel)
 
     def cond(state: SpecState):
         return jnp.any(~state.done)  # some request still needs tokens
 
-    step = functools.partial(spec_step, llm_params, ssm_params, sampling=sampling, max_new_tokens=max_new_tokens,
+    step = functools.partial(spec_step, llm_params, drafter_params, sampling=sampling, max_new_tokens=max_new_tokens,
                              cfg=cfg, spec=spec, eos_ids=eos_ids, parallel=parallel)
     state = jax.lax.while_loop(cond, step, state)
     return SpecOutput(tokens=state.tokens, num_generated=state.num_generated, llm_passes=state.llm_passes,
@@ -283,13 +274,13 @@ generate_speculative_jit = jax.jit(generate_speculative,
 step_jit = jax.jit(spec_step, static_argnames=("cfg", "spec", "eos_ids", "parallel"), donate_argnames=("state",))
 
 
-def generate_stream(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, max_new_tokens,
+def generate_stream(llm_params, drafter_params: tuple, prompt_tokens, prompt_lens, max_new_tokens,
                     sampling: SamplingArrays | None = None, *, cfg: ModelConfig, spec: SpecConfig, cache_len: int,
                     max_out: int, eos_ids: tuple[int, ...] = (), parallel=None):
     """Host-loop twin of ``generate_speculative``: the same jitted step, one call per LLM pass,
     yielding each request's newly emitted tokens after every pass (for streaming and debugging)."""
     sampling = greedy_sampling(prompt_tokens.shape[0]) if sampling is None else sampling
-    state = _init_state_jit(llm_params, ssm_params, prompt_tokens, prompt_lens, max_new_tokens, sampling, cfg=cfg,
+    state = _init_state_jit(llm_params, drafter_params, prompt_tokens, prompt_lens, max_new_tokens, sampling, cfg=cfg,
                             spec=spec, cache_len=cache_len, max_out=max_out, eos_ids=eos_ids, parallel=parallel)
     shown = np.zeros(prompt_tokens.shape[0], np.int64)
     host = np.asarray if parallel is None else parallel.fetch  # fetch: arrays spanning several processes
@@ -300,8 +291,8 @@ def generate_stream(llm_params, ssm_params: tuple, prompt_tokens, prompt_lens, m
         shown = counts
         if bool(np.all(host(state.done))):
             return
-        state = step_jit(llm_params, ssm_params, state, sampling, max_new_tokens, cfg=cfg, spec=spec, eos_ids=eos_ids,
-                         parallel=parallel)
+        state = step_jit(llm_params, drafter_params, state, sampling, max_new_tokens, cfg=cfg, spec=spec,
+                         eos_ids=eos_ids, parallel=parallel)
 
 
 _init_state_jit = jax.jit(init_state, static_argnames=("cfg", "spec", "cache_len", "max_out", "eos_ids", "parallel"))

@@ -1,4 +1,20 @@
-"""Small speculative models (SSMs): deriving one from an LLM, checking compatibility, HF export."""
+"""The SSM drafter: a small speculative model (LLaMA/OPT) drafting an expansion tree, and SSM models
+(derived from an LLM's layers, compatibility checks).
+
+Expansion drafting (paper section 3): a static expansion <k1, ..., km>; at depth i every frontier
+node gets k_i children, the SSM scoring a whole frontier per forward pass with tree attention. How
+children are drawn (``DRAFTS``) decides the law the entries declare: ``topk`` the SSM's top-k and
+``coupled`` the top-k of log q + G(seed, t) (the Gumbel noise seeded verification uses at position
+t) are deterministic (one-hot); ``iid`` k samples with replacement from the SSM's warped q (law q);
+``wor`` k samples without replacement (Gumbel-top-k in perturbed-score order = draw order; law q,
+verified by RRS). Greedy requests (temperature 0) always draft top-k, one-hot.
+
+Keeping the SSM cache in step with the LLM: each step the SSM re-reads a fixed chain of the last
+``m + 1`` committed tokens ending at the root (m = its tree depth). A step commits at most m + 1
+tokens, so this chain always covers every token the SSM has not processed (an accepted leaf at
+maximum depth, the bonus token, or a merged path another drafter proposed) with static shapes; the
+chain's logits at the root give the depth-1 children. ``commit`` therefore has nothing to do.
+"""
 
 from __future__ import annotations
 
@@ -14,9 +30,80 @@ from specjax.decoding.keys import DRAFT, purpose_key
 from specjax.decoding.sampling import SamplingArrays, gumbel_noise, warp_logits
 from specjax.errors import InputError
 from specjax.models import forward
-from specjax.models.cache import KVCache
+from specjax.models.cache import KVCache, init_cache
+from specjax.speculation.drafters.base import DraftContext, Drafter, Proposal
 from specjax.speculation.expansion import Expansion, static_tree
 from specjax.types import Model
+
+DRAFTS = ("topk", "iid", "wor", "coupled")
+_LAW_OF_DRAFT = {"topk": "onehot", "coupled": "onehot", "iid": "iid", "wor": "wor"}
+MAX_NODES = 1024  # drafting keys give node and draw 10 bits each (draft_slot)
+
+
+@dataclasses.dataclass(frozen=True)
+class SSMDrafter(Drafter):
+    """An SSM (``config``; its params are passed apart) drafting ``expansion`` with rule ``mode``."""
+
+    config: ModelConfig
+    expansion: Expansion
+    mode: str = "topk"
+
+    def __post_init__(self):
+        if self.mode not in DRAFTS:
+            raise InputError(f"unknown drafting mode {self.mode!r}; choose from {DRAFTS}")
+        if self.expansion.num_nodes > MAX_NODES:
+            raise InputError(f"expansion {list(self.expansion.widths)} has {self.expansion.num_nodes} nodes, beyond "
+                             f"{MAX_NODES} per SSM")
+
+    @property
+    def law(self) -> str:
+        return _LAW_OF_DRAFT[self.mode]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.expansion.num_nodes - 1
+
+    @property
+    def max_depth(self) -> int:
+        return self.expansion.depth
+
+    def static_parents(self) -> tuple[int, ...]:
+        return tuple(self.expansion.topology()[0])
+
+    def describe(self) -> str:
+        return f"ssm(<{','.join(map(str, self.expansion.widths))}>, {self.mode})"
+
+    def check_mesh(self, parallel, batch: int) -> None:
+        parallel.param_shardings(self.config, parallel.ssm_rules)  # raises ShardingError naming the leaf
+
+    def place(self, params, parallel):
+        return parallel.put_params(params, self.config, parallel.ssm_rules)
+
+    def init(self, params, prompt_tokens, prompt_lens, *, cache_len: int, parallel=None) -> KVCache:
+        """The SSM's cache after the prompts (its own prefill)."""
+        batch, width = prompt_tokens.shape
+        cache = init_cache(self.config, batch, cache_len, jax.tree.leaves(params)[0].dtype)
+        if parallel is not None:
+            cache = parallel.constrain_cache(cache, self.config, parallel.ssm_rules)
+        positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+        out = forward(params, prompt_tokens, positions, cache, causal_meta(jnp.zeros((batch,), jnp.int32)),
+                      self.config, logits_indices=jnp.zeros((batch, 1), jnp.int32))
+        return out.cache.replace(length=prompt_lens.astype(jnp.int32))
+
+    def propose(self, params, cache: KVCache, ctx: DraftContext) -> tuple[Proposal, KVCache]:
+        tokens, ok, laws, cache = draft_expansion(params, self.config, cache, ctx.history, ctx.length, self.expansion,
+                                                  ctx.impl, self.mode, ctx.sampling, ctx.index, ctx.fault)
+        batch, n = tokens.shape
+        parents = jnp.broadcast_to(jnp.asarray(self.static_parents(), jnp.int32), (batch, n))
+        # Sampled modes declare row u (the node drafted from) of their stored laws for u's children;
+        # greedy requests draft top-k whatever the mode, so their entries stay one-hot. The fault
+        # "allow_mss_on_topk" re-creates the paper's rule: top-k entries declaring the SSM's q.
+        declares = self.law != "onehot" or (ctx.fault == "allow_mss_on_topk" and self.mode == "topk")
+        if declares and laws is not None:
+            law_row = jnp.where(ctx.sampling.sampled[:, None] & (parents >= 0), parents, -1)
+        else:
+            law_row, laws = jnp.full((batch, n), -1, jnp.int32), None
+        return Proposal(tokens=tokens, parent=parents, ok=ok, law_row=law_row, laws=laws), cache
 
 
 def derived_layers(cfg, layers) -> list[int]:
@@ -74,12 +161,6 @@ def check_compatible(llm: Model, ssm: Model, name: str = "SSM") -> None:
     if llm.tokenizer is not None and ssm.tokenizer is not None:
         if llm.tokenizer.get_vocab() != ssm.tokenizer.get_vocab():
             raise InputError(f"{name}'s tokenizer differs from the LLM's (different token-to-id maps)")
-
-
-DRAFTS = ("topk", "iid", "wor", "coupled")
-
-
-SAMPLED_DRAFTS = ("iid", "wor")  # drafts whose entries declare the SSM's law q (law_row >= 0)
 
 
 def draft_slot(ssm_index: int, node, draw) -> jax.Array:
@@ -180,3 +261,12 @@ def draft_expansion(params, cfg: ModelConfig, cache: KVCache, history: jax.Array
         positions = jnp.broadcast_to(positions, (batch, len(children)))
         frontier_logits, cache, _ = forward(params, tokens[:, children], positions, cache, meta, cfg)
     return tokens, entry_ok, laws, cache
+
+
+def ssm_drafters(configs, expansions, draft: str = "topk") -> tuple[SSMDrafter, ...]:
+    """One SSM drafter per (config, expansion), all drawing children with rule ``draft``."""
+    configs, expansions = tuple(configs), tuple(expansions)
+    if len(configs) != len(expansions):
+        raise InputError(f"{len(configs)} SSMs but {len(expansions)} expansion configs")
+    return tuple(SSMDrafter(c, e if isinstance(e, Expansion) else Expansion(tuple(e)), draft)
+                 for c, e in zip(configs, expansions))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shlex
@@ -37,11 +36,14 @@ def print_header(title: str) -> None:
 
 
 def load_prompts(path: str, n: int | None, stride: int = 1) -> list[dict]:
-    if not os.path.exists(path):
-        sys.exit(f"prompts file not found: {path} (pass --prompts-file)")
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    records = records[::stride]
+    """Every ``stride``-th record of a prompts file (specjax's own reader: errors name file and line)."""
+    from specjax.errors import InputError
+    from specjax.io.prompts import read_prompt_records
+
+    try:
+        records = read_prompt_records(path, flag="prompts file", allow_token_ids=False)[::stride]
+    except InputError as e:
+        sys.exit(f"{e} (pass --prompts-file)")
     return records[:n] if n else records
 
 
@@ -58,9 +60,8 @@ def load_hf_reference(gguf_path: str):
 def load_ssm(llm, spec: str):
     """--ssm: 'derived:K' (the LLM's first K layers), 'derived:i,j,..' (a layer list) or a model path."""
     import specjax
-    from specjax.speculation.drafters.ssm import derive_ssm
+    from specjax.speculation.drafters.ssm import derive_ssm, parse_derived
 
     if spec.startswith("derived:"):
-        layers = [int(x) for x in spec.split(":", 1)[1].split(",")]
-        return derive_ssm(llm, layers[0] if len(layers) == 1 else layers)
+        return derive_ssm(llm, parse_derived(spec, llm.config))
     return specjax.load_model(spec, progress=False)

@@ -21,17 +21,20 @@ from specjax.decoding.incremental import (
 )
 from specjax.decoding.sampling import SamplingArrays, SamplingParams
 from specjax.errors import GenerationError, InputError
+from specjax.io import registry
 from specjax.io.prompts import normalize_prompts
+from specjax.speculation.choices import DRAFT_CHOICES, MODES, VERIFIER_CHOICES
 from specjax.speculation.drafters.base import Bound
 from specjax.speculation.drafters.ssm import SSMDrafter, check_compatible
 from specjax.speculation.expansion import Expansion
 from specjax.speculation.loop import (
     DEFAULT_DRAFT,
     SpecConfig,
-    _init_state_jit,
     generate_speculative_jit,
+    init_state_jit,
     step_jit,
 )
+from specjax.speculation.state import stop_rows
 from specjax.types import Model
 
 
@@ -86,9 +89,7 @@ def _eos_ids(model: Model) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-MODES = ("incremental", "sequence", "tree")
 MAX_TREE_NODES = 64
-DEFAULT_EXPANSION = (1, 1, 3, 1, 1, 1, 1, 1)  # the paper's default expansion configuration
 
 
 def _check_max_new_tokens(max_new_tokens) -> None:
@@ -197,20 +198,21 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
     cfg = model.config
     n = len(plan.ids)
     drafter_params = tuple(s.params for s in ssms) + tuple(_bound(d).params for d in drafters)
-    params, ssm_params, inputs, host = _place(parallel, model, plan, drafter_params)
-    statics = dict(cfg=cfg, cache_len=plan.cache_len, max_out=plan.max_out, eos_ids=plan.eos_ids, parallel=parallel)
-    if plan.spec is None:
-        run_all = functools.partial(generate_incremental_jit, params, *inputs, **statics)
-        init, init_args = decode_init_jit, (params, *inputs)
-        step, step_args = decode_step_jit, (params,)
-        step_kw = dict(sampling=inputs[3], max_new_tokens=inputs[2], cfg=cfg, eos_ids=plan.eos_ids, parallel=parallel)
-    else:
-        statics["spec"] = plan.spec
-        run_all = functools.partial(generate_speculative_jit, params, ssm_params, *inputs, **statics)
-        init, init_args = _init_state_jit, (params, ssm_params, *inputs)
-        step, step_args = step_jit, (params, ssm_params)
-        step_kw = dict(sampling=inputs[3], max_new_tokens=inputs[2], cfg=cfg, spec=plan.spec, eos_ids=plan.eos_ids,
-                       parallel=parallel)
+    params, drafter_params, inputs, host = _place(parallel, model, plan, drafter_params)
+    sizes = dict(cfg=cfg, cache_len=plan.cache_len, max_out=plan.max_out, parallel=parallel)
+    if plan.spec is None:  # the reference decoder
+        run_all = functools.partial(generate_incremental_jit, params, *inputs, eos_ids=plan.eos_ids, **sizes)
+        init = functools.partial(decode_init_jit, params, *inputs, eos_ids=plan.eos_ids, **sizes)
+        step = functools.partial(decode_step_jit, params, sampling=inputs[3], max_new_tokens=inputs[2], cfg=cfg,
+                                 eos_ids=plan.eos_ids, parallel=parallel)
+    else:  # the speculative loop: per-request settings live in its state
+        stop_ids = stop_rows(plan.eos_ids, len(plan.lens) + (parallel.padding_for(n) if parallel else 0))
+        if parallel is not None:
+            stop_ids = parallel.put_batch(stop_ids)
+        run_all = functools.partial(generate_speculative_jit, params, drafter_params, *inputs, stop_ids,
+                                    spec=plan.spec, **sizes)
+        init = functools.partial(init_state_jit, params, drafter_params, *inputs, stop_ids, spec=plan.spec, **sizes)
+        step = functools.partial(step_jit, params, drafter_params, cfg=cfg, spec=plan.spec, parallel=parallel)
     timing = {}
     if on_tokens is None:
         t0 = time.perf_counter()
@@ -219,24 +221,22 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
         timing["seconds"] = time.perf_counter() - t0
         finish = None
     else:
-        out, finish = _host_loop(init, init_args, statics, step, step_args, step_kw, host, n, on_tokens, timing)
+        out, finish = _host_loop(init, step, host, n, on_tokens, timing)
         tokens = host(out.tokens)
     return _result(model, plan, out, tokens, host, n, timing, finish)
 
 
-def _host_loop(init, init_args, init_statics, step, step_args, step_kw, host, n, on_tokens, timing):
+def _host_loop(init, step, host, n, on_tokens, timing):
     """The jitted step called once per LLM pass from the host (its state donated), reporting newly
-    accepted tokens after every pass. Compilation is timed apart (AOT lower + compile; the jitted
-    functions then hit the same compilation cache)."""
+    accepted tokens after every pass. ``init()`` and ``step(state)`` are the partially applied jitted
+    functions. Compilation is timed apart (AOT lower + compile; the calls then hit the same cache)."""
     t0 = time.perf_counter()
-    init.lower(*init_args, **init_statics).compile()
+    _lower(init).compile()
     compile_s = time.perf_counter() - t0
     start = time.perf_counter()
-    state = init(*init_args, **init_statics)
-    dynamic = {k: v for k, v in step_kw.items() if k in ("sampling", "max_new_tokens")}
-    statics = {k: v for k, v in step_kw.items() if k not in dynamic}
+    state = init()
     t1 = time.perf_counter()
-    step.lower(*step_args, state, **dynamic, **statics).compile()
+    _lower(step, state).compile()
     step_compile = time.perf_counter() - t1
     compile_s += step_compile
     shown = np.zeros(n, np.int64)
@@ -254,10 +254,15 @@ def _host_loop(init, init_args, init_statics, step, step_args, step_kw, host, n,
         shown = counts
         if bool(np.all(done)):
             break
-        state = step(*step_args, state, **dynamic, **statics)
+        state = step(state)
     timing["compile_seconds"] = compile_s
     timing["seconds"] = time.perf_counter() - start - step_compile
     return state, finish
+
+
+def _lower(fn: functools.partial, *args):
+    """AOT-lower a partially applied jitted function with these extra positional arguments."""
+    return fn.func.lower(*fn.args, *args, **fn.keywords)
 
 
 def _result(model: Model, plan: GenerationPlan, out, tokens, host, n: int, timing: dict, finish) -> GenerationResult:
@@ -358,7 +363,7 @@ def logits(model: Model, token_ids) -> list[np.ndarray]:
 def _expansions(mode: str, expansion, n_ssms: int):
 
     if expansion is None:
-        expansion = (1,) * 8 if mode == "sequence" else DEFAULT_EXPANSION
+        expansion = registry.DEFAULT_SEQUENCE if mode == "sequence" else registry.DEFAULT_EXPANSION
     if isinstance(expansion, str):
         expansion = Expansion.parse(expansion).widths
     if isinstance(expansion, Expansion):
@@ -379,8 +384,6 @@ def _expansions(mode: str, expansion, n_ssms: int):
     return exps
 
 
-VERIFIER_CHOICES = ("auto", "greedy", "seeded", "mss", "rrs", "naive")
-DRAFT_CHOICES = ("auto", "topk", "iid", "wor", "coupled")
 
 
 def resolve_verifier(verifier: str, draft: str, sampled: bool) -> tuple[str, str]:

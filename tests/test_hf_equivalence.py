@@ -1,11 +1,16 @@
-"""Logits equal HuggingFace transformers (PyTorch, float32) through the real specjax loader."""
+"""Logits equal HuggingFace transformers through the real specjax loader: against transformers in
+float64 (its exact math), specjax's float32 logits are as accurate as transformers' own float32 ones
+(tests/precision.py)."""
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
 
 import specjax
+from tests import precision
 from tests.conftest import make_hf_model, random_ids
 
 torch = pytest.importorskip("torch")
@@ -43,11 +48,15 @@ def test_logits_match_hf(tmp_path, kind, name, overrides):
     # A batch with padding: 8 tokens, ~600 tokens (position bugs hide in short prompts), 37 tokens.
     seqs = [random_ids(rng, vocab, n) for n in (8, 600, 37)]
     ours = specjax.logits(model, seqs)
+    hf64 = copy.deepcopy(hf_model).double()
     for seq, got in zip(seqs, ours):
-        want = _hf_logits(hf_model, seq)
-        assert got.shape == want.shape
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4,
-                                   err_msg=f"{kind}/{name}: logits differ for a {len(seq)}-token prompt")
+        ref = _hf_logits(hf64, seq)
+        assert got.shape == ref.shape
+        floor = precision.error(_hf_logits(hf_model, seq), ref)
+        precision.assert_within(got, ref, floor, what=f"{kind}/{name}, a {len(seq)}-token prompt")
+    # the bound has power: the 600-token prompt read one position late is far outside it
+    late = specjax.logits(model, [[0] + seqs[1][:-1]])[0][1:]
+    assert precision.error(late, _hf_logits(hf64, seqs[1])[:-1]) > 100 * precision.bound(late, floor)
 
 
 def test_greedy_generation_matches_hf_generate(tmp_path):

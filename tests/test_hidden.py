@@ -4,6 +4,8 @@ decoding, the tree pass and the pipeline-parallel path; nothing is computed when
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ from specjax.models import forward
 from specjax.models.cache import init_cache
 from specjax.speculation.commit import tree_forward
 from specjax.speculation.tree import from_parents, root_path
+from tests import precision
 from tests.conftest import make_hf_model
 
 CONFIGS = {  # sizes named nowhere else in the suite
@@ -33,12 +36,31 @@ SEQ = [5, 17, 3, 44, 9, 21, 30, 2, 11, 60, 7, 13]
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def pair(request, tmp_path_factory):
-    """(specjax model, transformers' hidden states for SEQ: [L + 1, T, D], entry L = the final norm's input)."""
-    import torch
-
+    """(specjax model, transformers' hidden states for SEQ in float32 and in float64: [L + 1, T, D] each,
+    entry L = the final norm's input)."""
     kind, overrides = CONFIGS[request.param]
     path = str(tmp_path_factory.mktemp(request.param))
     hf = make_hf_model(kind, path, **overrides)
+    states = _hf_states(hf, kind), _hf_states(copy.deepcopy(hf).double(), kind)
+    return specjax.load_model(path, progress=False), States(*states)
+
+
+class States:
+    """transformers' float32 states (the floor's route) and float64 ones (the reference)."""
+
+    def __init__(self, f32: np.ndarray, f64: np.ndarray):
+        self.f32, self.f64 = f32, f64
+
+    def check(self, got, *index) -> None:
+        """``got`` against the float64 states at ``index``, within the float32 floor measured there."""
+        ref = self.f64[index] if index else self.f64
+        floor = precision.error(self.f32[index] if index else self.f32, ref)
+        precision.assert_within(got, ref, floor, what=f"hidden states {index}")
+
+
+def _hf_states(hf, kind: str) -> np.ndarray:
+    import torch
+
     layers = hf.model.layers if kind == "llama" else hf.model.decoder.layers
     last = {}
     hook = layers[-1].register_forward_hook(lambda mod, args, out: last.__setitem__(
@@ -46,14 +68,7 @@ def pair(request, tmp_path_factory):
     with torch.no_grad():
         out = hf(torch.tensor([SEQ]), output_hidden_states=True)
     hook.remove()
-    states = [s[0].numpy() for s in out.hidden_states[:-1]] + [last["h"][0].numpy()]
-    return specjax.load_model(path, progress=False), np.stack(states)
-
-
-def _floor(model, want) -> float:
-    """Bound: float32 rounding of the same hidden states, scaled by their size (a float64 reference
-    is not needed: differences of a correct implementation are a few ulps of the values)."""
-    return 64 * float(np.finfo(np.float32).eps) * max(1.0, float(np.abs(want).max()))
+    return np.stack([s[0].numpy() for s in out.hidden_states[:-1]] + [last["h"][0].numpy()])
 
 
 def test_prefill_hidden_equals_transformers(pair):
@@ -65,14 +80,16 @@ def test_prefill_hidden_equals_transformers(pair):
     positions = jnp.arange(len(SEQ))[None]
     out = forward(model.params, tokens, positions, cache, causal_meta(jnp.zeros((1,), jnp.int32)), cfg, hidden=layers)
     got = np.asarray(out.hidden)[0].transpose(1, 0, 2)  # [L + 1, T, D]
-    assert got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=0, atol=_floor(model, want))
+    assert got.shape == want.f64.shape
+    want.check(got)
+    with pytest.raises(AssertionError, match="exceeds"):  # the bound has power: layers off by one fail it
+        want.check(np.concatenate([got[:1], got[:-1]]))
     # a subset at selected positions, in the asked order
     idx = jnp.asarray([[3, 11]])
     sub = forward(model.params, tokens, positions, cache, causal_meta(jnp.zeros((1,), jnp.int32)), cfg,
                   logits_indices=idx, hidden=(cfg.num_layers, 1))
-    np.testing.assert_allclose(np.asarray(sub.hidden)[0], want[[cfg.num_layers, 1]][:, [3, 11]].transpose(1, 0, 2),
-                               rtol=0, atol=_floor(model, want))
+    want.check(np.asarray(sub.hidden)[0].transpose(1, 0, 2), np.asarray([cfg.num_layers, 1])[:, None],
+               np.asarray([3, 11])[None, :])
     assert forward(model.params, tokens, positions, cache, causal_meta(jnp.zeros((1,), jnp.int32)), cfg).hidden is None
 
 
@@ -86,8 +103,7 @@ def test_decode_steps_hidden_equals_transformers(pair):
     for t, token in enumerate(SEQ):
         out = step(cache, jnp.asarray([token], jnp.int32))
         cache = out.cache.replace(length=out.cache.length + 1)
-        np.testing.assert_allclose(np.asarray(out.hidden)[0, 0], want[list(layers), t], rtol=0,
-                                   atol=_floor(model, want))
+        want.check(np.asarray(out.hidden)[0, 0], list(layers), t)
 
 
 def test_tree_pass_hidden_equals_transformers_on_each_root_path(pair):
@@ -111,7 +127,7 @@ def test_tree_pass_hidden_equals_transformers_on_each_root_path(pair):
         path = [tokens[j] for j in root_path(tree, 0, node)]
         if path != SEQ[committed:committed + len(path)]:
             continue  # a side branch: not a prefix of SEQ, transformers' run has no state for it
-        np.testing.assert_allclose(got[node], want[:, committed + len(path) - 1], rtol=0, atol=_floor(model, want))
+        want.check(got[node], slice(None), committed + len(path) - 1)
 
 
 def test_pipeline_hidden_equals_one_device():
@@ -136,8 +152,12 @@ def test_pipeline_hidden_equals_one_device():
         return np.asarray(fn(params, cache))
 
     one = run(None)
+    with precision.float64():  # the same forward in float64 on one device: the reference
+        fn = jax.jit(lambda p, c: forward(p, tokens, positions, c, causal_meta(jnp.zeros((4,), jnp.int32)), cfg,
+                                          logits_indices=idx, hidden=layers).hidden)
+        ref = np.asarray(fn(precision.params64(model.params), init_cache(cfg, 4, 8, jnp.float64)))
     for mesh in ("pp=2,tp=4", "pp=4,dp=2"):
-        np.testing.assert_allclose(run(Parallel.create(mesh)), one, rtol=0, atol=1e-5, err_msg=mesh)
+        precision.assert_within(run(Parallel.create(mesh)), ref, precision.error(one, ref), what=mesh)
 
 
 def test_bad_hidden_request():

@@ -1,5 +1,6 @@
 """Meshes on 8 simulated CPU devices: TP=8, PP=2 x TP=4, PP=4 x TP=2, DP=2 x TP=4 (and PP x DP x TP)
-give the single-device logits (<= 1e-5) and exactly its greedy tokens, incremental and tree-speculative,
+give the single-device logits (as close to the float64 reference as one device's, tests/precision.py)
+and exactly its greedy tokens, incremental and tree-speculative,
 for tiny LLaMA (GQA 8/2, so KV heads are replicated at tp >= 4) and OPT models; the pipeline equals
 its sequential reference; misconfigurations fail with errors naming the leaf."""
 
@@ -21,6 +22,7 @@ from specjax.sharding import MeshShape, Parallel, ShardingRules, make_mesh
 from specjax.speculation.commit import tree_forward
 from specjax.speculation.drafters.ssm import derive_ssm
 from specjax.speculation.tree import from_parents
+from tests import precision
 from tests.toy import mesh_model, mesh_prompts
 
 MESHES = ("tp=8", "pp=2,tp=4", "pp=4,tp=2", "dp=2,tp=4")
@@ -57,12 +59,18 @@ def _prompts(cfg):
 @functools.partial(jax.jit, static_argnames=("cfg", "parallel"))
 def _tree_logits(params, prefix, lens, tree, cfg, parallel=None):
     """Prefill a prefix, then score a token tree on top of it: the verification pass."""
-    cache = init_cache(cfg, prefix.shape[0], 64)
+    cache = init_cache(cfg, prefix.shape[0], 64, jax.tree.leaves(params)[0].dtype)
     if parallel is not None:
         cache = parallel.constrain_cache(cache, cfg)
     _, cache = prefill(params, prefix, lens, cache, cfg, parallel)
     logits, _, _ = tree_forward(params, tree, cache, cfg, "xla", parallel)
     return logits
+
+
+def _float64(fn, params, *args, **kw) -> np.ndarray:
+    """``fn`` on one device in float64: the reference the mesh and the one-device float32 runs meet."""
+    with precision.float64():
+        return np.asarray(fn(precision.params64(params), *args, **kw))
 
 
 def _inputs(cfg):
@@ -84,9 +92,12 @@ def test_logits_match_one_device(model, shape):
     sharded = parallel.put_params(params, cfg)
     full = full_logits(sharded, parallel.put_batch(jnp.asarray(prefix)), cfg=cfg, parallel=parallel)
     tree_logits = _tree_logits(sharded, *parallel.put_batch((prefix, lens, tree)), cfg=cfg, parallel=parallel)
-    np.testing.assert_allclose(np.asarray(full), np.asarray(ref_full), rtol=0, atol=1e-5)
+    full64 = _float64(full_logits, params, jnp.asarray(prefix), cfg=cfg)
+    precision.assert_within(full, full64, precision.error(ref_full, full64), what=f"{shape} full logits")
     valid = np.asarray(tree.valid)
-    np.testing.assert_allclose(np.asarray(tree_logits)[valid], np.asarray(ref_tree)[valid], rtol=0, atol=1e-5)
+    tree64 = _float64(_tree_logits, params, jnp.asarray(prefix), jnp.asarray(lens), tree, cfg)[valid]
+    floor = precision.error(np.asarray(ref_tree)[valid], tree64)
+    precision.assert_within(np.asarray(tree_logits)[valid], tree64, floor, what=f"{shape} tree logits")
     assert sharded["layers"]["wq"].sharding.spec == parallel.param_shardings(cfg)["layers"]["wq"].spec
 
 
@@ -119,7 +130,8 @@ def test_pipeline_with_dp_and_odd_batch_pads_requests():
                        cfg=model.config, parallel=parallel)
     want = _tree_logits(model.params, jnp.asarray(prefix), jnp.asarray(lens), tree, model.config)
     valid = np.asarray(tree.valid)
-    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=0, atol=1e-5)
+    ref = _float64(_tree_logits, model.params, jnp.asarray(prefix), jnp.asarray(lens), tree, model.config)[valid]
+    precision.assert_within(np.asarray(got)[valid], ref, precision.error(np.asarray(want)[valid], ref))
 
 
 def test_pipeline_equals_sequential_reference():
@@ -134,7 +146,11 @@ def test_pipeline_equals_sequential_reference():
     inputs = piped.put_batch((prefix, lens, tree))
     a = _tree_logits(params, *inputs, cfg=cfg, parallel=piped)
     b = _tree_logits(params, *inputs, cfg=cfg, parallel=sequential)
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+    ref = _float64(_tree_logits, model.params, jnp.asarray(prefix), jnp.asarray(lens), tree, cfg)
+    valid = np.asarray(tree.valid)
+    precision.assert_within(np.asarray(a)[valid], ref[valid], precision.error(np.asarray(b)[valid], ref[valid]),
+                            what="pipeline vs its sequential reference")
+
     def program(parallel):
         return _tree_logits.lower(params, *inputs, cfg=cfg, parallel=parallel).as_text()
 
@@ -192,5 +208,6 @@ def test_checkpoint_saved_on_pp2_tp4_restores_on_tp8_and_one_device(tmp_path):
     assert specjax.generate(on_tp8, prompts, **GEN, parallel=tp8).token_ids == saved_run
     assert specjax.generate(on_one, prompts, **GEN).token_ids == saved_run
     prefix = jnp.asarray(_inputs(cfg)[0])
-    np.testing.assert_allclose(np.asarray(full_logits(on_tp8.params, tp8.put_batch(prefix), cfg=cfg, parallel=tp8)),
-                               np.asarray(full_logits(on_one.params, prefix, cfg=cfg)), rtol=0, atol=1e-5)
+    ref = _float64(full_logits, model.params, prefix, cfg=cfg)
+    precision.assert_within(full_logits(on_tp8.params, tp8.put_batch(prefix), cfg=cfg, parallel=tp8), ref,
+                            precision.error(full_logits(on_one.params, prefix, cfg=cfg), ref), what="restored on tp=8")

@@ -14,10 +14,11 @@ import pytest
 from specjax.speculation.drafters.ssm import ssm_drafters
 from specjax.speculation.loop import (
     SpecConfig,
-    _init_state_jit,
     generate_speculative_jit,
+    init_state_jit,
     step_jit,
 )
+from specjax.speculation.state import stop_rows
 from tests import oracle
 from tests.stats import assert_fits, fits
 from tests.toy import (
@@ -134,10 +135,10 @@ def test_t4_expected_accepted_length_matches_the_oracle():
     prompts = jnp.asarray(np.tile(np.asarray(PROMPT + [0], np.int32), (n, 1)))
     s = sampling_arrays(n, temperature, top_k, top_p, seeds=7_000_000 + np.arange(n))
     max_new = jnp.full((n,), 16, jnp.int32)
-    kw = dict(cfg=cfg, spec=spec, eos_ids=())
-    state = _init_state_jit(params, (ssms[0],), prompts, jnp.full((n,), 3, jnp.int32), max_new, s,
-                            cache_len=24 + spec.num_nodes, max_out=16, **kw)
-    state = step_jit(params, (ssms[0],), state, s, max_new, **kw)
+    kw = dict(cfg=cfg, spec=spec)
+    state = init_state_jit(params, (ssms[0],), prompts, jnp.full((n,), 3, jnp.int32), max_new, s, stop_rows((), n),
+                           cache_len=24 + spec.num_nodes, max_out=16, **kw)
+    state = step_jit(params, (ssms[0],), state, **kw)
     emitted = np.asarray(state.num_generated) - 1
     z = (emitted.mean() - exact) / (emitted.std() / np.sqrt(n))
     assert abs(z) < 4.9, f"mean tokens per step {emitted.mean():.4f} vs exact {exact:.4f} (z = {z:.1f})"

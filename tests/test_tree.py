@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import textwrap
 
-import jax
+import chex
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import specjax.speculation.tree as tree_lib
+from specjax.speculation.drafters.merge import depths
 from specjax.speculation.tree import (
     TreeError,
     ancestor_bits,
@@ -33,16 +35,28 @@ def test_ancestor_bits_by_hand_three_nodes():
     np.testing.assert_array_equal(np.asarray(t.ancestor[0, :, 0]), [0b001, 0b011, 0b101, 0])
 
 
-def test_ancestor_bits_span_words_and_are_jittable():
-    n = 70  # three uint32 words
-    parents = [-1] + list(range(n - 1))  # a chain: node i sees 0..i
-    t = from_parents([[0] * n], [parents], n_max=80)
-    bits = jax.jit(ancestor_bits)(t.parent, t.valid)
-    for i in (0, 31, 32, 33, 64, 69):
-        row = np.asarray(bits[0, i])
-        visible = [j for j in range(96) if (row[j // 32] >> (j % 32)) & 1]
-        assert visible == list(range(i + 1))
-    assert not np.asarray(bits[0, 70:]).any(), "padding nodes must have empty rows"
+class TestAncestorBits(chex.TestCase):
+    """The jittable builders behave the same traced and eagerly (chex variants)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_span_words(self):
+        n = 70  # three uint32 words
+        parents = [-1] + list(range(n - 1))  # a chain: node i sees 0..i
+        t = from_parents([[0] * n], [parents], n_max=80)
+        bits = self.variant(ancestor_bits)(t.parent, t.valid)
+        chex.assert_shape(bits, (1, 80, 3))
+        chex.assert_type(bits, np.uint32)
+        np.testing.assert_array_equal(np.asarray(bits), np.asarray(t.ancestor))
+        for i in (0, 31, 32, 33, 64, 69):
+            row = np.asarray(bits[0, i])
+            visible = [j for j in range(96) if (row[j // 32] >> (j % 32)) & 1]
+            assert visible == list(range(i + 1))
+        assert not np.asarray(bits[0, 70:]).any(), "padding nodes must have empty rows"
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_depths_from_parents(self):
+        parent = jnp.asarray([[-1, 0, 0, 1, 3, 2, -1]], jnp.int32)
+        np.testing.assert_array_equal(np.asarray(self.variant(depths)(parent)), [[0, 1, 1, 2, 3, 2, 0]])
 
 
 def test_children_in_draw_order_and_depth():

@@ -20,6 +20,7 @@ from specjax.models import forward
 from specjax.models.cache import KVCache, init_cache
 from specjax.speculation.commit import commit_path, tree_forward
 from specjax.speculation.tree import from_parents, root_path
+from tests import precision
 
 N_MAX, MAX_LEN, BATCH = 64, 160, 2
 
@@ -32,7 +33,7 @@ def model(request, tiny_llama_dir, tiny_opt_dir):
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _prefix_cache(params, prefix, lengths, cfg):
     """Cache holding prefix[b, :lengths[b]] committed (written as a causal chain), NaN elsewhere."""
-    cache = init_cache(cfg, prefix.shape[0], MAX_LEN, poison=True)
+    cache = init_cache(cfg, prefix.shape[0], MAX_LEN, jax.tree.leaves(params)[0].dtype, poison=True)
     positions = jnp.broadcast_to(jnp.arange(prefix.shape[1]), prefix.shape)
     _, cache, _ = forward(params, prefix, positions, cache, causal_meta(jnp.zeros_like(lengths)), cfg)
     # Re-poison everything beyond the committed length so stray reads of scratch slots show up.
@@ -54,7 +55,7 @@ def _random_parents(rng, n, max_depth=8):
     return parents
 
 
-def _check_tree_logits(model, sizes, lengths, seed, impl="xla"):
+def _check_tree_logits(model, sizes, lengths, seed, impl="xla", tree_pass=None):
     cfg = model.config
     rng = np.random.RandomState(seed)
     prefix = rng.randint(0, cfg.vocab_size, (BATCH, MAX_LEN)).astype(np.int32)
@@ -63,7 +64,7 @@ def _check_tree_logits(model, sizes, lengths, seed, impl="xla"):
     tree = from_parents(tokens, parents, n_max=N_MAX, max_depth=8)
     cache = _prefix_cache(model.params, jnp.asarray(prefix[:, :MAX_LEN - N_MAX]), jnp.asarray(lengths, jnp.int32),
                           cfg)
-    logits, _, _ = _tree_forward_jit(model.params, tree, cache, cfg=cfg, impl=impl)
+    logits, _, _ = (tree_pass or _tree_forward_jit)(model.params, tree, cache, cfg=cfg, impl=impl)
     logits = np.asarray(logits)
     # Incremental reference: each node's full sequence = committed prefix + its root path tokens.
     seqs, where = [], []
@@ -76,12 +77,14 @@ def _check_tree_logits(model, sizes, lengths, seed, impl="xla"):
     padded = np.zeros((len(seqs), width), np.int32)
     for r, s in enumerate(seqs):
         padded[r, :len(s)] = s
-    ref = np.asarray(full_logits(model.params, jnp.asarray(padded), cfg=cfg))
+    recompute = np.asarray(full_logits(model.params, jnp.asarray(padded), cfg=cfg))
     assert not np.isnan(logits[[b for b, _ in where], [i for _, i in where]]).any()
-    worst = 0.0
-    for r, (b, i) in enumerate(where):
-        worst = max(worst, float(np.abs(logits[b, i] - ref[r, len(seqs[r]) - 1]).max()))
-    assert worst <= 1e-5, f"tree logits differ from incremental by {worst}"
+    last = [len(s) - 1 for s in seqs]
+    got = np.stack([logits[b, i] for b, i in where])
+    ref = np.stack([row[-1] for row in precision.logits64(model, seqs)])  # float64, each node's root path
+    floor = precision.error(recompute[np.arange(len(seqs)), last], ref)  # the causal recompute's float32 error
+    precision.assert_within(got, ref, floor, what=f"tree logits ({impl})")
+    return got, ref, floor
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -96,6 +99,15 @@ def test_tree_node_logits_equal_incremental(model, sizes, where, mid, seed):
 
 def test_tree_logits_with_pallas_kernel(model):
     _check_tree_logits(model, [64, 9], [MAX_LEN - N_MAX, 0], seed=3, impl="pallas")
+
+
+def test_tree_logits_bound_has_power(model):
+    """The same check with node positions off by one (pitfall 11) fails: the bound catches real bugs."""
+    _check_tree_logits(model, [9, 5], [20, 3], seed=5)
+    shifted = jax.jit(lambda params, tree, cache, cfg, impl: tree_forward(
+        params, tree.replace(depth=tree.depth + 1), cache, cfg, impl), static_argnames=("cfg", "impl"))
+    with pytest.raises(AssertionError, match="exceeds"):
+        _check_tree_logits(model, [9, 5], [20, 3], seed=5, tree_pass=shifted)
 
 
 def test_commit_equals_incremental_cache_and_decoding_continues(model):
@@ -125,22 +137,32 @@ def test_commit_equals_incremental_cache_and_decoding_continues(model):
     chain = np.zeros((BATCH, 64), np.int32)
     for b, s in enumerate(seqs):
         chain[b, :len(s)] = s
-    ref_cache = _prefix_cache(model.params, jnp.asarray(chain), jnp.asarray([len(s) for s in seqs], jnp.int32), cfg)
+    lens = jnp.asarray([len(s) for s in seqs], jnp.int32)
+    ref_cache = _prefix_cache(model.params, jnp.asarray(chain), lens, cfg)
+    with precision.float64():  # the same chain in float64: the reference both caches are measured against
+        params64 = precision.params64(model.params)
+        cache64 = _prefix_cache(params64, jnp.asarray(chain), lens, cfg)
+        cache64 = jax.tree.map(np.asarray, cache64)
     for b, s in enumerate(seqs):
         for name in ("k", "v"):
             got = np.asarray(getattr(committed, name)[:, b, :len(s)])
-            want = np.asarray(getattr(ref_cache, name)[:, b, :len(s)])
-            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, err_msg=f"request {b} cache {name}")
+            chain32 = np.asarray(getattr(ref_cache, name)[:, b, :len(s)])
+            want = getattr(cache64, name)[:, b, :len(s)]
+            precision.assert_within(got, want, precision.error(chain32, want), what=f"request {b} cache {name}")
 
-    # Decoding continues identically: feed the same next token to both caches for a few steps.
+    # Decoding continues identically: feed the same next token to both caches (and the float64 one).
     nxt = jnp.asarray([int(np.argmax(np.asarray(tree_logits)[b, paths[b][-1]])) for b in range(BATCH)])
-    step = jax.jit(lambda c, t: forward(model.params, t[:, None], c.length[:, None], c, causal_meta(c.length), cfg))
-    a, b_ = committed, ref_cache
+    step = jax.jit(lambda p, c, t: forward(p, t[:, None], c.length[:, None], c, causal_meta(c.length), cfg))
+    a, b_, c64 = committed, ref_cache, cache64
     for _ in range(5):
-        la, a, _ = step(a, nxt)
-        lb, b_, _ = step(b_, nxt)
-        np.testing.assert_allclose(np.asarray(la), np.asarray(lb), rtol=0, atol=1e-5)
+        la, a, _ = step(model.params, a, nxt)
+        lb, b_, _ = step(model.params, b_, nxt)
+        with precision.float64():
+            lc, c64, _ = step(params64, jax.tree.map(jnp.asarray, c64), nxt)
+            lc, c64 = np.asarray(lc), jax.tree.map(np.asarray, c64)
+        precision.assert_within(la, lc, precision.error(lb, lc), what="decoding after commit")
         a, b_ = a.replace(length=a.length + 1), b_.replace(length=b_.length + 1)
+        c64 = c64.replace(length=c64.length + 1)
         nxt = jnp.argmax(la[:, 0], axis=-1).astype(jnp.int32)
 
 

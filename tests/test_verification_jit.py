@@ -12,6 +12,7 @@ from tests import oracle
 from tests.stats import assert_fits, fits
 from tests.verify_cases import make_case, outcomes, run
 
+EPS32 = float(np.finfo(np.float32).eps)
 N_SAMPLES = 300_000
 
 # Adversarial fixed trees: (seed, vocab, widths per SSM, draft, rule, merged, extra). Seeds chosen
@@ -36,7 +37,8 @@ def _case(name, fault=None):
 def test_t2_jitted_verifier_law(name):
     case = _case(name)
     law = case.exact_law()
-    assert abs(sum(law.values()) - 1) < 1e-6  # float32 inputs
+    # the oracle works in float64 on float32 target probabilities (each within an ulp of its value)
+    assert abs(sum(law.values()) - 1) < 8 * EPS32
     verdict = run(case, N_SAMPLES)
     assert np.asarray(verdict.ok).all()
     assert_fits(outcomes(verdict), law, name)
@@ -77,7 +79,8 @@ def _check_white_box(case, rng, fault=None) -> None:
     for b, (path, final, emitted) in enumerate(expected):
         got_path = [int(x) for x in np.asarray(v.path[b, 1:]) if x >= 0]
         assert got_path == path, (b, got_path, path)
-        np.testing.assert_allclose(np.asarray(v.residual[b], np.float64), final, atol=2e-6)
+        # float32 residual updates (at most one per entry): a few float32 ulps each
+        np.testing.assert_allclose(np.asarray(v.residual[b], np.float64), final, atol=4 * EPS32 * (1 + k))
         assert list(np.asarray(v.emitted[b, :len(path) + 1])) == emitted
 
 

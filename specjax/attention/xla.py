@@ -38,7 +38,8 @@ def attend_xla(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta, sc
     v = jnp.where(kv_ok[..., None], v, 0)
     sees_bad = jnp.einsum("bts,bsk->btk", mask.astype(jnp.float32), (~kv_ok).astype(jnp.float32)) > 0
     qg = q.reshape(batch, num_tokens, kv_heads, groups, head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.promote_types(q.dtype, jnp.float32))
+    scores = scores * scale
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     sees_something = jnp.any(mask, axis=-1)[:, None, None, :, None]  # [B, 1, 1, T, 1]

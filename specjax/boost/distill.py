@@ -217,56 +217,22 @@ def train(student: Model, examples: Examples, tc: TrainConfig, checkpoint_dir: s
     """Train ``student`` on ``examples``; resumes from the newest checkpoint in ``checkpoint_dir``.
     Returns the trained model and the evaluation history [{step, top1, ..., loss}].
     ``stop_after``: return after this many steps of this call (a later call resumes)."""
-    import optax
-    import orbax.checkpoint as ocp
+    import optax  # the train extra: only training needs the optimiser
     from tqdm import tqdm
 
     cfg = student.config
-    if cfg.draft_vocab is None:
-        raise InputError("train() needs a student with a draft vocabulary (specjax.student.make_student)")
     precomputed = examples.teacher is not None
-    if tc.loss == "kl" and not precomputed and llm is None:
-        raise InputError("loss='kl' needs a teacher: examples.with_teacher(...) or the LLM passed as llm=")
-    if tc.loss == "kl" and precomputed and examples.teacher[0].shape[-1] != tc.teacher_top_k:
-        raise InputError(f"precomputed teacher has top-{examples.teacher[0].shape[-1]}, "
-                         f"TrainConfig.teacher_top_k is {tc.teacher_top_k}")
-    per_epoch = batches_per_epoch(len(examples), tc.batch_size)
-    if per_epoch == 0:
-        raise InputError(f"{len(examples)} examples make no batch of {tc.batch_size}")
-    total = math.ceil(tc.epochs * per_epoch)
-    if total <= tc.warmup_steps:
-        raise InputError(f"{len(examples)} examples at batch size {tc.batch_size} for {tc.epochs:g} epochs give "
-                         f"{total} steps, not more than the {tc.warmup_steps} warm-up steps; train longer or on more "
-                         f"data")
+    per_epoch, total = _check_training(student, examples, tc, llm)
     opt = make_optimizer(tc, total)
     params = jax.tree.map(jnp.asarray, student.params)
     opt_state = opt.init(params)
-
-    os.makedirs(checkpoint_dir, exist_ok=True)
     recipe = {"train": dataclasses.asdict(tc), "examples": len(examples), "weighted": float(examples.weights.sum()),
               "config": cfg.to_dict()}
     if tc.loss == "kl":  # the same loss either way, but not the same float rounding: do not mix on resume
         recipe["teacher"] = "precomputed" if precomputed else "llm per batch"
-    recipe_path = os.path.join(checkpoint_dir, "recipe.json")
-    if os.path.exists(recipe_path):
-        with open(recipe_path) as f:
-            if json.load(f) != json.loads(json.dumps(recipe)):
-                raise InputError(f"{checkpoint_dir}: holds a run with another recipe; use a fresh directory")
-    else:
-        with open(recipe_path, "w") as f:
-            json.dump(recipe, f)
-    manager = ocp.CheckpointManager(os.path.join(checkpoint_dir, "steps"),
-                                    options=ocp.CheckpointManagerOptions(max_to_keep=2))
-    history: list[dict] = []
-    history_path = os.path.join(checkpoint_dir, "history.json")
-    step = 0
-    if manager.latest_step() is not None:
-        step = manager.latest_step()
-        state = manager.restore(step, args=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}))
-        params, opt_state = state["params"], state["opt_state"]
-        if os.path.exists(history_path):
-            with open(history_path) as f:
-                history = [r for r in json.load(f) if r["step"] <= step]
+    run = _RunDir(checkpoint_dir, recipe)
+    step, params, opt_state, history = run.resume(params, opt_state)
+    if step:
         log(f"resumed {checkpoint_dir} at step {step}/{total}")
 
     teacher_fn = None
@@ -280,13 +246,6 @@ def train(student: Model, examples: Examples, tc: TrainConfig, checkpoint_dir: s
         loss, grads = jax.value_and_grad(loss_fn)(params, cfg, tokens, targets, weights, teacher)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
-
-    def save(step):
-        manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)
-        manager.wait_until_finished()
-        with open(history_path + ".tmp", "w") as f:
-            json.dump(history, f)
-        os.replace(history_path + ".tmp", history_path)
 
     def run_eval(step, loss):
         if eval_examples is None:
@@ -318,7 +277,74 @@ def train(student: Model, examples: Examples, tc: TrainConfig, checkpoint_dir: s
         if step % tc.eval_every == 0 or step == total:
             run_eval(step, loss)
         if step % tc.checkpoint_every == 0 or step == end:
-            save(step)
+            run.save(step, params, opt_state, history)
     bar.close()
-    manager.close()
+    run.close()
     return student._replace(params=params), history
+
+
+def _check_training(student: Model, examples: Examples, tc: TrainConfig, llm: Model | None) -> tuple[int, int]:
+    """(batches per epoch, total steps), refusing a run that cannot train before any work."""
+    if student.config.draft_vocab is None:
+        raise InputError("train() needs a student with a draft vocabulary (specjax.boost.student.make_student)")
+    precomputed = examples.teacher is not None
+    if tc.loss == "kl" and not precomputed and llm is None:
+        raise InputError("loss='kl' needs a teacher: examples.with_teacher(...) or the LLM passed as llm=")
+    if tc.loss == "kl" and precomputed and examples.teacher[0].shape[-1] != tc.teacher_top_k:
+        raise InputError(f"precomputed teacher has top-{examples.teacher[0].shape[-1]}, "
+                         f"TrainConfig.teacher_top_k is {tc.teacher_top_k}")
+    per_epoch = batches_per_epoch(len(examples), tc.batch_size)
+    if per_epoch == 0:
+        raise InputError(f"{len(examples)} examples make no batch of {tc.batch_size}")
+    total = math.ceil(tc.epochs * per_epoch)
+    if total <= tc.warmup_steps:
+        raise InputError(f"{len(examples)} examples at batch size {tc.batch_size} for {tc.epochs:g} epochs give "
+                         f"{total} steps, not more than the {tc.warmup_steps} warm-up steps; train longer or on more "
+                         f"data")
+    return per_epoch, total
+
+
+class _RunDir:
+    """A training run's directory: the recipe guard (resuming with another recipe is an error), orbax
+    checkpoints of params + optimiser state (the newest two kept), and the evaluation history."""
+
+    def __init__(self, directory: str, recipe: dict):
+        import orbax.checkpoint as ocp  # checkpoints are written only by training runs
+
+        self.ocp = ocp
+        os.makedirs(directory, exist_ok=True)
+        recipe_path = os.path.join(directory, "recipe.json")
+        if os.path.exists(recipe_path):
+            with open(recipe_path) as f:
+                if json.load(f) != json.loads(json.dumps(recipe)):
+                    raise InputError(f"{directory}: holds a run with another recipe; use a fresh directory")
+        else:
+            with open(recipe_path, "w") as f:
+                json.dump(recipe, f)
+        self.manager = ocp.CheckpointManager(os.path.join(directory, "steps"),
+                                             options=ocp.CheckpointManagerOptions(max_to_keep=2))
+        self.history_path = os.path.join(directory, "history.json")
+
+    def resume(self, params, opt_state):
+        """(step, params, optimiser state, history) of the newest checkpoint, or the inputs at step 0."""
+        step = self.manager.latest_step()
+        if step is None:
+            return 0, params, opt_state, []
+        state = self.manager.restore(step, args=self.ocp.args.StandardRestore({"params": params,
+                                                                                "opt_state": opt_state}))
+        history = []
+        if os.path.exists(self.history_path):
+            with open(self.history_path) as f:
+                history = [r for r in json.load(f) if r["step"] <= step]
+        return step, state["params"], state["opt_state"], history
+
+    def save(self, step: int, params, opt_state, history: list) -> None:
+        self.manager.save(step, args=self.ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+                          force=True)
+        self.manager.wait_until_finished()
+        with open(self.history_path + ".tmp", "w") as f:
+            json.dump(history, f)
+        os.replace(self.history_path + ".tmp", self.history_path)
+
+    def close(self) -> None:
+        self.manager.close()

@@ -141,7 +141,6 @@ def boost_tune(llm: Model, corpus_dir: str, out_dir: str, members: list[Member],
             log(f"member {member.name}: already trained ({final})")
         else:
             if tc.loss == "kl" and examples.teacher is None:  # the LLM's top-k once, not an LLM pass per step
-
                 cache = os.path.join(corpus_dir, f"teacher-top{tc.teacher_top_k}.npz")
                 examples = examples.with_teacher(
                     train_seqs, cached_teacher_targets(llm, train_seqs, cache, tc.teacher_top_k, progress, log))
@@ -153,15 +152,8 @@ def boost_tune(llm: Model, corpus_dir: str, out_dir: str, members: list[Member],
                            os.path.join(out_dir, "train", member.name), llm=llm, eval_examples=missed,
                            progress=progress, log=log)
             save_ssm(ssm, final)
-        # a member trained by an earlier run reports the recipe it was trained with, not this run's
-        history, train_config = [], dataclasses.asdict(dataclasses.replace(tc, seed=tc.seed + i))
-        train_dir = os.path.join(out_dir, "train", member.name)
-        if os.path.exists(os.path.join(train_dir, "history.json")):
-            with open(os.path.join(train_dir, "history.json")) as f:
-                history = json.load(f)
-        if os.path.exists(os.path.join(train_dir, "recipe.json")):
-            with open(os.path.join(train_dir, "recipe.json")) as f:
-                train_config = json.load(f)["train"]
+        history, train_config = _training_record(os.path.join(out_dir, "train", member.name),
+                                                 dataclasses.replace(tc, seed=tc.seed + i))
         acc = evaluate(ssm.params, ssm.config, eval_examples)
         acc_missed = evaluate(ssm.params, ssm.config, missed)
         predicted = predicted_mask(ssm.params, ssm.config, examples) & (examples.weights > 0)
@@ -185,3 +177,15 @@ def boost_tune(llm: Model, corpus_dir: str, out_dir: str, members: list[Member],
         json.dump({"corpus": os.path.abspath(corpus_dir), "members": summaries}, f, indent=1)
     return summaries
 
+
+def _training_record(train_dir: str, tc: TrainConfig) -> tuple[list, dict]:
+    """(evaluation history, training recipe) of a member: what its run directory recorded (a member
+    trained by an earlier run reports the recipe it was trained with, not this run's)."""
+    history, train_config = [], dataclasses.asdict(tc)
+    if os.path.exists(os.path.join(train_dir, "history.json")):
+        with open(os.path.join(train_dir, "history.json")) as f:
+            history = json.load(f)
+    if os.path.exists(os.path.join(train_dir, "recipe.json")):
+        with open(os.path.join(train_dir, "recipe.json")) as f:
+            train_config = json.load(f)["train"]
+    return history, train_config

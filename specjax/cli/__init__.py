@@ -16,6 +16,7 @@ import sys
 from specjax.cli.generate import _cmd_generate
 from specjax.errors import SpecjaxError
 from specjax.io import registry
+from specjax.speculation.choices import DRAFT_CHOICES, MODES, VERIFIER_CHOICES
 
 DESCRIPTION = ("specjax: tree-based speculative inference and verification for LLaMA- and OPT-family LLMs in JAX. "
                "Small drafters propose a token tree, the LLM scores it in one pass, a verifier keeps exactly "
@@ -79,12 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed gives the same tokens)")
-    g.add_argument("--mode", default="tree", choices=["tree", "sequence", "incremental"],
+    g.add_argument("--mode", default="tree", choices=list(MODES),
                    help="tree/sequence speculation, or the incremental reference decoder")
-    g.add_argument("--verifier", default="auto", choices=["auto", "greedy", "seeded", "mss", "rrs", "naive"],
+    g.add_argument("--verifier", default="auto", choices=list(VERIFIER_CHOICES),
                    help="auto: greedy at temperature 0, else seeded (same tokens as --mode incremental with the "
                         "same --seed); mss/rrs/naive: exact sampling distribution, other random numbers")
-    g.add_argument("--draft", default="auto", choices=["auto", "topk", "iid", "wor", "coupled"],
+    g.add_argument("--draft", default="auto", choices=list(DRAFT_CHOICES),
                    help="how SSMs draw tree children (auto: the verifier's natural choice; a pair that is not "
                         "lossless is refused)")
     g.add_argument("--ssm", action="append", default=None,
@@ -92,10 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "layers), 'derived:i,j,..', 'derived:auto' or a model path; repeat for a merged pool "
                         f"(default: {','.join(registry.DEFAULT_SSMS)} for the default LLM, its best measured "
                         f"configuration; derived:auto for other LLMs)")
+    g.add_argument("--drafter", action="append", default=None, metavar="NAME:ARG",
+                   help="a registered drafter, e.g. ssm:derived:4 or ssm:PATH (drafts --expansion); repeat to merge "
+                        "several; given without --ssm, the default SSM is not added (default: none)")
     g.add_argument("--expansion", default=None,
                    help="expansion widths k1,...,km (default: "
-                        f"{','.join(map(str, registry.DEFAULT_EXPANSION))} with the default SSM, else 1,1,3,1,1,1,1,1 "
-                        f"for tree and 1,1,1,1,1,1,1,1 for sequence)")
+                        f"{','.join(map(str, registry.DEFAULT_EXPANSION))} for tree, the best measured on this CPU, "
+                        f"as in the Python API; {','.join(map(str, registry.DEFAULT_SEQUENCE))} for sequence)")
     g.add_argument("--batch-size", type=int, default=1, help="prompts generated together")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype")
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt text without the chat template")

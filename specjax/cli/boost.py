@@ -4,6 +4,7 @@ the corpus (which can take an hour) is generated."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import time
@@ -76,6 +77,8 @@ def check_args(args):
     from specjax.io.loader import describe_model
     from specjax.io.prompts import read_prompts_file
 
+    if importlib.util.find_spec("optax") is None:  # the optimiser is an optional dependency (the train extra)
+        raise InputError("boost-tune trains with optax, which is not installed: pip install -e '.[train]'")
     for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
                         ("--corpus-batch", args.corpus_batch), ("--batch-size", args.batch_size)):
         if value < 1:

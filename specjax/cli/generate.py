@@ -43,8 +43,11 @@ def _check_generate_args(args) -> None:
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.expansion is not None:
         Expansion.parse(args.expansion)
-    if args.mode == "incremental" and (args.ssm or args.expansion):
-        raise InputError("--mode incremental drafts nothing: drop --ssm / --expansion, or choose --mode tree")
+    if args.mode == "incremental" and (args.ssm or args.expansion or args.drafter):
+        raise InputError("--mode incremental drafts nothing: drop --ssm / --drafter / --expansion, or choose --mode "
+                         "tree")
+    for text in args.drafter or ():
+        _drafter_name(text)
     if args.microbatches is not None:
         if args.mesh is None:
             raise InputError("--microbatches needs --mesh with pp > 1 (pipeline request groups)")
@@ -72,17 +75,36 @@ def _parallel(args):
     return Parallel.create(args.mesh, rules=rules, microbatches=args.microbatches)
 
 
+def _drafter_name(text: str) -> str:
+    from specjax.speculation.drafters import FACTORIES
+
+    name = text.split(":", 1)[0]
+    if name not in FACTORIES or ":" not in text or not text.split(":", 1)[1]:
+        raise InputError(f"--drafter {text!r}: expected NAME:ARG with NAME one of {sorted(FACTORIES)} (e.g. "
+                         f"ssm:derived:4)")
+    return name
+
+
+def _drafters(args, llm, load: bool, verifier: str, draft: str) -> list:
+    """The --drafter entries built by their registered factories (``Bound`` each)."""
+    from specjax.api import resolve_verifier
+    from specjax.speculation.drafters import FACTORIES
+    from specjax.speculation.expansion import Expansion
+
+    _, draft = resolve_verifier(verifier, draft, args.temperature > 0)
+    widths = Expansion.parse(args.expansion) if args.expansion else Expansion(registry.DEFAULT_EXPANSION)
+    return [FACTORIES[_drafter_name(t)](t.split(":", 1)[1], llm, load=load, expansion=widths, draft=draft)
+            for t in args.drafter or ()]
+
+
 def _ssm_specs(args) -> tuple[list[str], str | None]:
     """(--ssm entries, --expansion) after the defaults: the shipped SSM in its best measured shape for
-    the default LLM, otherwise the LLM's first layers (derived:auto)."""
-    if args.mode == "incremental":
-        return [], None
+    the default LLM, otherwise the LLM's first layers (derived:auto); none when --drafter is given."""
+    if args.mode == "incremental" or (args.drafter and not args.ssm):
+        return [], args.expansion
     if not args.ssm and args.model == registry.DEFAULT_MODEL:
-        expansion = args.expansion
-        if expansion is None and args.mode == "tree":
-            expansion = ",".join(map(str, registry.DEFAULT_EXPANSION))
-        return list(registry.DEFAULT_SSMS), expansion
-    return args.ssm or ["derived:auto"], args.expansion
+        return list(registry.DEFAULT_SSMS), args.expansion
+    return args.ssm or ["derived:auto"], args.expansion  # expansion None: the API's default (one place)
 
 
 def _ssm(spec: str, llm, load: bool):
@@ -161,10 +183,11 @@ def _cmd_generate(args, out) -> int:
     # Check the whole request against the configs and tokenizer before the weights load.
     light = specjax.describe_model(args.model)
     light_ssms = [_ssm(s, light, load=False) for s in ssm_specs]
+    light_drafters = _drafters(args, light, False, args.verifier, args.draft)
     batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, chat_template=not args.no_chat_template,
               mode=args.mode, expansion=expansion, verifier=args.verifier, draft=args.draft)
-    plans = [plan_generation(light, batch, ssms=light_ssms, **kw) for batch in batches]
+    plans = [plan_generation(light, batch, ssms=light_ssms, drafters=light_drafters, **kw) for batch in batches]
     if parallel is not None:
         for batch in batches:
             extra = parallel.padding_for(len(batch))
@@ -173,11 +196,13 @@ def _cmd_generate(args, out) -> int:
     # With a mesh the LLM goes straight to its sharding (a model larger than one device never sits on one).
     model = specjax.load_model(args.model, dtype=args.dtype, progress=not args.json and printing, parallel=parallel)
     ssms = [_ssm(s, model, load=True) for s in ssm_specs]
+    drafters = _drafters(args, model, True, args.verifier, args.draft)
     if parallel is not None:  # place once; generation then finds everything where it belongs
         ssms = [s._replace(params=parallel.put_params(s.params, s.config, parallel.ssm_rules)) for s in ssms]
     load_s = time.perf_counter() - t0
-    description = args.mode + (f", SSMs {','.join(ssm_specs)}, drafters "
-                               + "; ".join(d.describe() for d in plans[0].spec.drafters) if ssm_specs else "")
+    names = ssm_specs + list(args.drafter or ())
+    description = args.mode + (f", {', '.join(names)}: " + "; ".join(d.describe() for d in plans[0].spec.drafters)
+                               if names else "")
     failures = []
     headers = len(prompts) > 1 and not args.json  # "### prompt i" before each text
     for number, (batch, plan) in enumerate(zip(batches, plans)):
@@ -194,7 +219,7 @@ def _cmd_generate(args, out) -> int:
                 out.flush()
 
         try:
-            result = run_plan(model, plan, ssms, parallel=parallel, on_tokens=on_tokens)
+            result = run_plan(model, plan, ssms, parallel=parallel, on_tokens=on_tokens, drafters=drafters)
             failed = set()
         except GenerationError as e:
             result, failed = e.result, set(e.failed)

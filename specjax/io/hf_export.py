@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -9,6 +10,8 @@ import jax
 import numpy as np
 
 from specjax.errors import InputError
+from specjax.io.hf import LLAMA_HF
+from specjax.io.keymap import export_params
 from specjax.models.llama import draft_rows
 from specjax.types import Model
 
@@ -42,34 +45,17 @@ def export_hf(model: Model, path: str) -> None:
         raise InputError(f"HF export supports the llama family only, got {cfg.family!r}")
     os.makedirs(path, exist_ok=True)
     p = jax.tree.map(lambda a: np.asarray(a, np.float32), model.params)
-    lay = p["layers"]
-    tensors = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["final_norm"]}
     tied = cfg.tie_word_embeddings
-    if cfg.draft_vocab is not None:
-
+    if cfg.draft_vocab is not None:  # back to the full vocabulary, untied (see the docstring)
         head = p["embed"] if tied else p["lm_head"].T  # [rows, D]
         full_head = np.zeros((cfg.vocab_size, head.shape[1]), np.float32)
         full_head[np.asarray(cfg.draft_vocab)] = head[:-1]
-        tensors["model.embed_tokens.weight"] = p["embed"][draft_rows(cfg)]
-        p["lm_head"], tied = full_head.T, False
+        p = dict(p, embed=p["embed"][draft_rows(cfg)], lm_head=full_head.T)
+        cfg, tied = dataclasses.replace(cfg, draft_vocab=None, tie_word_embeddings=False), False
         with open(os.path.join(path, DRAFT_VOCAB_FILE), "w") as f:
-            json.dump(list(cfg.draft_vocab), f)
-    for i in range(cfg.num_layers):
-        pre = f"model.layers.{i}."
-        tensors[pre + "input_layernorm.weight"] = lay["attn_norm"][i]
-        tensors[pre + "post_attention_layernorm.weight"] = lay["mlp_norm"][i]
-        for name, key in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj")):
-            w = lay[name][i]  # [D, H, Dh]
-            tensors[pre + f"self_attn.{key}.weight"] = w.reshape(w.shape[0], -1).T
-        wo = lay["wo"][i]  # [H, Dh, D]
-        tensors[pre + "self_attn.o_proj.weight"] = wo.reshape(-1, wo.shape[-1]).T
-        for name, key in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
-            tensors[pre + f"mlp.{key}.weight"] = lay[name][i].T
-        if cfg.attention_bias or cfg.mlp_bias:
-            raise InputError("HF export of bias terms is not implemented")
-    if not tied:
-        tensors["lm_head.weight"] = p["lm_head"].T
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
+            json.dump(list(model.config.draft_vocab), f)
+    tensors = export_params(cfg, LLAMA_HF, p)  # the loader's own key-map table, inverted
+    save_file(tensors, os.path.join(path, "model.safetensors"))
     hf = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
           "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
           "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
@@ -77,6 +63,7 @@ def export_hf(model: Model, path: str) -> None:
           "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_eps,
           "rope_theta": cfg.rope_theta, "tie_word_embeddings": tied,
           "hidden_act": "silu", "torch_dtype": "float32", "bos_token_id": cfg.bos_token_id,
+          "attention_bias": bool(cfg.attention_bias), "mlp_bias": bool(cfg.mlp_bias),
           "eos_token_id": list(cfg.eos_token_ids) or None, "pad_token_id": cfg.pad_token_id}
     if cfg.rope_scaling is not None:
         rs = cfg.rope_scaling

@@ -25,17 +25,20 @@ class Layout:
     name: str
     source_shape: Callable[[tuple[int, ...]], tuple[int, ...]]  # target shape -> expected source shape
     convert: Callable[[np.ndarray, tuple[int, ...]], np.ndarray]
+    invert: Callable[[np.ndarray], np.ndarray]  # specjax parameter -> source tensor (export)
 
 
-IDENTITY = Layout("identity", lambda t: t, lambda a, t: a)
+IDENTITY = Layout("identity", lambda t: t, lambda a, t: a, lambda a: a)
 # torch Linear weight [out, in] -> [in, out]
-LINEAR = Layout("linear", lambda t: (t[1], t[0]), lambda a, t: a.T)
+LINEAR = Layout("linear", lambda t: (t[1], t[0]), lambda a, t: a.T, lambda a: a.T)
 # q/k/v projection [heads * head_dim, D] -> [D, heads, head_dim]
-HEADS_IN = Layout("heads_in", lambda t: (t[1] * t[2], t[0]), lambda a, t: a.T.reshape(t))
+HEADS_IN = Layout("heads_in", lambda t: (t[1] * t[2], t[0]), lambda a, t: a.T.reshape(t),
+                  lambda a: a.reshape(a.shape[0], -1).T)
 # output projection [D, heads * head_dim] -> [heads, head_dim, D]
-HEADS_OUT = Layout("heads_out", lambda t: (t[2], t[0] * t[1]), lambda a, t: a.T.reshape(t))
+HEADS_OUT = Layout("heads_out", lambda t: (t[2], t[0] * t[1]), lambda a, t: a.T.reshape(t),
+                   lambda a: a.reshape(-1, a.shape[-1]).T)
 # q/k/v bias [heads * head_dim] -> [heads, head_dim]
-HEADS_BIAS = Layout("heads_bias", lambda t: (t[0] * t[1],), lambda a, t: a.reshape(t))
+HEADS_BIAS = Layout("heads_bias", lambda t: (t[0] * t[1],), lambda a, t: a.reshape(t), lambda a: a.reshape(-1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,3 +132,25 @@ def load_params(cfg: ModelConfig, table: list[KeyMapEntry], keys: Iterable[str],
     for path, value in stacked.items():
         _set_at(params, path, value)
     return params
+
+
+def export_params(cfg: ModelConfig, table: list[KeyMapEntry], params: dict) -> dict[str, np.ndarray]:
+    """The inverse of ``load_params``: source key -> tensor for every parameter of ``cfg`` (the same
+    table, each layout inverted), so a loader and an exporter can never disagree."""
+    specs = param_specs(cfg)
+    out = {}
+    for entry in table:
+        if _spec_at(specs, entry.param) is None:
+            continue
+        if entry.prepare is not None:
+            raise CheckpointError(f"export through a table with source fix-ups ({entry.source}) is not supported")
+        value = params
+        for part in entry.param.split("."):
+            value = value[part]
+        value = np.asarray(value)
+        if "{i}" in entry.source:
+            for i in range(cfg.num_layers):
+                out[entry.source.format(i=i)] = np.ascontiguousarray(entry.layout.invert(value[i]))
+        else:
+            out[entry.source] = np.ascontiguousarray(entry.layout.invert(value))
+    return out

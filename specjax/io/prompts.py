@@ -66,6 +66,14 @@ def read_prompts_file(path: str, *, flag: str = "--prompts-file", allow_token_id
     """Prompts of a JSONL file, one ``{"prompt": TEXT}`` (or ``{"prompt": [ids]}`` when
     ``allow_token_ids``) per non-blank line. ``plain_lines``: a file not ending in .jsonl holds one
     text prompt per line instead. Every problem names the file and the line."""
+    return [r["prompt"] for r in read_prompt_records(path, flag=flag, allow_token_ids=allow_token_ids,
+                                                      plain_lines=plain_lines)]
+
+
+def read_prompt_records(path: str, *, flag: str = "--prompts-file", allow_token_ids: bool = True,
+                        plain_lines: bool = False) -> list[dict]:
+    """The records of a prompts file (see ``read_prompts_file``): each a dict with a validated
+    ``"prompt"`` and whatever other keys the line holds (``id``, ``category``, ...)."""
     where = f"{flag} {path}"
     if os.path.isdir(path):
         raise InputError(f"{where}: is a directory, expected a file")
@@ -87,7 +95,7 @@ def read_prompts_file(path: str, *, flag: str = "--prompts-file", allow_token_id
         if not text.strip():
             continue
         if not jsonl:
-            prompts.append(text)
+            prompts.append({"prompt": text})
             continue
         try:
             record = json.loads(text)
@@ -95,9 +103,9 @@ def read_prompts_file(path: str, *, flag: str = "--prompts-file", allow_token_id
             record = None
         prompt = record.get("prompt") if isinstance(record, dict) else None
         if isinstance(prompt, str) and prompt:
-            prompts.append(prompt)
+            prompts.append(record)
         elif allow_token_ids and isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
-            prompts.append([int(t) for t in prompt])
+            prompts.append(dict(record, prompt=[int(t) for t in prompt]))
         else:
             kinds = "a non-empty string or a list of token ids (ints)" if allow_token_ids else "a non-empty string"
             if not isinstance(record, dict):

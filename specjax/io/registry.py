@@ -25,6 +25,7 @@ MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.pat
 # the best configuration measured by scripts/eval_ssm.py and scripts/bench_speculative.py.
 DEFAULT_SSMS = ("smollm2-ssm-a",)
 DEFAULT_EXPANSION = (1,)  # one drafted token per pass: fastest measured (1.17x incremental)
+DEFAULT_SEQUENCE = (1,) * 8  # --mode sequence without --expansion: a chain of 8
 
 
 def registered_names() -> list[str]:

@@ -16,14 +16,20 @@ from specjax.attention.xla import attend_xla
 from specjax.config import ModelConfig
 
 
+def compute_dtype(dtype) -> jnp.dtype:
+    """Where accuracy matters (norms, RoPE angles, softmax, logits): float32 for float32 and bfloat16
+    activations, float64 for a float64 run (the tests' reference: the same math, exact enough)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    xf = x.astype(jnp.float32)
+    xf = x.astype(compute_dtype(x.dtype))
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight * xf.astype(x.dtype)
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
-    xf = x.astype(jnp.float32)
+    xf = x.astype(compute_dtype(x.dtype))
     mean = jnp.mean(xf, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
     return ((xf - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype) * scale + bias
@@ -50,12 +56,13 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         inv = np.where(medium, smoothed, scaled)
     else:
         raise ValueError(f"unknown rope scaling kind {rs.kind!r}")
-    return inv.astype(np.float32)
+    return inv  # float64: cast to the activations' compute dtype where used
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """x: [B, T, H, Dh]; positions: [B, T] absolute positions. Half-split (HF) convention."""
-    angles = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]
+    cd = compute_dtype(x.dtype)
+    angles = positions.astype(cd)[:, :, None] * jnp.asarray(inv_freq, cd)[None, None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
     half = x.shape[-1] // 2

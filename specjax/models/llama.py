@@ -11,7 +11,7 @@ import numpy as np
 from specjax.attention.meta import AttentionMeta
 from specjax.config import ModelConfig
 from specjax.models.cache import KVCache
-from specjax.models.common import attention_block, rms_norm, rope_inv_freq
+from specjax.models.common import attention_block, compute_dtype, rms_norm, rope_inv_freq
 from specjax.models.layers import hidden_output, run_layers
 from specjax.models.output import ForwardOutput, select_positions
 
@@ -61,11 +61,11 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
     final_h = select_positions(h, logits_indices)  # the input of the final norm
     h = rms_norm(final_h, params["final_norm"], cfg.norm_eps)
     if cfg.tie_word_embeddings:
-        logits = jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=jnp.float32)
+        logits = jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=compute_dtype(h.dtype))
     else:
-        logits = jnp.einsum("btd,dv->btv", h, params["lm_head"], preferred_element_type=jnp.float32)
+        logits = jnp.einsum("btd,dv->btv", h, params["lm_head"], preferred_element_type=compute_dtype(h.dtype))
     if cfg.draft_vocab is not None and not row_logits:
         # The "other" row is dropped: it stands for many tokens, none of which the SSM can name.
-        full = jnp.full(logits.shape[:-1] + (cfg.vocab_size,), -jnp.inf, jnp.float32)
+        full = jnp.full(logits.shape[:-1] + (cfg.vocab_size,), -jnp.inf, logits.dtype)
         logits = full.at[..., np.asarray(cfg.draft_vocab)].set(logits[..., :-1])
     return ForwardOutput(logits, cache, hidden_output(hidden, captured, final_h, cfg.num_layers))

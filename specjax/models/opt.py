@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from specjax.attention.meta import AttentionMeta
 from specjax.config import ModelConfig
 from specjax.models.cache import KVCache
-from specjax.models.common import attention_block, layer_norm
+from specjax.models.common import attention_block, compute_dtype, layer_norm
 from specjax.models.layers import hidden_output, run_layers
 from specjax.models.output import ForwardOutput, select_positions
 
@@ -51,7 +51,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
     if cfg.has_projections:
         h = h @ params["project_out"]  # [B, K, E]
     if cfg.tie_word_embeddings:
-        logits = jnp.einsum("bte,ve->btv", h, params["embed"], preferred_element_type=jnp.float32)
+        logits = jnp.einsum("bte,ve->btv", h, params["embed"], preferred_element_type=compute_dtype(h.dtype))
     else:
-        logits = jnp.einsum("bte,ev->btv", h, params["lm_head"], preferred_element_type=jnp.float32)
+        logits = jnp.einsum("bte,ev->btv", h, params["lm_head"], preferred_element_type=compute_dtype(h.dtype))
     return ForwardOutput(logits, cache, hidden_output(hidden, captured, final_h, cfg.num_layers))

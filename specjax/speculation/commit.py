@@ -42,6 +42,3 @@ def commit_path(cache: KVCache, path: jax.Array, num_keep: jax.Array) -> KVCache
     k = cache.k.at[:, rows, dst].set(k_rows, mode="drop")
     v = cache.v.at[:, rows, dst].set(v_rows, mode="drop")
     return KVCache(k=k, v=v, length=cache.length + num_keep.astype(jnp.int32))
-
-
-commit_path_jit = jax.jit(commit_path, donate_argnums=0)

@@ -8,89 +8,29 @@ wraps it for strings. Incremental decoding (empty tree) and sequence speculation
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from specjax.config import ModelConfig
-from specjax.decoding.incremental import PAD_TOKEN, is_eos, prefill
+from specjax.decoding.incremental import PAD_TOKEN, prefill
 from specjax.decoding.sampling import SamplingArrays, finite_rows, sample_tokens
-from specjax.errors import InputError
-from specjax.models.cache import KVCache, init_cache
+from specjax.models.cache import init_cache
 from specjax.speculation.commit import commit_path, tree_forward
-from specjax.speculation.drafters.base import Accepted, DraftContext, Drafter, check_pairing
+from specjax.speculation.drafters.base import Accepted, DraftContext
 from specjax.speculation.drafters.merge import concat_laws, merge_proposals
 from specjax.speculation.expansion import static_tree
-from specjax.speculation.faults import check_fault
+from specjax.speculation.spec import DEFAULT_DRAFT, VERIFIERS, SpecConfig
+from specjax.speculation.state import SpecOutput, SpecState, greedy_sampling, stop_hit, stop_rows
 from specjax.speculation.tree import TokenTree
 from specjax.speculation.verify.greedy import verify_greedy
 from specjax.speculation.verify.sampled import verify_sampled
 from specjax.speculation.verify.seeded import verify_seeded
 
-VERIFIERS = ("greedy", "seeded", "mss", "rrs", "naive")
-DEFAULT_DRAFT = {"greedy": "topk", "seeded": "coupled", "naive": "topk", "mss": "iid", "rrs": "wor"}
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecConfig:
-    """Static speculation setup: the drafters (none = incremental decoding) and the verifier."""
-
-    drafters: tuple[Drafter, ...] = ()
-    impl: str = "auto"  # tree attention implementation
-    verifier: str = "greedy"  # one of VERIFIERS; greedy ignores the sampling settings
-    fault: str | None = None  # tests only: one of faults.FAULTS re-creates that pitfall (static, compiled apart)
-
-    def __post_init__(self):
-        if not isinstance(self.drafters, tuple) or not all(isinstance(d, Drafter) for d in self.drafters):
-            raise InputError(f"SpecConfig.drafters must be a tuple of Drafter objects, got {self.drafters!r}")
-        if self.verifier not in VERIFIERS:
-            raise InputError(f"unknown verifier {self.verifier!r}; choose from {VERIFIERS}")
-        check_fault(self.fault)
-        check_pairing(self.drafters, self.verifier)
-
-    @property
-    def max_depth(self) -> int:
-        return max((d.max_depth for d in self.drafters), default=0)
-
-    @property
-    def num_nodes(self) -> int:
-        return 1 + sum(d.num_nodes for d in self.drafters)
-
-    @property
-    def hidden_layers(self) -> tuple[int, ...] | None:
-        """The LLM hidden states the drafters read (union, sorted), asked of the tree pass."""
-        layers = sorted({i for d in self.drafters for i in (d.hidden_layers or ())})
-        return tuple(layers) or None
-
-
-@struct.dataclass
-class SpecState:
-    """Loop state (B requests, S cache slots, M output slots, D = max tree depth)."""
-
-    llm_cache: KVCache  # committed LLM K/V; llm_cache.length[b] = position of request b's root
-    drafter_states: tuple  # one pytree per drafter (an SSM's: its KV cache), batch-major rows
-    history: jax.Array  # [B, S] int32, prompt + generated tokens; history[b, length[b]] = the root
-    tokens: jax.Array  # [B, M] int32, generated tokens, PAD_TOKEN beyond num_generated
-    num_generated: jax.Array  # [B] int32
-    done: jax.Array  # [B] bool
-    llm_passes: jax.Array  # [] int32, LLM forward passes of the batch (prefill included)
-    tokens_per_pass: jax.Array  # [B, D + 2] int32, per request: histogram over its passes of tokens emitted
-    accepted_at_depth: jax.Array  # [B, max(D, 1)] int32, per request: accepted nodes at depth d + 1
-    failed: jax.Array  # [B] bool, non-finite LLM logits or a residual without mass; the request stops
-
-
-@struct.dataclass
-class SpecOutput:
-    tokens: jax.Array  # [B, M] int32
-    num_generated: jax.Array  # [B] int32
-    llm_passes: jax.Array  # [] int32
-    tokens_per_pass: jax.Array  # [B, D + 2] int32 (sum over axis 0 for the batch's histogram)
-    accepted_at_depth: jax.Array  # [B, max(D, 1)] int32
-    failed: jax.Array  # [B] bool
+__all__ = ["SpecConfig", "SpecState", "SpecOutput", "VERIFIERS", "DEFAULT_DRAFT", "spec_step", "init_state",
+           "generate_speculative", "generate_speculative_jit", "generate_stream", "step_jit", "init_state_jit"]
 
 
 def build_tree(drafter_params: tuple, state: SpecState, spec: SpecConfig, sampling: SamplingArrays):
@@ -132,13 +72,14 @@ def verify(logits, tree: TokenTree, laws, sampling: SamplingArrays, length: jax.
     return verify_sampled(logits, tree, laws, sampling, length, spec.verifier, spec.max_depth, fault=spec.fault)
 
 
-def spec_step(llm_params, drafter_params: tuple, state: SpecState, sampling: SamplingArrays,
-              max_new_tokens: jax.Array, cfg: ModelConfig, spec: SpecConfig, eos_ids: tuple[int, ...],
+def spec_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelConfig, spec: SpecConfig,
               parallel=None) -> SpecState:
-    """One speculative step for every request (finished requests are carried along unchanged)."""
+    """One speculative step for every slot; finished and free slots are carried along unchanged.
+    Each request's sampling settings, budget and stop tokens are its own rows of the state."""
     active = ~state.done
     depth = spec.max_depth
     length = state.llm_cache.length
+    sampling = state.sampling
     tree, laws, drafter_states = build_tree(drafter_params, state, spec, sampling)
     out = tree_forward(llm_params, tree, state.llm_cache, cfg, spec.impl, parallel, hidden=spec.hidden_layers)
     logits = out.logits
@@ -154,12 +95,12 @@ def spec_step(llm_params, drafter_params: tuple, state: SpecState, sampling: Sam
     ok = verdict.ok & (first_bad == width)  # verdict.ok: the final token's residual had mass
     n_legit = jnp.where(first_bad < width, first_bad, verdict.num_accepted + verdict.ok.astype(jnp.int32))
 
-    # Tokens this step emits: accepted nodes then the bonus, cut after an EOS and at max_new_tokens.
+    # Tokens this step emits: accepted nodes then the bonus, cut after a stop token and at the budget.
     n_emit = n_legit
-    eos_at = jnp.where(is_eos(verdict.emitted, eos_ids) & (j < n_emit[:, None]), j, width)
-    first_eos = jnp.min(eos_at, axis=1)
-    n_emit = jnp.minimum(n_emit, first_eos + 1)
-    n_emit = jnp.minimum(n_emit, max_new_tokens - state.num_generated)
+    stop_at = jnp.where(stop_hit(verdict.emitted, state.stop_ids) & (j < n_emit[:, None]), j, width)
+    first_stop = jnp.min(stop_at, axis=1)
+    n_emit = jnp.minimum(n_emit, first_stop + 1)
+    n_emit = jnp.minimum(n_emit, state.max_new_tokens - state.num_generated)
     n_emit = jnp.where(active, n_emit, 0)
     emit = j < n_emit[:, None]
     rows = jnp.arange(state.tokens.shape[0])[:, None]
@@ -168,7 +109,7 @@ def spec_step(llm_params, drafter_params: tuple, state: SpecState, sampling: Sam
     hist_slot = jnp.where(emit, length[:, None] + 1 + j, state.history.shape[1])
     history = state.history.at[rows, hist_slot].set(verdict.emitted, mode="drop")
     num_generated = state.num_generated + n_emit
-    finished = (first_eos < n_emit) | (num_generated >= max_new_tokens)  # EOS or budget before any failure
+    finished = (first_stop < n_emit) | (num_generated >= state.max_new_tokens)  # before any failure
     failed = state.failed | (active & ~ok & ~finished)
     done = state.done | failed | (active & finished)
 
@@ -184,9 +125,9 @@ def spec_step(llm_params, drafter_params: tuple, state: SpecState, sampling: Sam
     if depth:
         reached = (jnp.arange(depth)[None, :] < verdict.num_accepted[:, None]) & counted[:, None]
         acc = acc + reached.astype(jnp.int32)
-    return SpecState(llm_cache=llm_cache, drafter_states=drafter_states, history=history, tokens=tokens,
-                     num_generated=num_generated, done=done, llm_passes=state.llm_passes + 1,
-                     tokens_per_pass=hist, accepted_at_depth=acc, failed=failed)
+    return state.replace(llm_cache=llm_cache, drafter_states=drafter_states, history=history, tokens=tokens,
+                         num_generated=num_generated, done=done, failed=failed, tokens_per_pass=hist,
+                         accepted_at_depth=acc, llm_passes=state.llm_passes + 1)
 
 
 def _commit_drafters(drafter_params, drafter_states, spec: SpecConfig, verdict, n_emit, new_length, hidden):
@@ -205,11 +146,13 @@ def _commit_drafters(drafter_params, drafter_states, spec: SpecConfig, verdict, 
 
 
 def init_state(llm_params, drafter_params: tuple, prompt_tokens, prompt_lens, max_new_tokens,
-               sampling: SamplingArrays, *, cfg: ModelConfig, spec: SpecConfig, cache_len: int, max_out: int,
-               eos_ids: tuple[int, ...], parallel=None) -> SpecState:
+               sampling: SamplingArrays, stop_ids: jax.Array, *, cfg: ModelConfig, spec: SpecConfig, cache_len: int,
+               max_out: int, parallel=None) -> SpecState:
     """Prefill the LLM and every drafter; the LLM's token after the prompt (sampled exactly as incremental
     decoding samples it) becomes the first root. With ``parallel`` the LLM cache is pinned to the LLM's
-    sharding (stage-local layers); drafters place their own state (SSM caches under the SSM rules)."""
+    sharding (stage-local layers); drafters place their own state (SSM caches under the SSM rules).
+
+    prompt_tokens [B, T] right-padded, prompt_lens / max_new_tokens [B], sampling [B], stop_ids [B, E]."""
     batch, width = prompt_tokens.shape
     dtype = jax.tree.leaves(llm_params)[0].dtype
     llm_cache = init_cache(cfg, batch, cache_len, dtype)
@@ -225,64 +168,67 @@ def init_state(llm_params, drafter_params: tuple, prompt_tokens, prompt_lens, ma
     drafter_states = tuple(d.init(p, prompt_tokens, prompt_lens, cache_len=cache_len, parallel=parallel)
                            for d, p in zip(spec.drafters, drafter_params))
     depth = spec.max_depth
+    max_new_tokens = jnp.asarray(max_new_tokens, jnp.int32)
     return SpecState(llm_cache=llm_cache, drafter_states=drafter_states, history=history,
                      tokens=jnp.full((batch, max_out), PAD_TOKEN, jnp.int32).at[:, 0].set(
                          jnp.where(ok, first, PAD_TOKEN)),
                      num_generated=ok.astype(jnp.int32),
-                     done=~ok | is_eos(first, eos_ids) | (max_new_tokens <= 1), llm_passes=jnp.ones((), jnp.int32),
+                     done=~ok | stop_hit(first, stop_ids) | (max_new_tokens <= 1), failed=~ok,
+                     sampling=sampling, max_new_tokens=max_new_tokens, stop_ids=jnp.asarray(stop_ids, jnp.int32),
                      tokens_per_pass=jnp.zeros((batch, depth + 2), jnp.int32),
-                     accepted_at_depth=jnp.zeros((batch, max(depth, 1)), jnp.int32), failed=~ok)
+                     accepted_at_depth=jnp.zeros((batch, max(depth, 1)), jnp.int32),
+                     llm_passes=jnp.ones((), jnp.int32))
 
 
 def generate_speculative(llm_params, drafter_params: tuple, prompt_tokens: jax.Array, prompt_lens: jax.Array,
-                         max_new_tokens: jax.Array, sampling: SamplingArrays | None = None, *, cfg: ModelConfig,
-                         spec: SpecConfig, cache_len: int, max_out: int, eos_ids: tuple[int, ...] = (),
-                         parallel=None) -> SpecOutput:
+                         max_new_tokens: jax.Array, sampling: SamplingArrays | None = None,
+                         stop_ids: jax.Array | None = None, *, cfg: ModelConfig, spec: SpecConfig, cache_len: int,
+                         max_out: int, eos_ids: tuple[int, ...] = (), parallel=None) -> SpecOutput:
     """Tree-speculative generation of right-padded prompts [B, T]. Pure and jittable.
 
     drafter_params: one params pytree per ``spec.drafters`` entry (an SSM's weights; () for a
-    drafter without params). sampling: per-request settings (None = greedy). ``spec.verifier``
+    drafter without params). sampling: per-request settings (None = greedy). stop_ids [B, E]: each
+    request's stop tokens, -1 padded (None = ``eos_ids`` for every request). ``spec.verifier``
     "greedy" decodes greedily whatever the settings say (the host API refuses temperature > 0 with
     it); the others sample. cache_len must be >= T and >= max(prompt_len + max_new_tokens) +
     spec.num_nodes (tree scratch). parallel: a ``specjax.sharding.Parallel`` (static): the LLM runs
     under its rules (pp > 1 = pipelined layers), SSM drafters under its ssm_rules; the whole loop
     stays one jitted program.
     """
-    sampling = greedy_sampling(prompt_tokens.shape[0]) if sampling is None else sampling
-    state = init_state(llm_params, drafter_params, prompt_tokens, prompt_lens, max_new_tokens, sampling, cfg=cfg,
-                       spec=spec, cache_len=cache_len, max_out=max_out, eos_ids=eos_ids, parallel=parallel)
+    batch = prompt_tokens.shape[0]
+    sampling = greedy_sampling(batch) if sampling is None else sampling
+    stop_ids = stop_rows(eos_ids, batch) if stop_ids is None else stop_ids
+    state = init_state(llm_params, drafter_params, prompt_tokens, prompt_lens, max_new_tokens, sampling, stop_ids,
+                       cfg=cfg, spec=spec, cache_len=cache_len, max_out=max_out, parallel=parallel)
 
     def cond(state: SpecState):
         return jnp.any(~state.done)  # some request still needs tokens
 
-    step = functools.partial(spec_step, llm_params, drafter_params, sampling=sampling, max_new_tokens=max_new_tokens,
-                             cfg=cfg, spec=spec, eos_ids=eos_ids, parallel=parallel)
+    step = functools.partial(spec_step, llm_params, drafter_params, cfg=cfg, spec=spec, parallel=parallel)
     state = jax.lax.while_loop(cond, step, state)
     return SpecOutput(tokens=state.tokens, num_generated=state.num_generated, llm_passes=state.llm_passes,
                       tokens_per_pass=state.tokens_per_pass, accepted_at_depth=state.accepted_at_depth,
                       failed=state.failed)
 
 
-def greedy_sampling(batch: int) -> SamplingArrays:
-    return SamplingArrays(temperature=jnp.zeros((batch,), jnp.float32), top_k=jnp.zeros((batch,), jnp.int32),
-                          top_p=jnp.ones((batch,), jnp.float32), seed=jnp.zeros((batch,), jnp.int32))
-
-
 generate_speculative_jit = jax.jit(generate_speculative,
                                    static_argnames=("cfg", "spec", "cache_len", "max_out", "eos_ids", "parallel"))
+init_state_jit = jax.jit(init_state, static_argnames=("cfg", "spec", "cache_len", "max_out", "parallel"))
 # The state is donated: caches and buffers are updated in place, never copied per step.
-step_jit = jax.jit(spec_step, static_argnames=("cfg", "spec", "eos_ids", "parallel"), donate_argnames=("state",))
+step_jit = jax.jit(spec_step, static_argnames=("cfg", "spec", "parallel"), donate_argnames=("state",))
 
 
 def generate_stream(llm_params, drafter_params: tuple, prompt_tokens, prompt_lens, max_new_tokens,
-                    sampling: SamplingArrays | None = None, *, cfg: ModelConfig, spec: SpecConfig, cache_len: int,
-                    max_out: int, eos_ids: tuple[int, ...] = (), parallel=None):
+                    sampling: SamplingArrays | None = None, stop_ids: jax.Array | None = None, *, cfg: ModelConfig,
+                    spec: SpecConfig, cache_len: int, max_out: int, eos_ids: tuple[int, ...] = (), parallel=None):
     """Host-loop twin of ``generate_speculative``: the same jitted step, one call per LLM pass,
     yielding each request's newly emitted tokens after every pass (for streaming and debugging)."""
-    sampling = greedy_sampling(prompt_tokens.shape[0]) if sampling is None else sampling
-    state = _init_state_jit(llm_params, drafter_params, prompt_tokens, prompt_lens, max_new_tokens, sampling, cfg=cfg,
-                            spec=spec, cache_len=cache_len, max_out=max_out, eos_ids=eos_ids, parallel=parallel)
-    shown = np.zeros(prompt_tokens.shape[0], np.int64)
+    batch = prompt_tokens.shape[0]
+    sampling = greedy_sampling(batch) if sampling is None else sampling
+    stop_ids = stop_rows(eos_ids, batch) if stop_ids is None else stop_ids
+    state = init_state_jit(llm_params, drafter_params, prompt_tokens, prompt_lens, max_new_tokens, sampling, stop_ids,
+                           cfg=cfg, spec=spec, cache_len=cache_len, max_out=max_out, parallel=parallel)
+    shown = np.zeros(batch, np.int64)
     host = np.asarray if parallel is None else parallel.fetch  # fetch: arrays spanning several processes
     while True:
         counts = host(state.num_generated)
@@ -291,8 +237,4 @@ def generate_stream(llm_params, drafter_params: tuple, prompt_tokens, prompt_len
         shown = counts
         if bool(np.all(host(state.done))):
             return
-        state = step_jit(llm_params, drafter_params, state, sampling, max_new_tokens, cfg=cfg, spec=spec,
-                         eos_ids=eos_ids, parallel=parallel)
-
-
-_init_state_jit = jax.jit(init_state, static_argnames=("cfg", "spec", "cache_len", "max_out", "eos_ids", "parallel"))
+        state = step_jit(llm_params, drafter_params, state, cfg=cfg, spec=spec, parallel=parallel)

@@ -29,9 +29,10 @@ from specjax.config import ModelConfig
 from specjax.decoding.keys import DRAFT, purpose_key
 from specjax.decoding.sampling import SamplingArrays, gumbel_noise, warp_logits
 from specjax.errors import InputError
+from specjax.io.loader import describe_model, load_model
 from specjax.models import forward
 from specjax.models.cache import KVCache, init_cache
-from specjax.speculation.drafters.base import DraftContext, Drafter, Proposal
+from specjax.speculation.drafters.base import Bound, DraftContext, Drafter, Proposal
 from specjax.speculation.expansion import Expansion, static_tree
 from specjax.types import Model
 
@@ -270,3 +271,14 @@ def ssm_drafters(configs, expansions, draft: str = "topk") -> tuple[SSMDrafter, 
         raise InputError(f"{len(configs)} SSMs but {len(expansions)} expansion configs")
     return tuple(SSMDrafter(c, e if isinstance(e, Expansion) else Expansion(tuple(e)), draft)
                  for c, e in zip(configs, expansions))
+
+
+def from_arg(arg: str, llm: Model, *, load: bool, expansion: Expansion, draft: str) -> Bound:
+    """``--drafter ssm:ARG``: ARG is a registered SSM name, a model path, or ``derived:K`` / ``derived:auto``
+    / ``derived:i,j,..`` (the LLM's own layers). ``load=False`` describes it (config and tokenizer only)."""
+    if arg.startswith("derived:"):
+        model = derive_ssm(llm, parse_derived(arg, llm.config))
+    else:
+        model = load_model(arg, progress=False) if load else describe_model(arg)
+    check_compatible(llm, model, name=f"SSM {arg!r}")
+    return Bound(SSMDrafter(model.config, expansion, draft), model.params)

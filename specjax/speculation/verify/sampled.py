@@ -67,17 +67,8 @@ def verify_sampled(logits: jax.Array, tree: TokenTree, laws: jax.Array | None, s
     target = jnp.where(sampling.sampled[:, None, None], probs, one_hot_argmax)  # [B, N, V]
     if laws is None:
         laws = jnp.full((batch, 1, vocab), -jnp.inf, jnp.float32)
-    # Padding entries (-1) are skipped entirely: move them behind the real entries, order kept.
-    order = jnp.argsort(tree.children < 0, axis=-1, stable=True)
-    children = jnp.take_along_axis(tree.children, order, axis=-1)
-    law_row = jnp.take_along_axis(tree.law_row, order, axis=-1)
-    if mutation == "reorder_by_token":
-        tok = jax.vmap(lambda t, c: jnp.where(c >= 0, t[jnp.maximum(c, 0)], 2**30))(tree.tokens, children)
-        order = jnp.argsort(tok, axis=-1, stable=True)
-        children = jnp.take_along_axis(children, order, axis=-1)
-        law_row = jnp.take_along_axis(law_row, order, axis=-1)
+    children, law_row = _entries_in_draw_order(tree, mutation)
     num_entries = children.shape[-1]
-    slots = jnp.arange(num_entries)
 
     if injected is None:
         injected = (jnp.zeros((batch, 1, 1), jnp.float32), jnp.zeros((batch, 1, 1), jnp.float32))
@@ -92,16 +83,7 @@ def verify_sampled(logits: jax.Array, tree: TokenTree, laws: jax.Array | None, s
             c = jnp.where(w.entry < num_entries, children_b[w.node, j], -1)
             has = c >= 0
             x = tokens_b[jnp.maximum(c, 0)]
-            row = law_row_b[w.node, j]
-            lam = jnp.where(row >= 0, jnp.exp(laws_b[jnp.maximum(row, 0)]), jax.nn.one_hot(x, vocab))
-            if rule == "naive":
-                lam = jax.nn.one_hot(x, vocab, dtype=jnp.float32)
-            elif rule == "rrs" and mutation != "mss_on_wor":
-                kids = children_b[w.node]
-                earlier = (slots < w.entry) & (kids >= 0) & (law_row_b[w.node] == row) & (row >= 0)
-                drawn = jnp.zeros((vocab,), jnp.int32).at[tokens_b[jnp.maximum(kids, 0)]].max(earlier.astype(jnp.int32))
-                lam = jnp.where(drawn > 0, 0.0, lam)
-                lam = lam / jnp.maximum(jnp.sum(lam), jnp.finfo(jnp.float32).tiny)
+            lam = _entry_law(x, w.node, w.entry, tokens_b, children_b, law_row_b, laws_b, rule, mutation)
             coin_slot = 0 if mutation == "shared_coins" else w.entry
             xi = coins_b[w.depth, coin_slot] if use_injected else uniform_coin(purpose_key(seed, COIN, t, coin_slot))
             accept = has & ((xi * lam[x] <= w.r[x]) if mutation == "coin_le" else (xi * lam[x] < w.r[x]))
@@ -133,3 +115,37 @@ def verify_sampled(logits: jax.Array, tree: TokenTree, laws: jax.Array | None, s
     path, depth, bonus, emitted, ok, final = jax.vmap(one)(target, tree.tokens, children, law_row, laws,
                                                            sampling.seed, length, *injected)
     return Verdict(path=path, num_accepted=depth, bonus=bonus, emitted=emitted, ok=ok, residual=final)
+
+
+def _entries_in_draw_order(tree: TokenTree, fault: str | None):
+    """(children, law_row) [B, N, K] with padding entries (-1) moved behind the real ones, draw order kept
+    (the fault "reorder_by_token" visits them in token-id order instead)."""
+    order = jnp.argsort(tree.children < 0, axis=-1, stable=True)
+    children = jnp.take_along_axis(tree.children, order, axis=-1)
+    law_row = jnp.take_along_axis(tree.law_row, order, axis=-1)
+    if fault == "reorder_by_token":
+        tok = jax.vmap(lambda t, c: jnp.where(c >= 0, t[jnp.maximum(c, 0)], 2**30))(tree.tokens, children)
+        order = jnp.argsort(tok, axis=-1, stable=True)
+        children = jnp.take_along_axis(children, order, axis=-1)
+        law_row = jnp.take_along_axis(law_row, order, axis=-1)
+    return children, law_row
+
+
+def _entry_law(x, node, entry, tokens_b, children_b, law_row_b, laws_b, rule: str, fault: str | None) -> jax.Array:
+    """lambda [V]: the law entry ``entry`` of ``node`` (token x) is verified against. Its declared
+    stored law (one-hot when it declares none); naive: always one-hot; RRS: the stored law without the
+    tokens of earlier entries drawn from the same law, renormalised (draws without replacement)."""
+    vocab = laws_b.shape[-1]
+    row = law_row_b[node, entry]
+    one_hot = jax.nn.one_hot(x, vocab, dtype=jnp.float32)
+    if rule == "naive":
+        return one_hot
+    lam = jnp.where(row >= 0, jnp.exp(laws_b[jnp.maximum(row, 0)]), one_hot)
+    if rule == "rrs" and fault != "mss_on_wor":
+        kids = children_b[node]
+        slots = jnp.arange(kids.shape[0])
+        earlier = (slots < entry) & (kids >= 0) & (law_row_b[node] == row) & (row >= 0)
+        drawn = jnp.zeros((vocab,), jnp.int32).at[tokens_b[jnp.maximum(kids, 0)]].max(earlier.astype(jnp.int32))
+        lam = jnp.where(drawn > 0, 0.0, lam)
+        lam = lam / jnp.maximum(jnp.sum(lam), jnp.finfo(jnp.float32).tiny)
+    return lam

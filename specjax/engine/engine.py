@@ -1,0 +1,154 @@
+"""The engine: a fixed number of request slots stepping together, requests joining and leaving between
+LLM passes (iteration-level scheduling, the paper's request manager).
+
+The seams follow JetStream's engine API: ``prefill`` runs one request's prompt into a batch-1 state,
+``insert`` writes it into a slot of the running batch, ``step`` advances every slot by one
+speculative step (one LLM pass, the same jitted ``spec_step`` that ``generate_speculative`` loops
+over), ``read`` fetches what each slot has emitted, ``release`` frees a slot. Every request keeps
+its own sampling settings, budget, stop tokens and statistics in its row of the state, so its tokens
+never depend on its slot, on its batch mates or on when it joined (position-keyed randomness). The
+batch state is donated to ``step`` and ``insert``: the caches are updated in place.
+
+Token ids in, token ids out: tokenisation, chat templates and scheduling policy live above.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.attention import resolve_impl
+from specjax.decoding.buckets import _next_pow2
+from specjax.decoding.sampling import SamplingArrays, SamplingParams
+from specjax.errors import InputError
+from specjax.speculation.drafters.base import Bound
+from specjax.speculation.loop import init_state, init_state_jit, step_jit
+from specjax.speculation.spec import SpecConfig
+from specjax.speculation.state import NO_STOP, SpecState, release_row, write_row
+from specjax.types import Model
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotView:
+    """What the host sees of every slot after a step (numpy)."""
+
+    tokens: np.ndarray  # [B, M] generated tokens (valid up to num_generated)
+    num_generated: np.ndarray  # [B]
+    done: np.ndarray  # [B] finished or free
+    failed: np.ndarray  # [B]
+    tokens_per_pass: np.ndarray  # [B, D + 2] histogram of tokens emitted per LLM pass (this request's passes)
+
+
+class Engine:
+    """Continuous batching over ``slots`` request slots.
+
+    drafters: ``Bound(drafter, params)`` pairs (none = plain decoding through the same step).
+    verifier: "seeded" (default) serves greedy requests exactly and sampled ones bit-identically to
+    incremental sampling with their seed; "greedy", "naive", "mss" or "rrs" as in ``SpecConfig``.
+    Sizes are fixed at construction so every step reuses one compiled program: a prompt may have up
+    to ``max_prompt_tokens`` tokens (prefill compiles once per power-of-two prompt bucket) and a
+    request up to ``max_new_tokens`` new tokens and ``max_stop_tokens`` stop tokens.
+    """
+
+    def __init__(self, model: Model, *, slots: int, max_prompt_tokens: int, max_new_tokens: int, drafters=(),
+                 verifier: str = "seeded", impl: str = "auto", max_stop_tokens: int = 4):
+        for name, value in (("slots", slots), ("max_prompt_tokens", max_prompt_tokens),
+                            ("max_new_tokens", max_new_tokens), ("max_stop_tokens", max_stop_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"{name} must be a positive int, got {value!r}")
+        if max_prompt_tokens + max_new_tokens > model.config.max_positions:
+            raise InputError(f"max_prompt_tokens + max_new_tokens = {max_prompt_tokens + max_new_tokens} exceeds the "
+                             f"context window of {model.config.max_positions}")
+        bound = [d if isinstance(d, Bound) else Bound(*d) for d in drafters]
+        self.model = model
+        self.slots = slots
+        self.spec = SpecConfig(drafters=tuple(b.drafter for b in bound), impl=resolve_impl(impl), verifier=verifier)
+        self.drafter_params = tuple(b.params for b in bound)
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.max_stop_tokens = max_stop_tokens
+        self.max_out = _next_pow2(max_new_tokens)
+        self.cache_len = _next_pow2(max_prompt_tokens) + self.max_out + self.spec.num_nodes
+        self._sizes = dict(cfg=model.config, spec=self.spec, cache_len=self.cache_len, max_out=self.max_out)
+
+    # -- device work --------------------------------------------------------------------------
+
+    def init(self) -> SpecState:
+        """A batch state with every slot free."""
+        shapes = jax.eval_shape(functools.partial(init_state, **self._sizes), self.model.params, self.drafter_params,
+                                jnp.zeros((self.slots, 1), jnp.int32), jnp.ones((self.slots,), jnp.int32),
+                                jnp.ones((self.slots,), jnp.int32), _sampling([SamplingParams()] * self.slots),
+                                jnp.full((self.slots, self.max_stop_tokens), NO_STOP, jnp.int32))
+        state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        return state.replace(done=jnp.ones((self.slots,), bool),
+                             stop_ids=jnp.full((self.slots, self.max_stop_tokens), NO_STOP, jnp.int32))
+
+    def prefill(self, prompt: list[int], sampling: SamplingParams | None = None, max_new_tokens: int | None = None,
+                stop_ids=()) -> SpecState:
+        """One request's prompt through the LLM and the drafters: a batch-1 state holding its first token."""
+        prompt, sampling, budget, stops = self._check(prompt, sampling, max_new_tokens, stop_ids)
+        width = _next_pow2(len(prompt))
+        padded = jnp.asarray([prompt + [0] * (width - len(prompt))], jnp.int32)
+        return init_state_jit(self.model.params, self.drafter_params, padded, jnp.asarray([len(prompt)], jnp.int32),
+                              jnp.asarray([budget], jnp.int32), _sampling([sampling]), jnp.asarray([stops], jnp.int32),
+                              **self._sizes)
+
+    def insert(self, state: SpecState, row: SpecState, slot: int) -> SpecState:
+        """``state`` with ``row`` (from ``prefill``) in slot ``slot`` (whatever the slot held is dropped)."""
+        self._check_slot(slot)
+        return _insert_jit(state, row, jnp.int32(slot))
+
+    def step(self, state: SpecState) -> SpecState:
+        """One speculative step (one LLM pass) of every slot; finished and free slots stay as they are."""
+        return step_jit(self.model.params, self.drafter_params, state, cfg=self.model.config, spec=self.spec)
+
+    def release(self, state: SpecState, slot: int) -> SpecState:
+        """Free slot ``slot`` (a finished or cancelled request): later steps skip it."""
+        self._check_slot(slot)
+        return _release_jit(state, jnp.int32(slot))
+
+    @staticmethod
+    def read(state: SpecState) -> SlotView:
+        return SlotView(tokens=np.asarray(state.tokens), num_generated=np.asarray(state.num_generated),
+                        done=np.asarray(state.done), failed=np.asarray(state.failed),
+                        tokens_per_pass=np.asarray(state.tokens_per_pass))
+
+    # -- checks (before any device work) ------------------------------------------------------
+
+    def _check(self, prompt, sampling, max_new_tokens, stop_ids):
+        vocab = self.model.config.vocab_size
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise InputError("a prompt must be a non-empty list of token ids")
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab for t in prompt):
+            raise InputError(f"prompt token ids must be ints in [0, {vocab})")
+        if len(prompt) > self.max_prompt_tokens:
+            raise InputError(f"the prompt has {len(prompt)} tokens; this engine takes at most {self.max_prompt_tokens}")
+        sampling = SamplingParams() if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise InputError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if not sampling.greedy and self.spec.verifier == "greedy":
+            raise InputError("this engine verifies greedily but the request has temperature > 0")
+        budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or not 1 <= budget <= \
+                self.max_new_tokens:
+            raise InputError(f"max_new_tokens must be an int in [1, {self.max_new_tokens}], got {max_new_tokens!r}")
+        stops = [int(t) for t in stop_ids]
+        if len(stops) > self.max_stop_tokens or any(not 0 <= t < vocab for t in stops):
+            raise InputError(f"stop_ids: at most {self.max_stop_tokens} token ids in [0, {vocab}), got {stops}")
+        return [int(t) for t in prompt], sampling, int(budget), stops + [NO_STOP] * (self.max_stop_tokens - len(stops))
+
+    def _check_slot(self, slot) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.slots:
+            raise InputError(f"slot must be an int in [0, {self.slots}), got {slot!r}")
+
+
+def _sampling(params: list[SamplingParams]) -> SamplingArrays:
+    return SamplingArrays.from_params(params)
+
+
+_insert_jit = jax.jit(write_row, donate_argnums=0)
+_release_jit = jax.jit(release_row, donate_argnums=0)

@@ -1,0 +1,96 @@
+"""The engine: a request inserted into a batch that is already mid-generation yields exactly the tokens
+it yields alone (greedy and seeded sampling, with and without speculation), whatever its slot, its
+batch mates, their settings and when it joined; released slots take new requests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import specjax
+from specjax.engine import Engine
+from specjax.errors import InputError
+from specjax.speculation.drafters.ssm import derive_ssm, ssm_drafters
+from tests.conftest import random_ids
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    return specjax.load_model(tiny_llama_dir, progress=False)
+
+
+def _engine(llama, drafting: str, slots: int = 3) -> Engine:
+    drafters = ()
+    if drafting == "ssm":
+        ssm = derive_ssm(llama, 1)
+        drafters = [(d, ssm.params) for d in ssm_drafters([ssm.config], [(2, 1)], "coupled")]
+    return Engine(llama, slots=slots, max_prompt_tokens=24, max_new_tokens=14, drafters=drafters, impl="xla")
+
+
+def _alone(llama, prompt, sampling, budget, stop_ids=()):
+    """The reference: the incremental decoder, this request alone."""
+    out = specjax.generate(llama, [prompt], max_new_tokens=budget, sampling=sampling, mode="incremental",
+                           ignore_eos=True)
+    tokens = out.token_ids[0]
+    for i, t in enumerate(tokens):  # the engine stops after the first stop token
+        if t in stop_ids:
+            return tokens[:i + 1]
+    return tokens
+
+
+@pytest.mark.parametrize("drafting", ["none", "ssm"])
+def test_inserted_mid_generation_equals_alone(llama, drafting):
+    rng = np.random.RandomState(11)
+    greedy, hot = specjax.SamplingParams(), specjax.SamplingParams(temperature=0.8, top_p=0.9, seed=5)
+    requests = [  # (prompt, sampling, budget, stop tokens)
+        (random_ids(rng, 128, 9), greedy, 14, ()),
+        (random_ids(rng, 128, 17), hot, 10, ()),
+        (random_ids(rng, 128, 5), specjax.SamplingParams(temperature=1.0, top_k=20, seed=9), 12, ()),
+        (random_ids(rng, 128, 13), greedy, 14, ()),
+    ]
+    # a stop token the greedy request really produces, so the per-request stop rule is exercised
+    want_last = _alone(llama, *requests[3][:3])
+    requests[3] = requests[3][:3] + ((want_last[6],),)
+    engine = _engine(llama, drafting)
+    state = engine.init()
+    state = engine.insert(state, engine.prefill(*requests[0]), 2)
+    state = engine.insert(state, engine.prefill(*requests[1]), 0)
+    for _ in range(3):
+        state = engine.step(state)
+    state = engine.insert(state, engine.prefill(*requests[2]), 1)  # joins a batch mid-generation
+    where = {0: 2, 1: 0, 2: 1}
+    got = {}
+    for _ in range(40):
+        view = engine.read(state)
+        for r, slot in list(where.items()):
+            if view.done[slot]:
+                got[r] = view.tokens[slot, :view.num_generated[slot]].tolist()
+                assert not view.failed[slot]
+                state = engine.release(state, slot)
+                del where[r]
+                if r == 1:  # the freed slot takes the last request
+                    state = engine.insert(state, engine.prefill(*requests[3]), slot)
+                    where[3] = slot
+        if not where:
+            break
+        state = engine.step(state)
+    assert sorted(got) == [0, 1, 2, 3]
+    for r, (prompt, sampling, budget, stops) in enumerate(requests):
+        assert got[r] == _alone(llama, prompt, sampling, budget, stops), f"request {r}"
+    assert got[3][-1] == requests[3][3][0] and len(got[3]) < 14  # stopped at its own stop token
+
+
+def test_engine_refuses_bad_requests(llama):
+    engine = _engine(llama, "none", slots=2)
+    with pytest.raises(InputError, match="the prompt has 25 tokens; this engine takes at most 24"):
+        engine.prefill(list(range(25)))
+    with pytest.raises(InputError, match=r"max_new_tokens must be an int in \[1, 14\]"):
+        engine.prefill([1, 2], max_new_tokens=15)
+    with pytest.raises(InputError, match=r"prompt token ids must be ints in \[0, 128\)"):
+        engine.prefill([1, 200])
+    with pytest.raises(InputError, match="stop_ids: at most 4"):
+        engine.prefill([1, 2], stop_ids=(1, 2, 3, 4, 5))
+    with pytest.raises(InputError, match=r"slot must be an int in \[0, 2\)"):
+        engine.release(engine.init(), 2)
+    with pytest.raises(InputError, match="exceeds the context window"):
+        Engine(llama, slots=1, max_prompt_tokens=1000, max_new_tokens=100)

@@ -150,3 +150,50 @@ def test_frontier_queries_see_ancestors_written_by_earlier_passes():
     for impl in ("xla", "pallas"):
         out = np.asarray(tree_attention(*args, scale=0.5, impl=impl, region=9))
         precision.assert_within(out, ref, floor, what=impl)
+
+
+@pytest.mark.parametrize("num_q,lengths", [(1, [300, 37]), (16, [500, 129]), (64, [300, 0]), (70, [257, 600])],
+                         ids=["decode", "tree-sized", "prefill-chunk", "prefill-chunk-long"])
+def test_attention_cost_follows_committed_length_not_buffer(num_q, lengths):
+    """The prefix is read through a view sized by the committed length (decoding, tree passes) or in
+    key blocks up to it (prefill chunks): on a 4096-slot buffer and on one just long enough, every
+    unused slot NaN-poisoned, both match the float64 reference (a causal block is a chain tree), and
+    through a view they are equal bit for bit (key blocks may end differently at the buffer's end,
+    which changes only the summation order)."""
+    from specjax.attention import attend, causal_meta
+    from specjax.attention.xla import BLOCKED_QUERIES
+
+    heads, kv_heads, head_dim = 9, 3, 16
+    rng = np.random.RandomState(num_q)
+    chain = [[-1] + list(range(num_q - 1))] * 2
+    tree = from_parents([[1] * num_q] * 2, chain, n_max=num_q)
+    outs = []
+    for max_len in (max(lengths) + num_q, 4096):
+        rng_case = np.random.RandomState(num_q)  # the same numbers in both buffers
+        q = rng_case.randn(2, num_q, heads, head_dim).astype(np.float32)
+        k = np.full((2, max_len, kv_heads, head_dim), np.nan, np.float32)
+        v = np.full_like(k, np.nan)
+        for b, n in enumerate(lengths):
+            k[b, :n + num_q] = rng_case.randn(n + num_q, kv_heads, head_dim)
+            v[b, :n + num_q] = rng_case.randn(n + num_q, kv_heads, head_dim)
+        lens = np.asarray(lengths, np.int32)
+        block = np.stack([k[b, n:n + num_q] for b, n in enumerate(lengths)])
+        vblock = np.stack([v[b, n:n + num_q] for b, n in enumerate(lengths)])
+        out = jax.jit(attend, static_argnames="scale")(jnp.asarray(q), jnp.asarray(block), jnp.asarray(vblock),
+                                                       jnp.asarray(k), jnp.asarray(v),
+                                                       causal_meta(jnp.asarray(lens)), scale=head_dim ** -0.5)
+        outs.append(np.asarray(out))
+    del rng
+    assert not np.isnan(outs[0]).any()
+    if num_q < BLOCKED_QUERIES:
+        np.testing.assert_array_equal(outs[0], outs[1])
+    ref = tree_attention_reference(q, k, v, lens, tree.parent, tree.valid, head_dim ** -0.5)
+    floor = precision.error(tree_attention_reference(q, k, v, lens, tree.parent, tree.valid, head_dim ** -0.5,
+                                                     dtype=np.float32), ref)
+    for out in outs:
+        precision.assert_within(out, ref, floor, what="attend")
+    # power: one committed slot too few changes the result far beyond the bound
+    short = causal_meta(jnp.asarray(lens - 1))
+    wrong = np.asarray(attend(jnp.asarray(q), jnp.asarray(block), jnp.asarray(vblock), jnp.asarray(k),
+                              jnp.asarray(v), short, head_dim ** -0.5))
+    assert precision.error(wrong[lens > 0], ref[lens > 0]) > 10 * precision.bound(ref, floor)

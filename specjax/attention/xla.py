@@ -1,16 +1,26 @@
-"""Attention over the KV cache with explicit metadata (no baked-in causal mask).
+"""Attention whose cost follows the real lengths: the committed prefix read through a bucketed view,
+plus the pass's own block (causal chain or token tree), in one softmax.
 
-The T tokens of a forward pass write their K/V to scratch slots ``length[b] + slots[b, i]``
-(``slots`` defaults to ``0..T-1``). Query i of request b may attend to
+A forward pass of T tokens has written their K/V to the scratch slots ``length[b] + slots[b, i]``
+(``slots`` defaults to ``0..T-1``). Query i of request b attends to
 
-* every committed position ``s < length[b]`` (the prefix), and
-* scratch slot ``length[b] + j`` iff bit j of its mask row is set.
+* the committed prefix, slots ``s < length[b]``, and
+* the block: the pass's own tokens (causal, j <= i, when ``AttentionMeta.ancestor`` is None; or
+  the token tree's ancestor bits), or for a drafting pass that scores one frontier of a larger
+  tree, the tree's ``region`` slots ``[length[b], length[b] + region)``, by its ancestor bits.
 
-``AttentionMeta.ancestor`` carries the mask rows as uint32 bit words (bit j of word j // 32): for
-a token tree, j is the query's own node or one of its ancestors. The tree region then spans
-``32 * W`` slots, so a pass may score just one frontier of a larger tree whose other nodes were
-written by earlier passes (SSM drafting). ``None`` means causal over the T tokens (j <= i): the
-chain used by prefill and incremental decoding.
+**The prefix costs what is committed, not what is allocated.** The cache buffer is as long as the
+longest request may grow, but a step reads only a static *view* of it: the smallest of
+``prefix_views(S)`` (0, 128, 256, ... doubling, then S) that covers the longest committed length
+of the batch, chosen with ``lax.switch`` so one compiled program serves every length. A decode
+step at 300 tokens of context reads 512 slots whether the buffer holds 1k or 8k; a prefill from an
+empty cache reads none. The block is T x T (T x region), never T x S.
+
+**Non-finite K/V** (NaN-poisoned unused slots, a token whose activations overflowed) reach exactly
+the queries that attend to them: masked scores are replaced (never multiplied) by -inf, the prefix
+view's values beyond each committed length are zeroed (0 * NaN would otherwise leak), and block
+values that some query cannot see are zeroed and re-imposed as NaN on the queries that can.
+GQA: query heads are grouped over their KV head, K/V are never repeated.
 """
 
 from __future__ import annotations
@@ -18,32 +28,161 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.attention.meta import AttentionMeta, visibility_mask
+from specjax.attention.meta import AttentionMeta
+
+MIN_VIEW = 128  # the smallest prefix view: below it, reading fewer slots saves nothing measurable
+BLOCKED_QUERIES = 64  # from this many queries on (prefill chunks), the prefix is read in key blocks
+KEY_BLOCK = 256  # prefix slots per block: [T, KEY_BLOCK] scores of a prefill chunk stay in cache
+
+
+def prefix_views(max_len: int) -> tuple[int, ...]:
+    """Static prefix views of a cache of ``max_len`` slots: 0, MIN_VIEW, 2 MIN_VIEW, ... < max_len, max_len."""
+    views, v = [0], MIN_VIEW
+    while v < max_len:
+        views.append(v)
+        v *= 2
+    return tuple(views) + (max_len,)
+
+
+def block_mask(meta: AttentionMeta, num_queries: int, region: int) -> jax.Array:
+    """bool [B, T, R]: query i sees block slot j (causal: j <= i; tree: bit j of its ancestor row)."""
+    j = jnp.arange(region)
+    if meta.ancestor is None:
+        return jnp.broadcast_to(j[None, None, :] <= jnp.arange(num_queries)[None, :, None],
+                                (meta.lengths.shape[0], num_queries, region))
+    word = meta.ancestor[:, :, j // 32]  # [B, T, R]
+    return ((word >> (j % 32).astype(jnp.uint32)) & jnp.uint32(1)) > 0
+
+
+def attend(q: jax.Array, k_block: jax.Array | None, v_block: jax.Array | None, k_cache: jax.Array,
+           v_cache: jax.Array, meta: AttentionMeta, scale: float, layer: jax.Array | None = None) -> jax.Array:
+    """q: [B, T, H, Dh]; k_block, v_block: [B, T, KVH, Dh] the pass's own K/V (None: read the tree
+    region from the cache); k_cache, v_cache: the cache with the block written, either one layer's
+    [B, S, KVH, Dh] (``layer`` None) or all layers' [L, B, S, KVH, Dh] and the index ``layer``.
+    Returns [B, T, H, Dh]; softmax and accumulation in float32 (float64 for a float64 run).
+
+    With all layers given, only the slots read are sliced out of the stacked buffer: indexing the
+    layer first would copy its whole [B, S] buffer on every layer of every step (measured: half of
+    a decode step at 512 tokens of context with a 4096-slot buffer).
+
+    Queries are laid out head-major once, [B, KVH, G * T, Dh] (G query heads per KV head, scaled),
+    so every score matrix is a batched [G * T, keys] product with no per-block transposes."""
+    if layer is None:
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+    batch, num_q, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[3]
+    groups = heads // kv_heads
+    cd = jnp.promote_types(q.dtype, jnp.float32)
+    rows = groups * num_q
+    qh = (q * jnp.asarray(scale, q.dtype)).reshape(batch, num_q, kv_heads, groups, head_dim)
+    qh = qh.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, rows, head_dim)  # row = g * T + t
+    lengths = meta.lengths
+
+    # -- the block: the pass's own tokens, or the tree region of the cache -----------------------
+    if k_block is None or meta.slots is not None or (meta.region not in (None, num_q)):
+        region = meta.region or num_q
+        idx = jnp.minimum(lengths[:, None] + jnp.arange(region)[None, :], k_cache.shape[2] - 1)
+        rows_b = jnp.arange(batch)[:, None]
+        k_block, v_block = k_cache[layer, rows_b, idx], v_cache[layer, rows_b, idx]  # [B, R, KVH, Dh]
+    region = k_block.shape[1]
+    mask = jnp.tile(block_mask(meta, num_q, region), (1, groups, 1))[:, None]  # [B, 1, G * T, R]
+    finite = jnp.all(jnp.isfinite(k_block), axis=-1) & jnp.all(jnp.isfinite(v_block), axis=-1)  # [B, R, KVH]
+    sees_bad = jnp.any(mask & ~finite.transpose(0, 2, 1)[:, :, None, :], axis=-1)  # [B, KVH, G * T]
+    v_block = jnp.where(finite[..., None], v_block, 0)
+    s_block = jnp.einsum("bkmd,brkd->bkmr", qh, k_block, preferred_element_type=cd)
+    s_block = jnp.where(mask, s_block, -jnp.inf)
+    m_block = jnp.max(s_block, axis=-1)  # [B, KVH, G * T]
+
+    # -- the committed prefix ------------------------------------------------------------------------
+    if num_q >= BLOCKED_QUERIES:  # a prefill chunk: key blocks small enough for the scores to stay in cache
+        m_pre, l_pre, acc_pre = _prefix_blocked(qh, k_cache, v_cache, layer, lengths, cd)
+    else:  # decoding, tree passes, drafting: one read of the smallest view that covers the prefix
+        views = prefix_views(k_cache.shape[2])
+        which = jnp.searchsorted(jnp.asarray(views, jnp.int32), jnp.max(lengths), side="left")
+        qg = qh.reshape(batch, kv_heads, groups, num_q, head_dim).transpose(0, 3, 1, 2, 4)  # [B, T, KVH, G, Dh]
+        m_pre, l_pre, acc_pre = jax.lax.switch(which, [_prefix_view(v, cd) for v in views], qg, k_cache, v_cache,
+                                               layer, lengths)
+
+    # -- one softmax over both ---------------------------------------------------------------------
+    m = _finite_or_zero(jnp.maximum(m_pre, m_block))
+    p_block = jnp.exp(s_block - m[..., None])
+    carry = jnp.exp(m_pre - m)  # 0 when the prefix is empty (m_pre = -inf)
+    denom = l_pre * carry + jnp.sum(p_block, axis=-1)
+    acc = acc_pre * carry[..., None] + jnp.einsum("bkmr,brkd->bkmd", p_block.astype(v_block.dtype), v_block,
+                                                  preferred_element_type=cd)
+    out = acc / jnp.where(denom > 0, denom, 1)[..., None]  # a query that sees nothing outputs 0
+    out = jnp.where(sees_bad[..., None], jnp.nan, out)
+    out = out.reshape(batch, kv_heads, groups, num_q, head_dim).transpose(0, 3, 1, 2, 4)
+    return out.reshape(batch, num_q, heads, head_dim).astype(q.dtype)
+
+
+def _prefix_view(view: int, cd):
+    """The committed prefix through the static view ``[0, view)`` of the cache (one branch of the switch).
+    Takes queries [B, T, KVH, G, Dh] (few of them: contracting the cache in its own layout avoids
+    copying the view); returns (row max, row sum, unnormalised output), rows as in ``attend``."""
+    def run(qg, k_cache, v_cache, layer, lengths):
+        batch, num_q, kv_heads, groups, head_dim = qg.shape
+        rows = (batch, kv_heads, groups * num_q)
+        if view == 0:
+            return jnp.full(rows, -jnp.inf, cd), jnp.zeros(rows, cd), jnp.zeros(rows + (head_dim,), cd)
+        valid = jnp.arange(view)[None, :] < lengths[:, None]  # [B, V]
+        v = jnp.where(valid[:, :, None, None], _slots(v_cache, layer, 0, view), 0)
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, _slots(k_cache, layer, 0, view), preferred_element_type=cd)
+        s = jnp.where(valid[:, None, None, None, :], s, -jnp.inf)
+        m = jnp.max(s, axis=-1)
+        p = jnp.exp(s - _finite_or_zero(m)[..., None])
+        acc = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=cd)
+        return m.reshape(rows), jnp.sum(p, axis=-1).reshape(rows), acc.reshape(rows + (head_dim,))
+    return run
+
+
+def _slots(cache: jax.Array, layer, start, size: int) -> jax.Array:
+    """[B, size, KVH, Dh]: slots [start, start + size) of one layer of the stacked cache [L, B, S, KVH, Dh]."""
+    _, batch, _, kv_heads, head_dim = cache.shape
+    zero = jnp.int32(0)  # one index type (int64 under jax_enable_x64 would otherwise mix with int32)
+    index = (jnp.asarray(layer, jnp.int32), zero, jnp.asarray(start, jnp.int32), zero, zero)
+    return jax.lax.dynamic_slice(cache, index, (1, batch, size, kv_heads, head_dim))[0]
+
+
+def _prefix_blocked(qh, k_cache, v_cache, layer, lengths, cd):
+    """The committed prefix in blocks of KEY_BLOCK slots with an online softmax (flash style), over
+    only the blocks the longest committed length needs: for many queries at once (a prefill chunk),
+    where one [rows, view] score matrix would spill out of the CPU caches on every elementwise pass.
+    Returns (row max, row sum, unnormalised output), rows as in ``attend``."""
+    batch, kv_heads, rows, head_dim = qh.shape
+    max_len = k_cache.shape[2]
+    block = min(KEY_BLOCK, max_len)
+
+    def one_block(i, carry):
+        m, l, acc = carry
+        start = jnp.minimum(i * block, max_len - block)  # the last block may overlap the previous one
+        pos = start + jnp.arange(block)
+        valid = (pos[None, :] < lengths[:, None]) & (pos[None, :] >= i * block)  # [B, KB], each slot once
+        k = _slots(k_cache, layer, start, block).transpose(0, 2, 1, 3)  # [B, KVH, KB, Dh]
+        v = jnp.where(valid[:, :, None, None], _slots(v_cache, layer, start, block), 0)
+        s = jnp.einsum("bkmd,bksd->bkms", qh, k, preferred_element_type=cd)
+        s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        shift = _finite_or_zero(m_new)
+        p = jnp.exp(s - shift[..., None])
+        rescale = jnp.exp(m - shift)
+        acc = acc * rescale[..., None] + jnp.einsum("bkms,bksd->bkmd", p.astype(v.dtype), v.transpose(0, 2, 1, 3),
+                                                    preferred_element_type=cd)
+        return m_new, l * rescale + jnp.sum(p, axis=-1), acc
+
+    blocks = (jnp.max(lengths) + block - 1) // block
+    shape = (batch, kv_heads, rows)
+    init = (jnp.full(shape, -jnp.inf, cd), jnp.zeros(shape, cd), jnp.zeros(shape + (head_dim,), cd))
+    return jax.lax.fori_loop(0, blocks, one_block, init)
+
+
+def _finite_or_zero(m: jax.Array) -> jax.Array:
+    """A row maximum usable as a softmax shift: -inf (nothing visible) becomes 0; NaN stays NaN, so a
+    visible non-finite score still poisons its query."""
+    return jnp.where(m == -jnp.inf, 0, m)
 
 
 def attend_xla(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta, scale: float) -> jax.Array:
-    """q: [B, T, H, Dh]; k, v: [B, S, KVH, Dh] (one layer's cache, block already written).
-
-    Returns [B, T, H, Dh]. Softmax in float32. Non-finite K/V (NaN-poisoned unused slots, or a
-    token whose activations overflowed) reach exactly the queries that attend to them, as NaN
-    outputs, exactly as in incremental decoding: they are zeroed before the matmuls (0 * NaN would
-    leak them into every query of the request) and re-imposed on the queries that see them.
-    """
-    batch, num_tokens, heads, head_dim = q.shape
-    max_len, kv_heads = k.shape[1], k.shape[2]
-    groups = heads // kv_heads
-    mask = visibility_mask(meta, num_tokens, max_len)  # [B, T, S]
-    kv_ok = jnp.all(jnp.isfinite(k), axis=-1) & jnp.all(jnp.isfinite(v), axis=-1)  # [B, S, KVH]
-    k = jnp.where(kv_ok[..., None], k, 0)
-    v = jnp.where(kv_ok[..., None], v, 0)
-    sees_bad = jnp.einsum("bts,bsk->btk", mask.astype(jnp.float32), (~kv_ok).astype(jnp.float32)) > 0
-    qg = q.reshape(batch, num_tokens, kv_heads, groups, head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.promote_types(q.dtype, jnp.float32))
-    scores = scores * scale
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    sees_something = jnp.any(mask, axis=-1)[:, None, None, :, None]  # [B, 1, 1, T, 1]
-    probs = jnp.where(sees_something, probs, 0.0).astype(v.dtype)  # a row that sees nothing outputs 0
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    out = jnp.where(sees_bad[:, :, :, None, None], jnp.nan, out)
-    return out.reshape(batch, num_tokens, heads, head_dim)
+    """Attention of T queries over one layer's cache [B, S, KVH, Dh] whose block (or tree region) is
+    already written; the tree-attention entry point's XLA path."""
+    return attend(q, None, None, k, v, meta, scale)

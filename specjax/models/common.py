@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.attention import tree_attention
+from specjax.attention import resolve_impl, tree_attention
 from specjax.attention.meta import AttentionMeta
-from specjax.attention.xla import attend_xla
+from specjax.attention.xla import attend
 from specjax.config import ModelConfig
 
 
@@ -101,11 +101,12 @@ def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMe
     k_cache = write_block(k_cache, layer, k, meta.lengths, meta.slots)
     v_cache = write_block(v_cache, layer, v, meta.lengths, meta.slots)
     scale = cfg.head_dim ** -0.5
-    if meta.ancestor is None:  # causal chain: prefill and incremental decoding
-        attn = attend_xla(q, k_cache[layer], v_cache[layer], meta, scale=scale)
-    else:  # token tree: the tree-attention entry point (XLA path or Pallas kernel)
+    if meta.ancestor is not None and resolve_impl(meta.impl) == "pallas":  # the tree-attention kernel (GPU)
         attn = tree_attention(q, k_cache[layer], v_cache[layer], meta.lengths, meta.ancestor, scale=scale,
-                              impl=meta.impl, region=meta.region)
+                              impl="pallas", region=meta.region)
+    else:  # prefix through a bucketed view + the block: prefill, decoding, tree passes, drafting
+        attn = attend(q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), k_cache, v_cache, meta, scale,
+                      layer=layer)
     out = jnp.einsum("bthk,hkd->btd", attn, lp["wo"])
     if bias:
         out = out + lp["bo"]

@@ -26,6 +26,7 @@ import numpy as np
 
 from specjax.attention.meta import AttentionMeta, causal_meta
 from specjax.config import ModelConfig
+from specjax.decoding.incremental import prefill
 from specjax.decoding.keys import DRAFT, purpose_key
 from specjax.decoding.sampling import SamplingArrays, gumbel_noise, warp_logits
 from specjax.errors import InputError
@@ -82,14 +83,12 @@ class SSMDrafter(Drafter):
 
     def init(self, params, prompt_tokens, prompt_lens, *, cache_len: int, parallel=None) -> KVCache:
         """The SSM's cache after the prompts (its own prefill)."""
-        batch, width = prompt_tokens.shape
+        batch = prompt_tokens.shape[0]
         cache = init_cache(self.config, batch, cache_len, jax.tree.leaves(params)[0].dtype)
         if parallel is not None:
             cache = parallel.constrain_cache(cache, self.config, parallel.ssm_rules)
-        positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-        out = forward(params, prompt_tokens, positions, cache, causal_meta(jnp.zeros((batch,), jnp.int32)),
-                      self.config, logits_indices=jnp.zeros((batch, 1), jnp.int32))
-        return out.cache.replace(length=prompt_lens.astype(jnp.int32))
+        _, cache = prefill(params, prompt_tokens, prompt_lens, cache, self.config)  # chunked when long
+        return cache
 
     def propose(self, params, cache: KVCache, ctx: DraftContext) -> tuple[Proposal, KVCache]:
         tokens, ok, laws, cache = draft_expansion(params, self.config, cache, ctx.history, ctx.length, self.expansion,

@@ -57,6 +57,25 @@ def load_hf_reference(gguf_path: str):
     return model.eval()
 
 
+def greedy_pair(model, hf, ids: list[int], max_new_tokens: int):
+    """One prompt through specjax's incremental decoder and transformers' greedy ``generate``, back to
+    back: (specjax tokens, seconds, transformers tokens, seconds)."""
+    import time
+
+    import torch
+
+    import specjax
+
+    t0 = time.perf_counter()
+    ours = specjax.generate(model, [ids], max_new_tokens=max_new_tokens).token_ids[0]
+    ours_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    theirs_s = time.perf_counter() - t0
+    return ours, ours_s, out[0, len(ids):].tolist(), theirs_s
+
+
 def load_ssm(llm, spec: str):
     """--ssm: 'derived:K' (the LLM's first K layers), 'derived:i,j,..' (a layer list) or a model path."""
     import specjax

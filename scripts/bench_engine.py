@@ -149,14 +149,7 @@ def main() -> None:
             hf.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False)
         rows = []
         for rec, ids in zip(records, prompts):
-            t0 = time.perf_counter()
-            ours = specjax.generate(model, [ids], max_new_tokens=args.e2e_tokens).token_ids[0]
-            sj = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                theirs = hf.generate(torch.tensor([ids]), max_new_tokens=args.e2e_tokens, do_sample=False)
-            th = time.perf_counter() - t0
-            theirs = theirs[0, len(ids):].tolist()
+            ours, sj, theirs, th = common.greedy_pair(model, hf, ids, args.e2e_tokens)
             rows.append({"id": rec.get("id"), "category": rec.get("category"), "prompt_tokens": len(ids),
                          "specjax_tokens": len(ours), "specjax_s": sj, "torch_tokens": len(theirs), "torch_s": th,
                          "identical": ours == theirs})

@@ -58,14 +58,7 @@ def main() -> None:
     sj_tokens = sj_time = hf_tokens = hf_time = 0.0
     print(f"{'id':>4} {'prompt_len':>10} {'new':>5} {'specjax tok/s':>14} {'hf tok/s':>10} {'ratio':>6} same")
     for rec, ids in zip(records, prompts):
-        t0 = time.perf_counter()
-        ours = specjax.generate(model, [ids], max_new_tokens=args.max_new_tokens).token_ids[0]
-        dt_sj = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False)
-        dt_hf = time.perf_counter() - t0
-        theirs = out[0, len(ids):].tolist()
+        ours, dt_sj, theirs, dt_hf = common.greedy_pair(model, hf, ids, args.max_new_tokens)
         same += ours == theirs
         sj_tokens += len(ours)
         sj_time += dt_sj

@@ -23,6 +23,8 @@ from specjax.decoding.sampling import SamplingArrays, SamplingParams
 from specjax.errors import GenerationError, InputError
 from specjax.io import registry
 from specjax.io.prompts import normalize_prompts
+from specjax.speculation.budget import Budget, default_levels
+from specjax.speculation.cost import with_costs
 from specjax.speculation.choices import DRAFT_CHOICES, MODES, VERIFIER_CHOICES
 from specjax.speculation.drafters.base import Bound
 from specjax.speculation.drafters.ssm import SSMDrafter, check_compatible
@@ -118,7 +120,7 @@ class GenerationPlan:
 
 def plan_generation(model: Model, prompts, max_new_tokens: int = 128, sampling=None, chat_template: bool = True,
                     ignore_eos: bool = False, mode: str | None = None, ssms=(), expansion=None, impl: str = "auto",
-                    verifier: str = "auto", draft: str = "auto", drafters=()) -> GenerationPlan:
+                    verifier: str = "auto", draft: str = "auto", drafters=(), budget=None) -> GenerationPlan:
     """Validate a generation request and prepare it (see ``generate``). Reads only the configs and
     tokenizers of ``model`` and ``ssms`` (and the drafters' static parts), so it can run before their
     weights are loaded."""
@@ -132,10 +134,12 @@ def plan_generation(model: Model, prompts, max_new_tokens: int = 128, sampling=N
     extra_slots = 0
     if mode != "incremental":
         spec, verifier_name, draft_name = _spec_config(model, list(ssms), list(drafters), mode, expansion, impl,
-                                                       verifier, draft, any(not s.greedy for s in samplings))
+                                                       verifier, draft, any(not s.greedy for s in samplings), budget)
         extra_slots = spec.num_nodes  # tree scratch slots
     elif ssms or drafters:
         raise InputError(f"mode 'incremental' takes no SSMs or drafters, got {len(ssms) + len(drafters)}")
+    elif budget is not None:
+        raise InputError("mode 'incremental' drafts nothing, so it takes no tree budget")
     ids = encode_prompts(model, prompts, chat_template)
     limit = model.config.max_positions
     for i, p in enumerate(ids):
@@ -158,7 +162,7 @@ def plan_generation(model: Model, prompts, max_new_tokens: int = 128, sampling=N
 def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, chat_template: bool = True,
              ignore_eos: bool = False, mode: str | None = None, ssms=(), expansion=None,
              impl: str = "auto", verifier: str = "auto", draft: str = "auto", parallel=None,
-             on_tokens=None, drafters=()) -> GenerationResult:
+             on_tokens=None, drafters=(), budget=None) -> GenerationResult:
     """Generate for a batch of prompts (strings or token-id lists).
 
     mode: "incremental" (the reference decoder), "sequence" (one SSM drafts a chain of
@@ -174,6 +178,11 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
     with the exact target distribution but other random numbers. draft: how SSMs draw children,
     "auto" = the verifier's natural drafting ("topk", "coupled", "iid" for mss, "wor" for rrs).
     A (draft, verifier) pair that would not be lossless is refused with an InputError.
+    budget (speculative modes): None verifies every proposal whole each step; "auto" chooses per step
+    how much of it to verify (none at all when drafts will not pay) from this machine's measured LLM
+    pass costs by tree size at this batch size (measured once, cached; ``specjax tree-cost``) and the
+    drafters' measured acceptance (``specjax.speculation.budget``); or a ``Budget`` with explicit levels
+    and costs. Needs drafters that estimate their acceptance (the lookup drafter).
     parallel: a ``specjax.sharding.Parallel`` to run on its mesh (LLM under its rules, pipelined
     when pp > 1; SSMs under its ssm_rules). The batch is padded with inert requests to a multiple of
     dp x microbatches; the output is the same as on one device.
@@ -186,7 +195,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
     token from that pass: ``GenerationError`` names it, with the whole result attached.
     """
     plan = plan_generation(model, prompts, max_new_tokens, sampling, chat_template, ignore_eos, mode, ssms,
-                           expansion, impl, verifier, draft, drafters)
+                           expansion, impl, verifier, draft, drafters, budget)
     return run_plan(model, plan, list(ssms), parallel=parallel, on_tokens=on_tokens, drafters=drafters)
 
 
@@ -199,6 +208,7 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
     n = len(plan.ids)
     drafter_params = tuple(s.params for s in ssms) + tuple(_bound(d).params for d in drafters)
     params, drafter_params, inputs, host = _place(parallel, model, plan, drafter_params)
+    plan = _measured_budget(model, plan, params, inputs[0].shape[0], parallel)
     sizes = dict(cfg=cfg, cache_len=plan.cache_len, max_out=plan.max_out, parallel=parallel)
     if plan.spec is None:  # the reference decoder
         run_all = functools.partial(generate_incremental_jit, params, *inputs, eos_ids=plan.eos_ids, **sizes)
@@ -224,6 +234,15 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
         out, finish = _host_loop(init, step, host, n, on_tokens, timing)
         tokens = host(out.tokens)
     return _result(model, plan, out, tokens, host, n, timing, finish)
+
+
+def _measured_budget(model: Model, plan: GenerationPlan, params, batch: int, parallel) -> GenerationPlan:
+    """The plan with its tree budget's pass costs for this machine and batch size (measured once,
+    then read from the cost table on disk)."""
+    if plan.spec is None or plan.spec.budget is None or plan.spec.budget.costs is not None:
+        return plan
+    budget = with_costs(plan.spec.budget, params, model.config, batch, plan.spec.impl, parallel)
+    return dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, budget=budget))
 
 
 def _host_loop(init, step, host, n, on_tokens, timing):
@@ -290,6 +309,12 @@ def _result(model: Model, plan: GenerationPlan, out, tokens, host, n: int, timin
         stats.update({"tree_nodes": plan.spec.num_nodes, "drafters": [d.describe() for d in plan.spec.drafters],
                       "expansions": [d.expansion.widths for d in plan.spec.drafters if isinstance(d, SSMDrafter)],
                       "verifier": plan.verifier, "draft": plan.draft})
+        at_level = host(out.level_passes)[:n].astype(np.int64)
+        budget = plan.spec.budget
+        if budget is not None:
+            stats["budget"] = {"tree_nodes": [budget.node_count(lv) for lv in range(len(budget.levels))],
+                               "seconds_per_pass": list(budget.costs), "costs_source": budget.source,
+                               "passes_at_level": at_level.sum(0).tolist()}
     batch_hist = hist.sum(0)
     stats.update({"tokens_per_pass_histogram": batch_hist.tolist(),
                   "mean_tokens_per_pass": _mean(batch_hist),
@@ -301,6 +326,7 @@ def _result(model: Model, plan: GenerationPlan, out, tokens, host, n: int, timin
         requests.append({"generated_tokens": int(counts[i]), "llm_passes": passes,
                          "tokens_per_pass_histogram": hist[i].tolist(), "mean_tokens_per_pass": _mean(hist[i]),
                          "accepted_at_depth": depth_acc[i].tolist(), "seconds": took,
+                         **({"passes_at_level": at_level[i].tolist()} if "budget" in stats else {}),
                          "tokens_per_s": int(counts[i]) / took if took > 0 else float("inf"),
                          "failed": bool(failed[i])})
     stats["requests"] = requests
@@ -416,7 +442,7 @@ def _bound(d) -> Bound:
 
 
 def _spec_config(model: Model, ssms: list, drafters: list, mode: str, expansion, impl: str, verifier: str,
-                 draft: str, sampled: bool):
+                 draft: str, sampled: bool, budget=None):
 
     if not ssms and not drafters:
         raise InputError(f"mode {mode!r} needs at least one SSM (ssms=[...]) or drafter (drafters=[...])")
@@ -431,8 +457,14 @@ def _spec_config(model: Model, ssms: list, drafters: list, mode: str, expansion,
     verifier, draft = resolve_verifier(verifier, draft, sampled)
     exps = _expansions(mode, expansion, len(ssms)) if ssms else []
     bound = [_bound(d) for d in drafters]
-    spec = SpecConfig(drafters=tuple(SSMDrafter(s.config, e, draft) for s, e in zip(ssms, exps))
-                      + tuple(b.drafter for b in bound), impl=resolve_impl(impl), verifier=verifier)
+    drafter_objs = tuple(SSMDrafter(s.config, e, draft) for s, e in zip(ssms, exps)) + tuple(b.drafter for b in bound)
+    if isinstance(budget, str):
+        if budget != "auto":
+            raise InputError(f"budget must be None, 'auto' or a specjax.Budget, got {budget!r}")
+        budget = Budget(default_levels(drafter_objs))
+    elif budget is not None and not isinstance(budget, Budget):
+        raise InputError(f"budget must be None, 'auto' or a specjax.Budget, got {type(budget).__name__}")
+    spec = SpecConfig(drafters=drafter_objs, impl=resolve_impl(impl), verifier=verifier, budget=budget)
     if spec.num_nodes > MAX_TREE_NODES:
         raise InputError(f"the drafters {[d.describe() for d in spec.drafters]} make a token tree of {spec.num_nodes} "
                          f"nodes; the limit is {MAX_TREE_NODES} (N_max)")

@@ -10,6 +10,8 @@ import pytest
 import specjax
 from specjax.engine import Engine
 from specjax.errors import InputError
+from specjax.speculation.budget import Budget, default_levels
+from specjax.speculation.drafters.lookup import LookupDrafter
 from specjax.speculation.drafters.ssm import derive_ssm, ssm_drafters
 from tests.conftest import random_ids
 
@@ -20,11 +22,15 @@ def llama(tiny_llama_dir):
 
 
 def _engine(llama, drafting: str, slots: int = 3) -> Engine:
-    drafters = ()
+    drafters, budget = (), None
+    if drafting == "lookup":
+        d = LookupDrafter(depth=3)
+        drafters, budget = [(d, ())], Budget(default_levels((d,)), costs=(1.0, 1.1, 1.2, 1.5, 2.0))
     if drafting == "ssm":
         ssm = derive_ssm(llama, 1)
         drafters = [(d, ssm.params) for d in ssm_drafters([ssm.config], [(2, 1)], "coupled")]
-    return Engine(llama, slots=slots, max_prompt_tokens=24, max_new_tokens=14, drafters=drafters, impl="xla")
+    return Engine(llama, slots=slots, max_prompt_tokens=24, max_new_tokens=14, drafters=drafters, impl="xla",
+                  budget=budget)
 
 
 def _alone(llama, prompt, sampling, budget, stop_ids=()):
@@ -38,7 +44,7 @@ def _alone(llama, prompt, sampling, budget, stop_ids=()):
     return tokens
 
 
-@pytest.mark.parametrize("drafting", ["none", "ssm"])
+@pytest.mark.parametrize("drafting", ["none", "ssm", "lookup"])
 def test_inserted_mid_generation_equals_alone(llama, drafting):
     rng = np.random.RandomState(11)
     greedy, hot = specjax.SamplingParams(), specjax.SamplingParams(temperature=0.8, top_p=0.9, seed=5)

@@ -1,4 +1,4 @@
-"""The ``specjax`` command: generate, convert, launch, boost-tune.
+"""The ``specjax`` command: generate, convert, launch, boost-tune, tree-cost.
 
 Every argument is checked before any expensive work (model load, compilation, corpus generation);
 a refused input prints ``specjax: error: ...`` and exits with status 2, never a traceback.
@@ -14,6 +14,7 @@ import os
 import sys
 
 from specjax.cli.generate import _cmd_generate
+from specjax.cli.tree_cost import add_parser as add_tree_cost
 from specjax.errors import SpecjaxError
 from specjax.io import registry
 from specjax.speculation.choices import DRAFT_CHOICES, MODES, VERIFIER_CHOICES
@@ -91,11 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ssm", action="append", default=None,
                    help="SSM: a registered name (smollm2-ssm-a, smollm2-ssm-b), 'derived:K' (the LLM's first K "
                         "layers), 'derived:i,j,..', 'derived:auto' or a model path; repeat for a merged pool "
-                        f"(default: {','.join(registry.DEFAULT_SSMS)} for the default LLM, its best measured "
-                        f"configuration; derived:auto for other LLMs)")
+                        f"(default: none, the lookup drafter speculates; --mode sequence: "
+                        f"{','.join(registry.DEFAULT_SSMS)} for the default LLM, derived:auto for others)")
     g.add_argument("--drafter", action="append", default=None, metavar="NAME:ARG",
-                   help="a registered drafter, e.g. ssm:derived:4 or ssm:PATH (drafts --expansion); repeat to merge "
-                        "several; given without --ssm, the default SSM is not added (default: none)")
+                   help="a registered drafter: lookup:auto, lookup:D or lookup:depth=D,branches=K,ngram=N (copies "
+                        "continuations of the request's own text, no weights), ssm:derived:4 or ssm:PATH (drafts "
+                        "--expansion); repeat to merge several "
+                        f"(default: {','.join(registry.DEFAULT_DRAFTERS)} when neither --ssm nor --drafter is given)")
+    g.add_argument("--budget", default=None, choices=["auto", "off"],
+                   help="auto: each step verifies as much of the drafted tree as pays, from this machine's measured "
+                        "pass cost per tree size (measured once, cached; see `specjax tree-cost`) and the drafts' "
+                        "measured acceptance, down to none; off: always the whole tree (default: auto when every "
+                        "drafter estimates its acceptance (lookup), else off)")
     g.add_argument("--expansion", default=None,
                    help="expansion widths k1,...,km (default: "
                         f"{','.join(map(str, registry.DEFAULT_EXPANSION))} for tree, the best measured on this CPU, "
@@ -146,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     from specjax.cli.boost import add_parser as add_boost_tune
 
     add_boost_tune(sub, fmt)
+    add_tree_cost(sub, fmt)
     return p
 
 

@@ -8,6 +8,7 @@ import sys
 import time
 
 from specjax.errors import GenerationError, InputError
+from specjax.speculation.drafters.base import Drafter
 from specjax.io import registry
 
 
@@ -46,6 +47,8 @@ def _check_generate_args(args) -> None:
     if args.mode == "incremental" and (args.ssm or args.expansion or args.drafter):
         raise InputError("--mode incremental drafts nothing: drop --ssm / --drafter / --expansion, or choose --mode "
                          "tree")
+    if args.mode == "incremental" and args.budget is not None:
+        raise InputError("--mode incremental drafts nothing, so it takes no --budget")
     for text in args.drafter or ():
         _drafter_name(text)
     if args.microbatches is not None:
@@ -94,17 +97,43 @@ def _drafters(args, llm, load: bool, verifier: str, draft: str) -> list:
     _, draft = resolve_verifier(verifier, draft, args.temperature > 0)
     widths = Expansion.parse(args.expansion) if args.expansion else Expansion(registry.DEFAULT_EXPANSION)
     return [FACTORIES[_drafter_name(t)](t.split(":", 1)[1], llm, load=load, expansion=widths, draft=draft)
-            for t in args.drafter or ()]
+            for t in _drafter_specs(args)]
 
 
 def _ssm_specs(args) -> tuple[list[str], str | None]:
-    """(--ssm entries, --expansion) after the defaults: the shipped SSM in its best measured shape for
-    the default LLM, otherwise the LLM's first layers (derived:auto); none when --drafter is given."""
-    if args.mode == "incremental" or (args.drafter and not args.ssm):
+    """(--ssm entries, --expansion): what --ssm names; --mode sequence without one drafts with the
+    shipped SSM for the default LLM, else the LLM's first layers (derived:auto)."""
+    if args.mode == "incremental":
         return [], args.expansion
-    if not args.ssm and args.model == registry.DEFAULT_MODEL:
-        return list(registry.DEFAULT_SSMS), args.expansion
-    return args.ssm or ["derived:auto"], args.expansion  # expansion None: the API's default (one place)
+    if args.mode == "sequence" and not args.ssm:
+        return (list(registry.DEFAULT_SSMS) if args.model == registry.DEFAULT_MODEL else ["derived:auto"]), \
+            args.expansion
+    return list(args.ssm or ()), args.expansion  # expansion None: the API's default (one place)
+
+
+def _drafter_specs(args) -> list[str]:
+    """--drafter entries after the default: the lookup drafter when neither --ssm nor --drafter is given
+    (tree mode); --mode sequence takes an SSM, so it gets the default SSM instead."""
+    if args.mode == "incremental" or args.ssm or args.drafter:
+        return list(args.drafter or ())
+    return [] if args.mode == "sequence" else list(registry.DEFAULT_DRAFTERS)
+
+
+def _budget(args, ssms, drafter_objs) -> str | None:
+    """--budget: auto (the default) adapts the tree to measured costs and acceptance when every drafter
+    estimates its acceptance (lookup); with an SSM in the pool the default is the whole tree, and an
+    explicit --budget auto is refused (SSMs do not estimate acceptance)."""
+    if args.mode == "incremental" or args.budget == "off":
+        return None
+    blind = [f"SSM {s}" for s in args.ssm or ()] if ssms else []
+    blind += [d.describe() for d in drafter_objs if type(d).expected_accepted is Drafter.expected_accepted]
+    if not blind:
+        return "auto"
+    if args.budget == "auto":
+        names = blind
+        raise InputError(f"--budget auto needs drafters that estimate their acceptance; {', '.join(names)} do not "
+                         f"(use --budget off, or the lookup drafter alone)")
+    return None
 
 
 def _ssm(spec: str, llm, load: bool):
@@ -186,7 +215,8 @@ def _cmd_generate(args, out) -> int:
     light_drafters = _drafters(args, light, False, args.verifier, args.draft)
     batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, chat_template=not args.no_chat_template,
-              mode=args.mode, expansion=expansion, verifier=args.verifier, draft=args.draft)
+              mode=args.mode, expansion=expansion, verifier=args.verifier, draft=args.draft,
+              budget=_budget(args, light_ssms, [b.drafter for b in light_drafters]))
     plans = [plan_generation(light, batch, ssms=light_ssms, drafters=light_drafters, **kw) for batch in batches]
     if parallel is not None:
         for batch in batches:
@@ -200,7 +230,7 @@ def _cmd_generate(args, out) -> int:
     if parallel is not None:  # place once; generation then finds everything where it belongs
         ssms = [s._replace(params=parallel.put_params(s.params, s.config, parallel.ssm_rules)) for s in ssms]
     load_s = time.perf_counter() - t0
-    names = ssm_specs + list(args.drafter or ())
+    names = ssm_specs + _drafter_specs(args)
     description = args.mode + (f", {', '.join(names)}: " + "; ".join(d.describe() for d in plans[0].spec.drafters)
                                if names else "")
     failures = []

@@ -25,6 +25,8 @@ from specjax.attention import resolve_impl
 from specjax.decoding.buckets import _next_pow2
 from specjax.decoding.sampling import SamplingArrays, SamplingParams
 from specjax.errors import InputError
+from specjax.speculation.budget import Budget, default_levels
+from specjax.speculation.cost import with_costs
 from specjax.speculation.drafters.base import Bound
 from specjax.speculation.loop import init_state, init_state_jit, step_jit
 from specjax.speculation.spec import SpecConfig
@@ -51,11 +53,13 @@ class Engine:
     incremental sampling with their seed; "greedy", "naive", "mss" or "rrs" as in ``SpecConfig``.
     Sizes are fixed at construction so every step reuses one compiled program: a prompt may have up
     to ``max_prompt_tokens`` tokens (prefill compiles once per power-of-two prompt bucket) and a
-    request up to ``max_new_tokens`` new tokens and ``max_stop_tokens`` stop tokens.
+    request up to ``max_new_tokens`` new tokens and ``max_stop_tokens`` stop tokens. budget: None
+    (verify whole proposals), "auto" (the tree budget with this machine's measured pass costs at
+    ``slots`` requests) or a ``Budget`` (``specjax.speculation.budget``).
     """
 
     def __init__(self, model: Model, *, slots: int, max_prompt_tokens: int, max_new_tokens: int, drafters=(),
-                 verifier: str = "seeded", impl: str = "auto", max_stop_tokens: int = 4):
+                 verifier: str = "seeded", impl: str = "auto", max_stop_tokens: int = 4, budget=None):
         for name, value in (("slots", slots), ("max_prompt_tokens", max_prompt_tokens),
                             ("max_new_tokens", max_new_tokens), ("max_stop_tokens", max_stop_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -66,7 +70,13 @@ class Engine:
         bound = [d if isinstance(d, Bound) else Bound(*d) for d in drafters]
         self.model = model
         self.slots = slots
-        self.spec = SpecConfig(drafters=tuple(b.drafter for b in bound), impl=resolve_impl(impl), verifier=verifier)
+        drafter_objs = tuple(b.drafter for b in bound)
+        if budget == "auto":
+            budget = with_costs(Budget(default_levels(drafter_objs)), model.params, model.config, slots,
+                                resolve_impl(impl)) if drafter_objs else None
+        elif budget is not None and not isinstance(budget, Budget):
+            raise InputError(f"budget must be None, 'auto' or a Budget, got {budget!r}")
+        self.spec = SpecConfig(drafters=drafter_objs, impl=resolve_impl(impl), verifier=verifier, budget=budget)
         self.drafter_params = tuple(b.params for b in bound)
         self.max_prompt_tokens = max_prompt_tokens
         self.max_new_tokens = max_new_tokens

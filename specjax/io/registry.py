@@ -21,10 +21,12 @@ _REGISTRY = {
 _SSMS = {"smollm2-ssm-a": "smollm2-ssm-a", "smollm2-ssm-b": "smollm2-ssm-b"}
 MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models")
 
-# What `specjax generate` speculates with when the LLM is the default one and no --ssm is given:
-# the best configuration measured by scripts/eval_ssm.py and scripts/bench_speculative.py.
-DEFAULT_SSMS = ("smollm2-ssm-a",)
-DEFAULT_EXPANSION = (1,)  # one drafted token per pass: fastest measured (1.17x incremental)
+# What `specjax generate` speculates with when neither --ssm nor --drafter is given, for any LLM: the
+# lookup drafter (no weights) under the measured tree budget, which falls back to incremental-cost
+# passes where drafts do not pay (scripts/bench_lookup.py). The shipped SSMs stay available with --ssm.
+DEFAULT_DRAFTERS = ("lookup:auto",)
+DEFAULT_SSMS = ("smollm2-ssm-a",)  # the best shipped SSM for the default LLM (scripts/eval_ssm.py)
+DEFAULT_EXPANSION = (1,)  # one drafted token per pass: the SSMs' fastest measured shape (1.17x incremental)
 DEFAULT_SEQUENCE = (1,) * 8  # --mode sequence without --expansion: a chain of 8
 
 

@@ -18,6 +18,7 @@ from specjax.config import ModelConfig
 from specjax.decoding.incremental import PAD_TOKEN, prefill
 from specjax.decoding.sampling import SamplingArrays, finite_rows, sample_tokens
 from specjax.models.cache import init_cache
+from specjax.speculation.budget import choose_level, expected_by_level
 from specjax.speculation.commit import commit_path, tree_forward
 from specjax.speculation.drafters.base import Accepted, DraftContext
 from specjax.speculation.drafters.merge import concat_laws, merge_proposals
@@ -33,30 +34,59 @@ __all__ = ["SpecConfig", "SpecState", "SpecOutput", "VERIFIERS", "DEFAULT_DRAFT"
            "generate_speculative", "generate_speculative_jit", "generate_stream", "step_jit", "init_state_jit"]
 
 
-def build_tree(drafter_params: tuple, state: SpecState, spec: SpecConfig, sampling: SamplingArrays):
-    """This step's token tree: every drafter's proposal, merged (or the root-only tree without
-    drafters). Returns (tree, stored laws [B, R, V] or None, new drafter states)."""
+def propose_all(drafter_params: tuple, state: SpecState, spec: SpecConfig, sampling: SamplingArrays):
+    """Every drafter's proposal for this step (root token set) and the drafters' new states."""
     history, length = state.history, state.llm_cache.length
     root = jnp.take_along_axis(history, length[:, None], axis=1)
-    if not spec.drafters:
-        return _root_only(root), None, ()
     proposals, states = [], []
     for i, (drafter, params, dstate) in enumerate(zip(spec.drafters, drafter_params, state.drafter_states)):
         ctx = DraftContext(history=history, length=length, sampling=sampling, index=i, impl=spec.impl,
-                           fault=spec.fault)
+                           fault=spec.fault, max_depth=spec.max_depth)
         proposal, dstate = drafter.propose(params, dstate, ctx)
         proposals.append(proposal.replace(tokens=proposal.tokens.at[:, 0].set(root[:, 0])))
         states.append(dstate)
-    parents = [d.static_parents() for d in spec.drafters]
+    return proposals, tuple(states)
+
+
+def build_tree(proposals: list, root: jax.Array, spec: SpecConfig, counts: tuple[int, ...]):
+    """This step's token tree: each proposal cut to its first ``counts[s]`` nodes below the root,
+    merged (the root-only tree when nothing is kept). Returns (tree, stored laws [B, R, V] or None,
+    static bound on the tree depth)."""
+    keep = [s for s, m in enumerate(counts) if m > 0]
+    if not keep:
+        return _root_only(root), None, 0
+    kept = [proposals[s].replace(tokens=proposals[s].tokens[:, :counts[s] + 1],
+                                 parent=proposals[s].parent[:, :counts[s] + 1], ok=proposals[s].ok[:, :counts[s] + 1],
+                                 law_row=proposals[s].law_row[:, :counts[s] + 1]) for s in keep]
+    parents = []
+    for s in keep:
+        full = spec.drafters[s].static_parents()
+        parents.append(None if full is None else tuple(full[:counts[s] + 1]))
+    depth = max(spec.drafters[s].max_depth if par is None else _static_depth(par) for s, par in zip(keep, parents))
+    laws = concat_laws(proposals)  # every proposal's rows: the offsets do not depend on the cut
     if len(proposals) == 1 and parents[0] is not None:
-        p = proposals[0]
+        p = kept[0]
         tree = static_tree(parents[0], p.tokens.shape[0], p.tokens, entry_ok=p.ok, law_row=p.law_row)
     else:
-        tree = merge_proposals(proposals, parents, fault=spec.fault)
-    return tree, concat_laws(proposals), tuple(states)
+        tree = merge_proposals(kept, parents, fault=spec.fault, law_offsets=[_law_offsets(proposals)[s] for s in keep])
+    return tree, laws, depth
+
+
+def _static_depth(parents: tuple[int, ...]) -> int:
+    depth = [0] * len(parents)
+    for i, p in enumerate(parents):
+        depth[i] = depth[p] + 1 if p >= 0 else 0
+    return max(depth)
+
+
+def _law_offsets(proposals: list) -> list[int]:
+    """Each proposal's first row in ``concat_laws(proposals)``."""
+    rows = [0 if p.laws is None else p.laws.shape[1] for p in proposals]
+    return [int(o) for o in np.cumsum([0] + rows)[:-1]]
 
 
 def _root_only(root: jax.Array) -> TokenTree:
+    """The one-node tree (incremental decoding through the speculative loop)."""
     batch = root.shape[0]
     return TokenTree(tokens=root.astype(jnp.int32), parent=jnp.full((batch, 1), -1, jnp.int32),
                      depth=jnp.zeros((batch, 1), jnp.int32), valid=jnp.ones((batch, 1), bool),
@@ -64,33 +94,63 @@ def _root_only(root: jax.Array) -> TokenTree:
                      law_row=jnp.full((batch, 1, 1), -1, jnp.int32))
 
 
-def verify(logits, tree: TokenTree, laws, sampling: SamplingArrays, length: jax.Array, spec: SpecConfig):
+def verify(logits, tree: TokenTree, laws, sampling: SamplingArrays, length: jax.Array, spec: SpecConfig,
+           depth: int | None = None):
+    depth = spec.max_depth if depth is None else depth
     if spec.verifier == "greedy":
-        return verify_greedy(logits, tree, spec.max_depth)
+        return verify_greedy(logits, tree, depth)
     if spec.verifier == "seeded":
-        return verify_seeded(logits, tree, sampling, length, spec.max_depth, fault=spec.fault)
-    return verify_sampled(logits, tree, laws, sampling, length, spec.verifier, spec.max_depth, fault=spec.fault)
+        return verify_seeded(logits, tree, sampling, length, depth, fault=spec.fault)
+    return verify_sampled(logits, tree, laws, sampling, length, spec.verifier, depth, fault=spec.fault)
+
+
+def _scored_pass(llm_params, proposals, root, state: SpecState, cfg, spec: SpecConfig, parallel, counts):
+    """One branch of the budget switch: the tree at these node counts through the LLM, verified.
+    Returns (verdict, cache, finite logits at the path's nodes, hidden states at the path's nodes),
+    padded to the spec's full depth so every branch has one shape."""
+    tree, laws, depth = build_tree(proposals, root, spec, counts)
+    out = tree_forward(llm_params, tree, state.llm_cache, cfg, spec.impl, parallel, hidden=spec.hidden_layers)
+    verdict = verify(out.logits, tree, laws, state.sampling, state.llm_cache.length, spec, depth)
+    pad = spec.max_depth - depth
+    if pad:
+        verdict = verdict.replace(path=jnp.pad(verdict.path, ((0, 0), (0, pad)), constant_values=-1),
+                                  emitted=jnp.pad(verdict.emitted, ((0, 0), (0, pad))))
+    at_path = jnp.maximum(verdict.path, 0)
+    finite = jnp.take_along_axis(finite_rows(out.logits), at_path, axis=1)
+    hidden = None
+    if out.hidden is not None:
+        hidden = jnp.take_along_axis(out.hidden, at_path[:, :, None, None], axis=1)
+    return verdict, out.cache, finite, hidden
 
 
 def spec_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelConfig, spec: SpecConfig,
               parallel=None) -> SpecState:
     """One speculative step for every slot; finished and free slots are carried along unchanged.
-    Each request's sampling settings, budget and stop tokens are its own rows of the state."""
+    Each request's sampling settings, budget and stop tokens are its own rows of the state. With a
+    tree budget, the level (how much of each proposal is verified) is chosen per step for the batch."""
     active = ~state.done
     depth = spec.max_depth
     length = state.llm_cache.length
     sampling = state.sampling
-    tree, laws, drafter_states = build_tree(drafter_params, state, spec, sampling)
-    out = tree_forward(llm_params, tree, state.llm_cache, cfg, spec.impl, parallel, hidden=spec.hidden_layers)
-    logits = out.logits
-    verdict = verify(logits, tree, laws, sampling, length, spec)
+    root = jnp.take_along_axis(state.history, length[:, None], axis=1)
+    proposals, drafter_states = propose_all(drafter_params, state, spec, sampling)
+    levels = spec.levels
+    branches = [functools.partial(_scored_pass, llm_params, proposals, root, state, cfg, spec, parallel, counts)
+                for counts in levels]
+    if spec.budget is None:
+        level = jnp.int32(0)
+        verdict, cache, finite_on_path, hidden = branches[0]()
+    else:
+        expected = expected_by_level(spec.drafters, drafter_params, drafter_states, spec.budget)
+        level = choose_level(spec.budget, expected, active)
+        verdict, cache, finite_on_path, hidden = jax.lax.switch(level, branches)
     # Accepted token d + 1 was decided by the LLM's logits at path node d (the root is node 0); the bonus
     # by the last accepted node. If path node j has non-finite logits (NaN weights, overflow), the tokens
     # decided before it stand, exactly as incremental decoding emits them, and the request fails there.
     width = depth + 1
     j = jnp.arange(width)[None, :]
     on_path = j <= verdict.num_accepted[:, None]
-    finite_at = jnp.take_along_axis(finite_rows(logits), jnp.maximum(verdict.path, 0), axis=1) | ~on_path
+    finite_at = finite_on_path | ~on_path
     first_bad = jnp.min(jnp.where(finite_at, width, j), axis=1)  # width = none
     ok = verdict.ok & (first_bad == width)  # verdict.ok: the final token's residual had mass
     n_legit = jnp.where(first_bad < width, first_bad, verdict.num_accepted + verdict.ok.astype(jnp.int32))
@@ -114,9 +174,9 @@ def spec_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelCon
     done = state.done | failed | (active & finished)
 
     keep = jnp.where(active, verdict.num_accepted + 1, 0)  # root + accepted nodes
-    llm_cache = commit_path(out.cache, verdict.path, keep)
+    llm_cache = commit_path(cache, verdict.path, keep)
     drafter_states = _commit_drafters(drafter_params, drafter_states, spec, verdict, n_emit, llm_cache.length,
-                                      out.hidden)
+                                      hidden)
 
     req = jnp.arange(state.tokens.shape[0])
     counted = active & ~failed  # a failing pass is not a speculative pass of the request's histogram
@@ -125,20 +185,22 @@ def spec_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelCon
     if depth:
         reached = (jnp.arange(depth)[None, :] < verdict.num_accepted[:, None]) & counted[:, None]
         acc = acc + reached.astype(jnp.int32)
+    at_level = state.level_passes.at[req, level].add(counted.astype(jnp.int32))
     return state.replace(llm_cache=llm_cache, drafter_states=drafter_states, history=history, tokens=tokens,
                          num_generated=num_generated, done=done, failed=failed, tokens_per_pass=hist,
-                         accepted_at_depth=acc, llm_passes=state.llm_passes + 1)
+                         accepted_at_depth=acc, level_passes=at_level, llm_passes=state.llm_passes + 1)
 
 
 def _commit_drafters(drafter_params, drafter_states, spec: SpecConfig, verdict, n_emit, new_length, hidden):
     """Tell every drafter what was accepted; a drafter that reads hidden states gets the LLM's at the
-    accepted path's nodes, for the layers it asked (a subset of ``spec.hidden_layers``)."""
+    accepted path's nodes (``hidden``: [B, D + 1, len(spec.hidden_layers), H] gathered at the path),
+    for the layers it asked (a subset of ``spec.hidden_layers``)."""
     out = []
     for drafter, params, dstate in zip(spec.drafters, drafter_params, drafter_states):
         at_path = None
         if drafter.hidden_layers:
             cols = [spec.hidden_layers.index(i) for i in drafter.hidden_layers]
-            at_path = jnp.take_along_axis(hidden, jnp.maximum(verdict.path, 0)[:, :, None, None], axis=1)[:, :, cols]
+            at_path = hidden[:, :, cols]
         accepted = Accepted(path=verdict.path, num_accepted=verdict.num_accepted, emitted=verdict.emitted,
                             num_emitted=n_emit, length=new_length, hidden=at_path)
         out.append(drafter.commit(params, dstate, accepted))
@@ -177,6 +239,7 @@ def init_state(llm_params, drafter_params: tuple, prompt_tokens, prompt_lens, ma
                      sampling=sampling, max_new_tokens=max_new_tokens, stop_ids=jnp.asarray(stop_ids, jnp.int32),
                      tokens_per_pass=jnp.zeros((batch, depth + 2), jnp.int32),
                      accepted_at_depth=jnp.zeros((batch, max(depth, 1)), jnp.int32),
+                     level_passes=jnp.zeros((batch, len(spec.levels)), jnp.int32),
                      llm_passes=jnp.ones((), jnp.int32))
 
 
@@ -208,7 +271,7 @@ def generate_speculative(llm_params, drafter_params: tuple, prompt_tokens: jax.A
     state = jax.lax.while_loop(cond, step, state)
     return SpecOutput(tokens=state.tokens, num_generated=state.num_generated, llm_passes=state.llm_passes,
                       tokens_per_pass=state.tokens_per_pass, accepted_at_depth=state.accepted_at_depth,
-                      failed=state.failed)
+                      level_passes=state.level_passes, failed=state.failed)
 
 
 generate_speculative_jit = jax.jit(generate_speculative,

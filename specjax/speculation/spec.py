@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from specjax.errors import InputError
+from specjax.speculation.budget import Budget
 from specjax.speculation.drafters.base import VERIFIER_LAWS, Drafter, check_pairing
 from specjax.speculation.faults import check_fault
 
@@ -20,6 +21,7 @@ class SpecConfig:
     impl: str = "auto"  # tree attention implementation
     verifier: str = "greedy"  # one of VERIFIERS; greedy ignores the sampling settings
     fault: str | None = None  # tests only: one of faults.FAULTS re-creates that pitfall (static, compiled apart)
+    budget: Budget | None = None  # None: verify every proposal whole; else a measured per-step tree budget
 
     def __post_init__(self):
         if not isinstance(self.drafters, tuple) or not all(isinstance(d, Drafter) for d in self.drafters):
@@ -28,6 +30,19 @@ class SpecConfig:
             raise InputError(f"unknown verifier {self.verifier!r}; choose from {VERIFIERS}")
         check_fault(self.fault)
         check_pairing(self.drafters, self.verifier)
+        if self.budget is not None:
+            if not isinstance(self.budget, Budget):
+                raise InputError(f"SpecConfig.budget must be a Budget or None, got {type(self.budget).__name__}")
+            if not self.drafters:
+                raise InputError("a tree budget needs at least one drafter")
+            self.budget.check(self.drafters)
+
+    @property
+    def levels(self) -> tuple[tuple[int, ...], ...]:
+        """Per level, the nodes kept of each drafter's proposal (one level, everything, without a budget)."""
+        if self.budget is None:
+            return (tuple(d.num_nodes for d in self.drafters),)
+        return self.budget.levels
 
     @property
     def max_depth(self) -> int:

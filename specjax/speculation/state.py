@@ -34,6 +34,7 @@ class SpecState:
     stop_ids: jax.Array  # [B, E] int32, each request's stop tokens, NO_STOP padded
     tokens_per_pass: jax.Array  # [B, D + 2] int32, per request: histogram over its passes of tokens emitted
     accepted_at_depth: jax.Array  # [B, max(D, 1)] int32, per request: accepted nodes at depth d + 1
+    level_passes: jax.Array  # [B, L] int32, per request: its passes at each tree-budget level (L = 1 without)
     llm_passes: jax.Array  # [] int32, LLM forward passes of the batch (prefills included)
 
 
@@ -44,6 +45,7 @@ class SpecOutput:
     llm_passes: jax.Array  # [] int32
     tokens_per_pass: jax.Array  # [B, D + 2] int32 (sum over axis 0 for the batch's histogram)
     accepted_at_depth: jax.Array  # [B, max(D, 1)] int32
+    level_passes: jax.Array  # [B, L] int32, passes at each tree-budget level
     failed: jax.Array  # [B] bool
 
 

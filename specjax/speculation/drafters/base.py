@@ -71,6 +71,9 @@ class DraftContext:
     index: int = struct.field(pytree_node=False, default=0)  # the drafter's place in the spec (key slots)
     impl: str = struct.field(pytree_node=False, default="xla")  # tree attention implementation
     fault: str | None = struct.field(pytree_node=False, default=None)  # tests only (faults.FAULTS)
+    # The deepest tree of the merged pool: a step may commit up to max_depth + 1 tokens, also ones
+    # another drafter proposed (a drafter that re-reads recent tokens must cover that many).
+    max_depth: int = struct.field(pytree_node=False, default=0)
 
 
 @struct.dataclass
@@ -124,6 +127,17 @@ class Drafter:
 
     def describe(self) -> str:
         return type(self).__name__
+
+    def budget_ladder(self) -> tuple[int, ...]:
+        """Node counts below the root (prefixes of the proposal, parents before children) that the
+        tree budget may cut this drafter's proposal to: by default none or all of it."""
+        return (0, self.num_nodes)
+
+    def expected_accepted(self, params, state, node_counts: tuple[int, ...]):
+        """[B, len(node_counts)] float32: expected accepted tokens if the tree kept this drafter's first
+        m nodes, from the state ``propose`` just returned; None when the drafter does not estimate
+        (the tree budget then cannot be used with it)."""
+        return None
 
     def check_mesh(self, parallel, batch: int) -> None:
         """Refuse a mesh this drafter cannot run on (before any weights move)."""

@@ -16,7 +16,7 @@ def merged_size(proposals: list[Proposal]) -> int:
 
 
 def merge_proposals(proposals: list[Proposal], static_parents: list | None = None,
-                    fault: str | None = None) -> TokenTree:
+                    fault: str | None = None, law_offsets: list[int] | None = None) -> TokenTree:
     """One tree holding every proposed token sequence exactly once as a node; each proposal remains a
     child entry of its (merged) parent, duplicates allowed, in draw order: drafter order, then node
     order. Jittable; the node count is padded to ``merged_size``. All proposals share the root.
@@ -24,7 +24,8 @@ def merge_proposals(proposals: list[Proposal], static_parents: list | None = Non
     static_parents[s]: drafter s's parent array when it is static (expansion trees), which keeps the
     bookkeeping static; None = read ``proposal.parent`` (dynamic trees, parents before children).
     Entry law rows are offset into the concatenation of the proposals' ``laws`` (in drafter order,
-    proposals without laws contributing no rows). fault "dedupe_merged" (tests only) keeps one entry
+    proposals without laws contributing no rows; ``law_offsets`` overrides the offsets when the
+    stored laws are those of a larger set of proposals, e.g. before a tree budget cut). fault "dedupe_merged" (tests only) keeps one entry
     per distinct token instead of one per proposal.
     """
     max_nodes = merged_size(proposals)
@@ -33,7 +34,7 @@ def merge_proposals(proposals: list[Proposal], static_parents: list | None = Non
     # one drafter's siblings, so several drafted nodes can merge and pool their children's entries).
     max_entries = max_nodes - 1
     rows = [0 if p.laws is None else p.laws.shape[1] for p in proposals]
-    offsets = np.cumsum([0] + rows)[:-1]
+    offsets = np.cumsum([0] + rows)[:-1] if law_offsets is None else np.asarray(law_offsets)
     dedupe = fault == "dedupe_merged"
 
     def merge_one(tokens_s, parent_s, ok_s, law_row_s):

@@ -13,7 +13,8 @@ Keeping the SSM cache in step with the LLM: each step the SSM re-reads a fixed c
 ``m + 1`` committed tokens ending at the root (m = its tree depth). A step commits at most m + 1
 tokens, so this chain always covers every token the SSM has not processed (an accepted leaf at
 maximum depth, the bonus token, or a merged path another drafter proposed) with static shapes; the
-chain's logits at the root give the depth-1 children. ``commit`` therefore has nothing to do.
+chain's logits at the root give the depth-1 children. ``commit`` therefore has nothing to do. Merged
+with a deeper drafter (lookup chains), the chain is as long as the merged tree's depth + 1.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ class SSMDrafter(Drafter):
 
     def propose(self, params, cache: KVCache, ctx: DraftContext) -> tuple[Proposal, KVCache]:
         tokens, ok, laws, cache = draft_expansion(params, self.config, cache, ctx.history, ctx.length, self.expansion,
-                                                  ctx.impl, self.mode, ctx.sampling, ctx.index, ctx.fault)
+                                                  ctx.impl, self.mode, ctx.sampling, ctx.index, ctx.fault,
+                                                  commit_depth=ctx.max_depth)
         batch, n = tokens.shape
         parents = jnp.broadcast_to(jnp.asarray(self.static_parents(), jnp.int32), (batch, n))
         # Sampled modes declare row u (the node drafted from) of their stored laws for u's children;
@@ -229,8 +231,10 @@ def chain_logits(params, cfg: ModelConfig, cache: KVCache, history: jax.Array, l
 
 def draft_expansion(params, cfg: ModelConfig, cache: KVCache, history: jax.Array, length: jax.Array,
                     expansion: Expansion, impl: str = "auto", draft: str = "topk",
-                    sampling: SamplingArrays | None = None, ssm_index: int = 0, fault: str | None = None):
-    """Expansion drafting. Returns (tokens [B, N] (root = history[length]), entry_ok [B, N],
+                    sampling: SamplingArrays | None = None, ssm_index: int = 0, fault: str | None = None,
+                    commit_depth: int = 0):
+    """Expansion drafting (``commit_depth``: the merged tree's depth when deeper than this expansion:
+    the re-read chain then covers every token one step can commit). Returns (tokens [B, N] (root = history[length]), entry_ok [B, N],
     laws [B, N, V] warped log q at each drafted-from node (None for top-k drafts), cache)."""
     batch = history.shape[0]
     parents, levels = expansion.topology()
@@ -240,7 +244,7 @@ def draft_expansion(params, cfg: ModelConfig, cache: KVCache, history: jax.Array
     tokens = jnp.zeros((batch, n), jnp.int32).at[:, 0].set(root)
     entry_ok = jnp.ones((batch, n), bool)
     laws = None
-    logits, cache = chain_logits(params, cfg, cache, history, length, expansion.depth + 1)
+    logits, cache = chain_logits(params, cfg, cache, history, length, max(expansion.depth, commit_depth) + 1)
     frontier_logits = logits[:, None, :]  # [B, |frontier|, V]
     for depth, k in enumerate(expansion.widths):
         frontier = np.asarray(levels[depth])

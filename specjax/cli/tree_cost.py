@@ -1,0 +1,66 @@
+"""`specjax tree-cost`: the measured LLM pass cost by tree size and batch size on this machine.
+
+This is the table the tree budget (``--budget auto``) decides with; ``generate`` measures the rows it
+needs on first use and caches them, this command shows (or refreshes) them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from specjax.errors import InputError
+from specjax.io import registry
+
+
+def _ints(flag: str, text: str) -> list[int]:
+    items = text.split(",")
+    if not all(x.strip().isascii() and x.strip().isdigit() and int(x) >= 1 for x in items):
+        raise InputError(f"{flag} {text!r}: expected comma-separated ints >= 1")
+    return [int(x) for x in items]
+
+
+def _cmd_tree_cost(args, out) -> int:
+    nodes = _ints("--nodes", args.nodes)
+    batches = _ints("--batch-sizes", args.batch_sizes)
+    import specjax
+    from specjax.attention import resolve_impl
+    from specjax.speculation.cost import cached_pass_costs, machine_key
+
+    model = specjax.load_model(args.model, dtype=args.dtype, progress=not args.json)
+    impl = resolve_impl("auto")
+    rows = {}
+    for b in batches:
+        def progress(n, b=b):
+            print(f"# measuring batch {b}, {n} nodes ...", file=sys.stderr, flush=True)
+
+        rows[b], source = cached_pass_costs(model.params, model.config, b, nodes, impl, progress=progress,
+                                            remeasure=args.remeasure)
+    if args.json:
+        out.write(json.dumps({"model": args.model, "machine": machine_key(), "dtype": args.dtype,
+                              "seconds_per_pass": {str(b): {str(n): s for n, s in r.items()} for b, r in rows.items()}})
+                  + "\n")
+        return 0
+    out.write(f"# LLM pass time by tree size: {args.model}, {args.dtype}, {machine_key()}\n")
+    out.write(f"# ms per pass (x = relative to one node at the same batch size); {source.split(',')[-1].strip()}\n")
+    out.write(f"{'nodes':>6} " + " ".join(f"{'batch ' + str(b):>18}" for b in batches) + "\n")
+    for n in nodes:
+        cells = [f"{rows[b][n] * 1e3:>9.1f} ms {rows[b][n] / rows[b][min(nodes)]:>5.2f}x" for b in batches]
+        out.write(f"{n:>6} " + " ".join(cells) + "\n")
+    return 0
+
+
+def add_parser(sub, fmt) -> None:
+    t = sub.add_parser("tree-cost", formatter_class=fmt,
+                       help="show (measuring once, then cached) the LLM pass time by tree size and batch size",
+                       description="The LLM's tree-pass time on this machine by tree size and batch size: the cost "
+                                   "table `generate --budget auto` chooses its tree size with. Measured on first use "
+                                   "(a warm median of 5 passes per cell) and cached in ~/.cache/specjax/tree_costs.json "
+                                   "($SPECJAX_CACHE_DIR).")
+    t.add_argument("--model", default=registry.DEFAULT_MODEL, help="registered name, HF directory, .gguf or checkpoint")
+    t.add_argument("--nodes", default="1,2,3,5,9,17", help="tree sizes (nodes, root included)")
+    t.add_argument("--batch-sizes", default="1", help="batch sizes")
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype")
+    t.add_argument("--remeasure", action="store_true", help="measure again instead of reading the cached table")
+    t.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    t.set_defaults(func=_cmd_tree_cost)

@@ -1,0 +1,98 @@
+"""The tree budget: how many drafted nodes each step verifies, from measured pass costs and acceptance.
+
+A bigger token tree costs a slower LLM pass (on a CPU the pass is compute-bound: 16 nodes cost ~2.7x
+one token); it pays only when enough of it is accepted. A ``Budget`` holds a few *levels*, each a
+static cut of every drafter's proposal (a prefix of its nodes, parents before children), and the
+measured seconds of one LLM pass at each level for the batch size being compiled
+(``specjax.speculation.cost``). Every step, inside the jitted loop, the drafters estimate the tokens
+each level would get accepted for each request (``Drafter.expected_accepted``), and the level that
+maximises
+
+    sum over unfinished requests of (1 + expected accepted tokens)  /  seconds per pass at that level
+
+runs (``lax.switch`` over one compiled pass per level). Level 0 is no drafted node at all: the cost
+of incremental decoding plus the drafters' own bookkeeping. Because the costs are per batch size,
+large batches, where a tree's extra nodes cost most, fall back to smaller trees or none by the same
+rule ("batch-aware"). A request whose drafts will not pay contributes nothing to a bigger level; the
+pass shape is the batch's, so its nodes then cost nothing extra either.
+
+The choice reads only committed tokens and past statistics, never the current pass's logits, so
+every verifier stays exact whatever level runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from specjax.errors import InputError
+from specjax.speculation.drafters.base import Drafter
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """levels[l][s]: nodes below the root kept of drafter s's proposal at level l (level 0 should be
+    all zeros: no speculation). costs[l]: seconds per LLM pass at level l (None: measure before use,
+    ``specjax.speculation.cost.with_costs``). source: where the costs come from (shown in stats)."""
+
+    levels: tuple[tuple[int, ...], ...]
+    costs: tuple[float, ...] | None = None
+    source: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.levels, tuple) or not self.levels or not all(
+                isinstance(lv, tuple) and lv and all(isinstance(m, int) and m >= 0 for m in lv) for lv in self.levels):
+            raise InputError(f"Budget.levels must be a non-empty tuple of tuples of node counts >= 0 (one per "
+                             f"drafter), got {self.levels!r}")
+        if len({len(lv) for lv in self.levels}) != 1:
+            raise InputError(f"Budget.levels: every level needs one node count per drafter, got {self.levels!r}")
+        if self.costs is not None:
+            if len(self.costs) != len(self.levels):
+                raise InputError(f"Budget: {len(self.costs)} costs for {len(self.levels)} levels")
+            bad = [c for c in self.costs if not (isinstance(c, float) and math.isfinite(c) and c > 0)]
+            if bad:
+                raise InputError(f"Budget.costs must be positive finite seconds (floats), got {bad[0]!r}")
+
+    def node_count(self, level: int) -> int:
+        """Tree nodes at this level, the root included (before merging removes duplicates)."""
+        return 1 + sum(self.levels[level])
+
+    def check(self, drafters) -> None:
+        """Refuse levels that do not fit the drafters, or drafters that cannot estimate acceptance."""
+        if len(self.levels[0]) != len(drafters):
+            raise InputError(f"Budget levels give node counts for {len(self.levels[0])} drafters, the spec has "
+                             f"{len(drafters)}")
+        for lv in self.levels:
+            for d, m in zip(drafters, lv):
+                if m > d.num_nodes:
+                    raise InputError(f"Budget level {lv}: {m} nodes of {d.describe()}, which proposes {d.num_nodes}")
+        for d in drafters:
+            if type(d).expected_accepted is Drafter.expected_accepted:
+                raise InputError(f"the tree budget needs drafters that estimate their acceptance; "
+                                 f"{d.describe()} does not (use budget=None for a fixed tree)")
+
+
+def default_levels(drafters) -> tuple[tuple[int, ...], ...]:
+    """One drafter: its own ladder (``Drafter.budget_ladder``). Several: none, or every proposal whole."""
+    if len(drafters) == 1:
+        return tuple((m,) for m in drafters[0].budget_ladder())
+    return (tuple(0 for _ in drafters), tuple(d.num_nodes for d in drafters))
+
+
+def expected_by_level(drafters, drafter_params, drafter_states, budget: Budget) -> jax.Array:
+    """[B, L] expected accepted tokens per request at each level: the best single drafter's estimate
+    (merged proposals share their first tokens, so their gains do not add up)."""
+    per = []
+    for s, (d, p, st) in enumerate(zip(drafters, drafter_params, drafter_states)):
+        per.append(d.expected_accepted(p, st, tuple(lv[s] for lv in budget.levels)))
+    return jnp.max(jnp.stack(per, 0), axis=0)
+
+
+def choose_level(budget: Budget, expected: jax.Array, active: jax.Array) -> jax.Array:
+    """The level maximising expected emitted tokens of the unfinished requests per second (int32)."""
+    tokens = jnp.sum(jnp.where(active[:, None], 1.0 + expected, 0.0), axis=0)  # [L]
+    rate = tokens / jnp.asarray(budget.costs, jnp.float32)
+    return jnp.argmax(rate).astype(jnp.int32)

@@ -1,0 +1,147 @@
+"""Measured LLM pass costs by tree size and batch size: the cost table the tree budget decides with.
+
+``measure_pass_costs`` times one LLM tree pass (the real model, the real weights, a chain tree of N
+nodes over a committed prefix, the batch size being compiled) for each N, warm, median of a few
+runs. ``cached_pass_costs`` keeps the table on disk (``~/.cache/specjax/tree_costs.json``, or
+``$SPECJAX_CACHE_DIR``), keyed by the model's config and dtype, the machine (CPU model and core count
+or accelerator kind), the mesh, the batch size and the attention implementation: it is measured once
+per machine and reused. ``with_costs`` fills a ``Budget`` whose costs are not given yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.errors import InputError
+from specjax.models.cache import init_cache
+from specjax.speculation.budget import Budget
+from specjax.speculation.commit import tree_forward
+from specjax.speculation.tree import from_parents
+
+PREFIX = 256  # committed tokens behind the measured tree: a typical short request mid-generation
+REPEATS = 5
+
+
+def cache_path() -> str:
+    root = os.environ.get("SPECJAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
+    return os.path.join(root, "tree_costs.json")
+
+
+def machine_key() -> str:
+    """What the pass time depends on besides the model: the processor (or accelerator) and its cores."""
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        return f"{device.platform}:{device.device_kind}"
+    cpu = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"cpu:{cpu}:{os.cpu_count()} cores"
+
+
+def table_key(cfg: ModelConfig, dtype, batch: int, impl: str, parallel=None) -> str:
+    mesh = "none" if parallel is None else str(dict(parallel.mesh.shape))
+    model = hashlib.sha256(repr(cfg).encode()).hexdigest()[:16]
+    return f"{model}|{jnp.dtype(dtype).name}|{machine_key()}|mesh={mesh}|batch={batch}|impl={impl}"
+
+
+def _chain(batch: int, nodes: int):
+    parents = [-1] + list(range(nodes - 1))
+    return from_parents([[1 + i for i in range(nodes)]] * batch, [parents] * batch, n_max=nodes)
+
+
+def measure_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: str = "xla", parallel=None,
+                       prefix: int = PREFIX, repeats: int = REPEATS, progress=None) -> dict[int, float]:
+    """{nodes: seconds per LLM tree pass}, measured warm on this machine (median of ``repeats``)."""
+    counts = sorted(set(int(n) for n in node_counts))
+    if not counts or counts[0] < 1:
+        raise InputError(f"tree sizes to measure must be >= 1 node, got {node_counts!r}")
+    dtype = jax.tree.leaves(params)[0].dtype
+
+    def one_pass(params, tree, cache):
+        if parallel is not None:
+            cache = parallel.constrain_cache(cache, cfg)
+        return tree_forward(params, tree, cache, cfg, impl, parallel).logits
+
+    fwd = jax.jit(one_pass)
+    out = {}
+    for n in counts:
+        if progress is not None:
+            progress(n)
+        cache = init_cache(cfg, batch, prefix + n, dtype)
+        cache = cache.replace(k=jnp.zeros_like(cache.k), v=jnp.zeros_like(cache.v),
+                              length=jnp.full((batch,), prefix, jnp.int32))
+        tree = _chain(batch, n)
+        if parallel is not None:
+            tree = parallel.put_batch(tree)
+        jax.block_until_ready(fwd(params, tree, cache))  # compile + warm
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fwd(params, tree, cache))
+            samples.append(time.perf_counter() - t0)
+        out[n] = float(np.median(samples))
+    return out
+
+
+def cached_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: str = "xla", parallel=None,
+                      progress=None, remeasure: bool = False) -> tuple[dict[int, float], str]:
+    """({nodes: seconds}, where they came from): the on-disk table, measuring what it lacks."""
+    path = cache_path()
+    dtype = jax.tree.leaves(params)[0].dtype
+    key = table_key(cfg, dtype, batch, impl, parallel)
+    table = _read(path)
+    row = {} if remeasure else {int(n): float(s) for n, s in table.get(key, {}).items()}
+    missing = [int(n) for n in node_counts if int(n) not in row]
+    if missing:
+        row.update(measure_pass_costs(params, cfg, batch, missing, impl, parallel, progress=progress))
+        table = _read(path)  # another process may have written meanwhile
+        table[key] = {str(n): s for n, s in sorted(row.items())}
+        _write(path, table)
+        source = f"measured now on {machine_key()} (batch {batch}), cached in {path}"
+    else:
+        source = f"measured earlier on {machine_key()} (batch {batch}), from {path}"
+    return {int(n): row[int(n)] for n in node_counts}, source
+
+
+def with_costs(budget: Budget, params, cfg: ModelConfig, batch: int, impl: str, parallel=None,
+               progress=None) -> Budget:
+    """The budget with each level's measured seconds per pass (unchanged when it already has costs)."""
+    if budget.costs is not None:
+        return budget
+    nodes = [budget.node_count(level) for level in range(len(budget.levels))]
+    costs, source = cached_pass_costs(params, cfg, batch, nodes, impl, parallel, progress=progress)
+    return dataclasses.replace(budget, costs=tuple(costs[n] for n in nodes), source=source)
+
+
+def _read(path: str) -> dict:
+    try:
+        with open(path) as f:
+            table = json.load(f)
+        return table if isinstance(table, dict) else {}
+    except (OSError, ValueError):
+        return {}  # no table yet, or a damaged one: measure again (the file is only a cache)
+
+
+def _write(path: str, table: dict) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:  # the costs are still used for this run, only measured again next time
+        warnings.warn(f"specjax: could not write the tree cost table {path}: {e}", stacklevel=2)

@@ -1,0 +1,212 @@
+"""The lookup drafter: model-free drafts copied from the request's own text (prompt lookup, on device).
+
+Where the output repeats its input (summarise this, answer from this passage, rewrite this code) the
+next tokens are often a continuation the request has already seen. Each step, for every request:
+
+1. the *key* is its last tokens ending at the root; at every earlier position p the match length is
+   the number of consecutive tokens (up to ``max_ngram``) ending at p that equal the key's;
+2. candidates are positions with a match of at least ``min_ngram`` tokens, ranked longest match
+   first, then by how much of their continuation is committed (up to ``depth``), then most recent;
+   ``branches`` of them are taken, each with a first continuation token
+   different from those already taken (a second match with the same next token would duplicate a
+   branch);
+3. each candidate's continuation ``history[p + 1 : p + 1 + depth]`` becomes one chain below the
+   root; tokens not yet committed (past the root) are not drafted (``ok`` False).
+
+The rule reads only committed tokens, so every entry is deterministic (law ``"onehot"``): greedy,
+seeded, naive, MSS and RRS verification stay exact. Everything is [B, S] array work inside the
+jitted loop: no host round trip, static shapes, any batch.
+
+**Measured acceptance** (for the tree budget, ``specjax.speculation.budget``): after every step each
+chain is compared with the tokens the LLM actually emitted, as far as they are known, whether or not
+the chain was in the verified tree. Per request and per match length n the drafter keeps decayed
+counts of continuation tokens that were right and of first wrong ones; their ratio (with a weak
+prior) is the per-token acceptance rate alpha_n its estimate of accepted tokens uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.errors import InputError
+from specjax.speculation.drafters.base import Accepted, Bound, DraftContext, Drafter, Proposal
+
+DECAY = 0.95  # per update: recent agreement counts more (text switches between copying and writing)
+PRIOR = (1.0, 1.0)  # pseudo-counts (right, wrong) before a request has been observed: alpha = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupDrafter(Drafter):
+    """``branches`` chains of ``depth`` tokens copied from the request's prompt and generated text."""
+
+    depth: int = 8
+    branches: int = 2
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def __post_init__(self):
+        for name in ("depth", "branches", "max_ngram", "min_ngram"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise InputError(f"lookup drafter: {name} must be a positive int, got {value!r}")
+        if self.min_ngram > self.max_ngram:
+            raise InputError(f"lookup drafter: min_ngram {self.min_ngram} exceeds max_ngram {self.max_ngram}")
+        if self.depth * self.branches > 64:
+            raise InputError(f"lookup drafter: {self.branches} branches x depth {self.depth} = "
+                             f"{self.branches * self.depth} nodes, beyond the tree limit of 64")
+
+    @property
+    def law(self) -> str:
+        return "onehot"
+
+    @property
+    def num_nodes(self) -> int:
+        return self.depth * self.branches
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    def static_parents(self) -> tuple[int, ...]:
+        """Chain-major: chain c's nodes are 1 + c * depth ... (c + 1) * depth, each under the previous."""
+        parents = [-1]
+        for c in range(self.branches):
+            first = 1 + c * self.depth
+            parents += [0] + list(range(first, first + self.depth - 1))
+        return tuple(parents)
+
+    def budget_ladder(self) -> tuple[int, ...]:
+        """Node counts (below the root) worth compiling a pass for: none, the best chain's first 1, 2,
+        4, ... tokens, the whole best chain, then every chain (chain-major order keeps each a prefix)."""
+        ladder, n = [0], 1
+        while n < self.depth:
+            ladder.append(n)
+            n *= 2
+        ladder.append(self.depth)
+        if self.branches > 1:
+            ladder.append(self.num_nodes)
+        return tuple(ladder)
+
+    def describe(self) -> str:
+        return f"lookup(depth {self.depth}, branches {self.branches}, n-grams {self.max_ngram}..{self.min_ngram})"
+
+    def init(self, params, prompt_tokens, prompt_lens, *, cache_len: int, parallel=None) -> dict:
+        batch = prompt_tokens.shape[0]
+        k, d = self.branches, self.depth
+        return {"chains": jnp.zeros((batch, k, d), jnp.int32), "known": jnp.zeros((batch, k), jnp.int32),
+                "ngram": jnp.zeros((batch, k), jnp.int32),
+                "counts": jnp.zeros((batch, self.max_ngram + 1, 2), jnp.float32)}
+
+    def propose(self, params, state: dict, ctx: DraftContext) -> tuple[Proposal, dict]:
+        chains, known, ngram = find_chains(ctx.history, ctx.length, self.depth, self.branches, self.max_ngram,
+                                           self.min_ngram)
+        batch = chains.shape[0]
+        root = jnp.take_along_axis(ctx.history, ctx.length[:, None], axis=1)
+        tokens = jnp.concatenate([root, chains.reshape(batch, -1)], axis=1).astype(jnp.int32)
+        drafted = jnp.arange(self.depth)[None, None, :] < known[:, :, None]  # [B, K, D]
+        ok = jnp.concatenate([jnp.ones((batch, 1), bool), drafted.reshape(batch, -1)], axis=1)
+        parents = jnp.broadcast_to(jnp.asarray(self.static_parents(), jnp.int32), tokens.shape)
+        proposal = Proposal(tokens=tokens, parent=parents, ok=ok, law_row=jnp.full(tokens.shape, -1, jnp.int32))
+        return proposal, dict(state, chains=chains, known=known, ngram=ngram)
+
+    def commit(self, params, state: dict, accepted: Accepted) -> dict:
+        """Score this step's chains against the tokens the LLM emitted (as far as they go)."""
+        emitted, n_emit = accepted.emitted, accepted.num_emitted
+        width = min(self.depth, emitted.shape[1])
+        chains, known = state["chains"][:, :, :width], jnp.minimum(state["known"], width)
+        seen = jnp.minimum(known, n_emit[:, None])  # [B, K] chain tokens whose true value is known
+        d = jnp.arange(width)[None, None, :]
+        same = (chains == emitted[:, None, :width]) & (d < seen[:, :, None])
+        right = jnp.sum(jnp.cumprod(same, axis=2), axis=2)  # leading agreement
+        wrong = (right < seen).astype(jnp.float32)
+        observed = (seen > 0) & (state["ngram"] > 0)
+        rows = jnp.where(observed, state["ngram"], 0)  # row 0 collects nothing that is read
+        update = jnp.stack([jnp.where(observed, right, 0).astype(jnp.float32), jnp.where(observed, wrong, 0)], -1)
+        moved = (n_emit > 0)[:, None, None]
+        counts = jnp.where(moved, state["counts"] * DECAY, state["counts"])
+        counts = counts.at[jnp.arange(counts.shape[0])[:, None], rows].add(update)
+        return dict(state, counts=counts)
+
+    def expected_accepted(self, params, state: dict, node_counts: tuple[int, ...]) -> jax.Array:
+        """[B, len(node_counts)] expected accepted tokens if the tree kept this drafter's first m nodes.
+
+        Chain c (match length n_c, known_c drafted tokens, acceptance alpha_c) with t_c nodes kept
+        contributes P(no earlier chain's first token was right) * sum_{d <= min(t_c, known_c)} alpha_c^d
+        (chains start with different tokens, so at most one can be accepted)."""
+        counts = state["counts"]
+        right = jnp.take_along_axis(counts[..., 0], state["ngram"], axis=1) + PRIOR[0]
+        wrong = jnp.take_along_axis(counts[..., 1], state["ngram"], axis=1) + PRIOR[1]
+        alpha = jnp.where(state["ngram"] > 0, right / (right + wrong), 0.0)  # [B, K]
+        d = jnp.arange(1, self.depth + 1, dtype=jnp.float32)
+        powers = alpha[:, :, None] ** d[None, None, :]  # [B, K, D]
+        out = []
+        for m in node_counts:
+            kept = np.clip(m - np.arange(self.branches) * self.depth, 0, self.depth)  # [K] static
+            use = (d[None, None, :] <= jnp.asarray(kept, jnp.float32)[None, :, None]) \
+                & (d[None, None, :] <= state["known"][:, :, None])
+            per_chain = jnp.sum(jnp.where(use, powers, 0.0), axis=2)  # [B, K]
+            first_wrong = jnp.cumprod(jnp.concatenate([jnp.ones_like(alpha[:, :1]), 1 - alpha[:, :-1]], 1), axis=1)
+            out.append(jnp.sum(first_wrong * per_chain, axis=1))
+        return jnp.stack(out, axis=1)
+
+
+def find_chains(history: jax.Array, length: jax.Array, depth: int, branches: int, max_ngram: int,
+                min_ngram: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The lookup rule (module docstring). history [B, S] with history[b, length[b]] = the root.
+    Returns (chains [B, K, D] int32, known [B, K] drafted tokens per chain (0 = no match), ngram [B, K]
+    the match length of each chain (0 = none))."""
+    batch, size = history.shape
+    pos = jnp.arange(size)[None, :]
+    run = jnp.zeros((batch, size), jnp.int32)
+    alive = jnp.ones((batch, size), bool)
+    for k in range(max_ngram):  # match length ending at p: consecutive equal tokens going back
+        key = jnp.take_along_axis(history, jnp.maximum(length - k, 0)[:, None], axis=1)  # [B, 1]
+        back = jnp.roll(history, k, axis=1)  # back[:, p] = history[:, p - k]
+        alive = alive & (pos - k >= 0) & (length[:, None] - k >= 0) & (back == key)
+        run = run + alive.astype(jnp.int32)
+    candidate = (pos < length[:, None]) & (run >= min_ngram)
+    # Longest match first, then the most committed continuation (up to ``depth`` tokens: a match just
+    # behind the root has seen only a token or two of what follows it), then the most recent.
+    known = jnp.clip(length[:, None] - pos, 0, depth)
+    score = jnp.where(candidate, (run * (depth + 1) + known) * size + pos, -1)
+    nxt = jnp.roll(history, -1, axis=1)  # nxt[:, p] = history[:, p + 1]
+    rows = jnp.arange(batch)[:, None]
+    chains, known, ngram = [], [], []
+    for _ in range(branches):
+        best = jnp.argmax(score, axis=1)
+        found = jnp.max(score, axis=1) >= 0
+        start = best + 1  # the continuation begins after the match
+        idx = jnp.minimum(start[:, None] + jnp.arange(depth)[None, :], size - 1)
+        chains.append(history[rows, idx])
+        known.append(jnp.where(found, jnp.clip(length - start + 1, 0, depth), 0))
+        ngram.append(jnp.where(found, run[jnp.arange(batch), best], 0))
+        first = history[jnp.arange(batch), jnp.minimum(start, size - 1)]
+        score = jnp.where(nxt == first[:, None], -1, score)  # the next branch starts differently
+    return jnp.stack(chains, 1).astype(jnp.int32), jnp.stack(known, 1), jnp.stack(ngram, 1)
+
+
+def parse_arg(arg: str) -> LookupDrafter:
+    """``lookup:D`` (depth D) or ``lookup:depth=D,branches=K,ngram=N`` (ngram = the longest key);
+    ``lookup:auto`` = the defaults."""
+    if arg == "auto":
+        return LookupDrafter()
+    if arg.isascii() and arg.isdigit():
+        return LookupDrafter(depth=int(arg))
+    names = {"depth": "depth", "branches": "branches", "ngram": "max_ngram", "min-ngram": "min_ngram"}
+    values = {}
+    for item in arg.split(","):
+        key, _, value = item.partition("=")
+        if key not in names or not (value.isascii() and value.isdigit()):
+            raise InputError(f"--drafter lookup:{arg}: expected lookup:auto, lookup:D or comma-separated "
+                             f"{'/'.join(names)}=N items, got {item!r}")
+        values[names[key]] = int(value)
+    return LookupDrafter(**values)
+
+
+def from_arg(arg: str, llm, *, load: bool, expansion, draft: str) -> Bound:
+    """``--drafter lookup:ARG`` (see ``parse_arg``); it has no params and ignores the SSM flags."""
+    return Bound(parse_arg(arg), ())

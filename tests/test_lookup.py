@@ -1,0 +1,226 @@
+"""The lookup drafter and the tree budget: the on-device lookup rule equals a plain-Python reference;
+speculation with it (whole tree or budgeted, any level sequence) is exactly incremental decoding
+(greedy and seeded), samples the exact law under MSS, RRS and naive verification, and works in the
+engine; the budget picks the level with the best expected tokens per second; the cost table is
+measured and cached."""
+
+from __future__ import annotations
+
+import json
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax.errors import InputError
+from specjax.speculation.budget import Budget, choose_level, default_levels
+from specjax.speculation.drafters.ssm import SSMDrafter
+from specjax.speculation.expansion import Expansion
+from specjax.speculation.drafters.lookup import LookupDrafter, find_chains, parse_arg
+from specjax.speculation.loop import SpecConfig, generate_speculative_jit
+from tests.conftest import random_ids
+from tests.stats import assert_fits
+from tests.toy import exact_sequence_law, sampling_arrays, toy_model
+
+
+def reference_chains(history, length, depth, branches, max_ngram, min_ngram):
+    """The lookup rule of specjax/speculation/drafters/lookup.py, one request, in plain Python."""
+    def run_at(p):
+        n = 0
+        while n < max_ngram and p - n >= 0 and length - n >= 0 and history[p - n] == history[length - n]:
+            n += 1
+        return n
+
+    cands = []
+    for p in range(length):
+        n = run_at(p)
+        if n >= min_ngram:
+            cands.append((n, min(length - p, depth), p))
+    cands.sort(reverse=True)
+    chains, used = [], set()
+    for n, known, p in cands:
+        if len(chains) == branches:
+            break
+        if history[p + 1] in used:
+            continue
+        used.add(history[p + 1])
+        chains.append((history[p + 1:p + 1 + known], n))
+    return chains
+
+
+class TestLookupRule(chex.TestCase):
+    """The on-device rule equals the reference, traced and eagerly (chex variants), on a tiny and a
+    larger vocabulary (many long matches, few)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_matches_the_reference(self):
+        for vocab in (3, 12):
+            rng = np.random.RandomState(vocab)
+            batch, size, depth, branches, max_n, min_n = 6, 40, 5, 3, 3, 1
+            history = rng.randint(0, vocab, (batch, size)).astype(np.int32)
+            length = rng.randint(0, size - 1, batch).astype(np.int32)
+            length[0] = 0  # nothing before the root: no candidate at all
+            find = self.variant(lambda h, n: find_chains(h, n, depth, branches, max_n, min_n))
+            chains, known, ngram = (np.asarray(x) for x in find(jnp.asarray(history), jnp.asarray(length)))
+            chex.assert_shape(chains, (batch, branches, depth))
+            for b in range(batch):
+                want = reference_chains(history[b].tolist(), int(length[b]), depth, branches, max_n, min_n)
+                got = [(chains[b, c, :known[b, c]].tolist(), int(ngram[b, c])) for c in range(branches)
+                       if known[b, c] > 0]
+                assert got == [(list(map(int, w)), n) for w, n in want], f"vocab {vocab}, request {b}"
+                assert (known[b, len(want):] == 0).all() and (ngram[b, len(want):] == 0).all()
+
+
+def test_lookup_parses_and_refuses_bad_settings():
+    assert parse_arg("auto") == LookupDrafter()
+    assert parse_arg("5") == LookupDrafter(depth=5)
+    assert parse_arg("depth=4,branches=3,ngram=2") == LookupDrafter(depth=4, branches=3, max_ngram=2)
+    with pytest.raises(InputError, match="expected lookup:auto, lookup:D"):
+        parse_arg("deep=4")
+    with pytest.raises(InputError, match="depth must be a positive int"):
+        LookupDrafter(depth=0)
+    with pytest.raises(InputError, match="beyond the tree limit of 64"):
+        LookupDrafter(depth=40, branches=2)
+    with pytest.raises(InputError, match="min_ngram 3 exceeds max_ngram 2"):
+        LookupDrafter(max_ngram=2, min_ngram=3)
+
+
+def test_budget_checks_and_chooses_the_best_rate():
+    d = LookupDrafter(depth=4, branches=2)
+    assert default_levels((d,)) == ((0,), (1,), (2,), (4,), (8,))
+    with pytest.raises(InputError, match="2 costs for 3 levels"):
+        Budget(((0,), (1,), (2,)), costs=(1.0, 2.0))
+    with pytest.raises(InputError, match="positive finite seconds"):
+        Budget(((0,), (1,)), costs=(1.0, float("nan")))
+    with pytest.raises(InputError, match="proposes 8"):
+        SpecConfig((d,), budget=Budget(((0,), (9,))))
+    ssm = SSMDrafter(toy_model(8, 0)[0], Expansion((2,)))  # SSMs do not estimate their acceptance
+    with pytest.raises(InputError, match=r"needs drafters that estimate their acceptance; ssm\(<2>, topk\) does not"):
+        SpecConfig((ssm,), budget=Budget(((0,), (2,))))
+    budget = Budget(((0,), (1,), (4,)), costs=(1.0, 1.5, 3.0))
+    expected = jnp.asarray([[0.0, 0.9, 2.5], [0.0, 0.2, 0.3]])
+    # rates: level 0: 2 / 1 = 2; level 1: (1.9 + 1.2) / 1.5 = 2.07; level 2: (3.5 + 1.3) / 3 = 1.6
+    assert int(choose_level(budget, expected, jnp.asarray([True, True]))) == 1
+    # only the second request still running: its drafts do not pay
+    assert int(choose_level(budget, expected, jnp.asarray([False, True]))) == 0
+    assert int(choose_level(budget, expected * 10, jnp.asarray([True, True]))) == 2
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    return specjax.load_model(tiny_llama_dir, progress=False)
+
+
+def _prompts(vocab):
+    rng = np.random.RandomState(3)
+    base = random_ids(rng, vocab, 9)
+    return [base + base + base[:3], random_ids(rng, vocab, 6), [7, 8, 7, 8, 7, 8, 7]]
+
+
+# Costs under which each level wins somewhere: the budget switches between them within one run.
+_COSTS = (1.0, 1.1, 1.2, 1.4, 1.8, 2.5)
+
+
+@pytest.mark.parametrize("budget", [None, "levels"])
+def test_lookup_speculation_equals_incremental_greedy_and_seeded(llama, budget):
+    prompts = _prompts(llama.config.vocab_size)
+    b = Budget(default_levels((LookupDrafter(),)), costs=_COSTS) if budget else None
+    lookup = [specjax.Bound(LookupDrafter())]
+    want = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True)
+    got = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, drafters=lookup, budget=b)
+    assert got.token_ids == want.token_ids
+    assert got.stats["mean_tokens_per_pass"] > 1.2  # the repeated text is really copied
+    if budget:
+        used = np.asarray(got.stats["budget"]["passes_at_level"])
+        assert (used > 0).sum() >= 2, f"the budget never switched levels: {used}"
+        assert got.stats["budget"]["tree_nodes"] == [1, 2, 3, 5, 9, 17]
+        assert sum(r["passes_at_level"][0] for r in got.stats["requests"]) == used[0]
+    seeded = specjax.SamplingParams(temperature=0.9, top_k=30, seed=4)
+    inc = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, sampling=seeded)
+    spec = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, sampling=seeded, drafters=lookup,
+                            budget=b, verifier="seeded")
+    assert spec.token_ids == inc.token_ids
+
+
+def test_lookup_merged_with_an_ssm_equals_incremental(llama):
+    prompts = _prompts(llama.config.vocab_size)
+    want = specjax.generate(llama, prompts, max_new_tokens=20, ignore_eos=True)
+    ssm = specjax.derive_ssm(llama, 1)
+    got = specjax.generate(llama, prompts, max_new_tokens=20, ignore_eos=True, ssms=[ssm], expansion=(2,),
+                           drafters=[specjax.Bound(LookupDrafter(depth=4))])
+    assert got.token_ids == want.token_ids
+    assert got.stats["tree_nodes"] == 1 + 2 + 8
+
+
+def test_budget_refuses_drafters_without_estimates(llama):
+    ssm = specjax.derive_ssm(llama, 1)
+    with pytest.raises(InputError, match="estimate their acceptance"):
+        specjax.generate(llama, [[1, 2, 3]], max_new_tokens=4, ssms=[ssm], budget="auto")
+    with pytest.raises(InputError, match="takes no tree budget"):
+        specjax.generate(llama, [[1, 2, 3]], max_new_tokens=4, mode="incremental", budget="auto")
+    with pytest.raises(InputError, match="budget must be None, 'auto'"):
+        specjax.generate(llama, [[1, 2, 3]], max_new_tokens=4, drafters=[specjax.Bound(LookupDrafter())],
+                         budget="fast")
+
+
+# -- exact laws under every verifier the lookup drafter allows ------------------------------------------
+
+VOCAB, PROMPT, NUM_TOKENS = 6, [3, 2, 4, 2, 3, 2, 4], 4  # the toy LLM often goes on repeating it
+
+
+@pytest.mark.parametrize("verifier", ["mss", "rrs", "naive"])
+def test_lookup_samples_the_exact_law(verifier):
+    """Deterministic entries (declared one-hot) under the sampled verifiers: the first NUM_TOKENS
+    tokens follow the LLM's exact sequence law (chi-square, alpha 1e-6), under a tree budget. The costs
+    are nearly flat: the budget decides for the whole batch, and at 60k requests a costlier tree would
+    only run when most of them have a match."""
+    cfg, params = toy_model(VOCAB, 0, sharpness=1.5)
+    d = LookupDrafter(depth=2, branches=2, max_ngram=2)
+    spec = SpecConfig((d,), impl="xla", verifier=verifier,
+                      budget=Budget(default_levels((d,)), costs=(1.0, 1.01, 1.02, 1.03)))
+    n, width = 60_000, len(PROMPT) + 1
+    prompts = np.zeros((n, width), np.int32)
+    prompts[:, :len(PROMPT)] = PROMPT
+    out = generate_speculative_jit(params, ((),), jnp.asarray(prompts), jnp.full((n,), len(PROMPT), jnp.int32),
+                                   jnp.full((n,), NUM_TOKENS, jnp.int32),
+                                   sampling_arrays(n, 1.0, seeds=np.arange(n) + 7), cfg=cfg, spec=spec,
+                                   cache_len=width + NUM_TOKENS + spec.num_nodes + 2, max_out=NUM_TOKENS)
+    assert not np.asarray(out.failed).any()
+    assert np.asarray(out.tokens_per_pass)[:, 2:].sum() > 1000  # drafts were accepted, not just refused
+    assert np.asarray(out.level_passes)[:, 1:].sum() > 0
+    samples = list(map(tuple, np.asarray(out.tokens).tolist()))
+    assert_fits(samples, exact_sequence_law(cfg, params, PROMPT, NUM_TOKENS, 1.0), f"lookup + {verifier}")
+
+
+# -- the cost table -------------------------------------------------------------------------------------------
+
+
+def test_cost_table_is_measured_once_and_cached(llama, tmp_path, monkeypatch):
+    from specjax.speculation import cost
+
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    measured = []
+    real = cost.measure_pass_costs
+
+    def counting(*args, **kwargs):
+        result = real(*args, **kwargs)
+        measured.append(sorted(result))
+        return result
+
+    monkeypatch.setattr(cost, "measure_pass_costs", counting)
+    costs, source = cost.cached_pass_costs(llama.params, llama.config, 2, [1, 3], "xla")
+    assert measured == [[1, 3]] and "measured now" in source
+    assert all(s > 0 for s in costs.values())
+    again, source = cost.cached_pass_costs(llama.params, llama.config, 2, [3, 1], "xla")
+    assert measured == [[1, 3]] and again == costs and "measured earlier" in source
+    cost.cached_pass_costs(llama.params, llama.config, 2, [1, 5], "xla")  # only the missing size
+    assert measured[-1] == [5]
+    table = json.loads((tmp_path / "tree_costs.json").read_text())
+    (key,) = table
+    assert "batch=2" in key and set(table[key]) == {"1", "3", "5"}
+    budget = cost.with_costs(Budget(((0,), (2,))), llama.params, llama.config, 2, "xla")
+    assert budget.costs == (costs[1], costs[3]) and "measured earlier" in budget.source
+    jax.clear_caches()

@@ -24,8 +24,8 @@ from specjax.errors import GenerationError, InputError
 from specjax.io import registry
 from specjax.io.prompts import normalize_prompts
 from specjax.speculation.budget import Budget, default_levels
-from specjax.speculation.cost import with_costs
 from specjax.speculation.choices import DRAFT_CHOICES, MODES, VERIFIER_CHOICES
+from specjax.speculation.cost import with_costs
 from specjax.speculation.drafters.base import Bound
 from specjax.speculation.drafters.ssm import SSMDrafter, check_compatible
 from specjax.speculation.expansion import Expansion
@@ -208,7 +208,7 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
     n = len(plan.ids)
     drafter_params = tuple(s.params for s in ssms) + tuple(_bound(d).params for d in drafters)
     params, drafter_params, inputs, host = _place(parallel, model, plan, drafter_params)
-    plan = _measured_budget(model, plan, params, inputs[0].shape[0], parallel)
+    plan = measured_budget(model, plan, params, inputs[0].shape[0], parallel)
     sizes = dict(cfg=cfg, cache_len=plan.cache_len, max_out=plan.max_out, parallel=parallel)
     if plan.spec is None:  # the reference decoder
         run_all = functools.partial(generate_incremental_jit, params, *inputs, eos_ids=plan.eos_ids, **sizes)
@@ -236,12 +236,16 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
     return _result(model, plan, out, tokens, host, n, timing, finish)
 
 
-def _measured_budget(model: Model, plan: GenerationPlan, params, batch: int, parallel) -> GenerationPlan:
+def measured_budget(model: Model, plan: GenerationPlan, params=None, batch: int | None = None, parallel=None,
+                    progress=None) -> GenerationPlan:
     """The plan with its tree budget's pass costs for this machine and batch size (measured once,
-    then read from the cost table on disk)."""
+    then read from the cost table on disk). batch: the batch as run (mesh padding included)."""
     if plan.spec is None or plan.spec.budget is None or plan.spec.budget.costs is not None:
         return plan
-    budget = with_costs(plan.spec.budget, params, model.config, batch, plan.spec.impl, parallel)
+    params = model.params if params is None else params
+    batch = len(plan.ids) + (parallel.padding_for(len(plan.ids)) if parallel is not None else 0) \
+        if batch is None else batch
+    budget = with_costs(plan.spec.budget, params, model.config, batch, plan.spec.impl, parallel, progress)
     return dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, budget=budget))
 
 

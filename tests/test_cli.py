@@ -29,7 +29,7 @@ def _subparsers():
 
 def test_help_of_every_subcommand_shows_every_option_with_help_and_default():
     parser, subs = _subparsers()
-    assert set(subs) == {"generate", "launch", "convert", "boost-tune"}
+    assert set(subs) == {"generate", "launch", "convert", "boost-tune", "tree-cost"}
     assert "`" not in parser.description  # plain text
     for name, sub in subs.items():
         text = sub.format_help()
@@ -77,7 +77,14 @@ def test_drafter_flag_builds_registered_drafters(tiny_llama_dir, tmp_path):
     a, b = json.loads(via_flag.stdout), json.loads(via_ssm.stdout)
     assert a["token_ids"] == b["token_ids"] and a["llm_passes"] == b["llm_passes"]
     bad = cli(*common, "--drafter", "nope:1")
-    assert bad.returncode == 2 and "expected NAME:ARG with NAME one of ['ssm']" in bad.stderr
+    assert bad.returncode == 2 and "expected NAME:ARG with NAME one of ['lookup', 'ssm']" in bad.stderr
+    lookup = cli("generate", "--model", tiny_llama_dir, "--prompts-file", str(prompts), "--max-new-tokens", "8",
+                 "--drafter", "lookup:depth=2,branches=1", "--json", env={"SPECJAX_CACHE_DIR": str(tmp_path)})
+    assert lookup.returncode == 0, lookup.stderr
+    record = json.loads(lookup.stdout)
+    budget = record["tree_budget"]
+    assert budget["tree_nodes"] == [1, 2, 3] and len(budget["ms_per_pass"]) == 3
+    assert sum(budget["passes_at_level"]) == record["llm_passes"] - 1  # every loop pass ran at some level
 
 
 def test_json_records_are_per_prompt_and_the_only_stdout(tiny_llama_dir, tmp_path):
@@ -126,7 +133,12 @@ def test_stdout_is_protected_from_native_writes():
     (["--top-k", "1000000000000"], "top_k must be an int in [0, 2**31)"),
     (["--temperature", "1e-30"], "temperature must be 0 (greedy) or >= 1e-06"),
     (["--expansion=1,,2"], "expansion must be comma-separated positive ints like 1,1,3,1, got '1,,2'"),
-    (["--expansion", "100,100,100"], "makes a token tree of 1010101 nodes; the limit is 64"),
+    (["--ssm", "derived:1", "--expansion", "100,100,100"], "makes a token tree of 1010101 nodes; the limit is 64"),
+    (["--expansion", "2,1"], "--expansion shapes SSM drafts, but no SSM drafts here"),
+    (["--drafter", "lookup:deep=3"], "expected lookup:auto, lookup:D or comma-separated"),
+    (["--drafter", "lookup:depth=40,branches=2"], "80 nodes, beyond the tree limit of 64"),
+    (["--budget", "auto", "--ssm", "derived:1"], "--budget auto needs drafters that estimate their acceptance; SSM"),
+    (["--mode", "incremental", "--budget", "off"], "--mode incremental drafts nothing, so it takes no --budget"),
     (["--ssm", "derived:0"], "K must be in [1, 1] for this 2-layer LLM, got 0"),
     (["--ssm", "derived:x"], "expected derived:auto, derived:K or derived:i,j,..."),
     (["--ssm", "/nonexistent/ssm"], "'/nonexistent/ssm' is neither a registered model"),
@@ -137,7 +149,9 @@ def test_stdout_is_protected_from_native_writes():
     (["--mesh", "tp=3,dp=x"], "expected comma-separated AXIS=SIZE"),
     (["--mesh", "tp=8"], "--replicate-attention"),
     (["--temperature", "0.5", "--verifier", "greedy"], "verifier 'greedy' decodes greedily"),
-    (["--temperature", "0.5", "--verifier", "rrs", "--draft", "iid"], "verifier 'rrs' is not lossless"),
+    (["--temperature", "0.5", "--verifier", "rrs", "--draft", "iid", "--ssm", "derived:1"],
+     "verifier 'rrs' is not lossless"),
+    (["--draft", "iid"], "--draft shapes SSM drafts, but no SSM drafts here"),
     (["--max-new-tokens", "2000"], "exceeds the context window of 1024"),
 ])
 def test_bad_generate_flags_fail_fast_with_status_2(tiny_llama_dir, args, message):

@@ -17,9 +17,9 @@ import pytest
 import specjax
 from specjax.errors import InputError
 from specjax.speculation.budget import Budget, choose_level, default_levels
+from specjax.speculation.drafters.lookup import LookupDrafter, find_chains, parse_arg
 from specjax.speculation.drafters.ssm import SSMDrafter
 from specjax.speculation.expansion import Expansion
-from specjax.speculation.drafters.lookup import LookupDrafter, find_chains, parse_arg
 from specjax.speculation.loop import SpecConfig, generate_speculative_jit
 from tests.conftest import random_ids
 from tests.stats import assert_fits
@@ -121,7 +121,7 @@ def _prompts(vocab):
 
 
 # Costs under which each level wins somewhere: the budget switches between them within one run.
-_COSTS = (1.0, 1.1, 1.2, 1.4, 1.8, 2.5)
+_COSTS = (1.0, 1.1, 1.4, 1.8, 2.5)
 
 
 @pytest.mark.parametrize("budget", [None, "levels"])
@@ -136,7 +136,7 @@ def test_lookup_speculation_equals_incremental_greedy_and_seeded(llama, budget):
     if budget:
         used = np.asarray(got.stats["budget"]["passes_at_level"])
         assert (used > 0).sum() >= 2, f"the budget never switched levels: {used}"
-        assert got.stats["budget"]["tree_nodes"] == [1, 2, 3, 5, 9, 17]
+        assert got.stats["budget"]["tree_nodes"] == [1, 2, 5, 9, 17]
         assert sum(r["passes_at_level"][0] for r in got.stats["requests"]) == used[0]
     seeded = specjax.SamplingParams(temperature=0.9, top_k=30, seed=4)
     inc = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, sampling=seeded)

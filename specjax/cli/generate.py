@@ -8,8 +8,8 @@ import sys
 import time
 
 from specjax.errors import GenerationError, InputError
-from specjax.speculation.drafters.base import Drafter
 from specjax.io import registry
+from specjax.speculation.drafters.base import Drafter
 
 
 def _positive(name: str, value, allow_none: bool = False):
@@ -51,6 +51,11 @@ def _check_generate_args(args) -> None:
         raise InputError("--mode incremental drafts nothing, so it takes no --budget")
     for text in args.drafter or ():
         _drafter_name(text)
+    ssm_drafts = args.mode == "sequence" or args.ssm or any(t.startswith("ssm:") for t in args.drafter or ())
+    for flag, given in (("--expansion", args.expansion is not None), ("--draft", args.draft != "auto")):
+        if given and args.mode == "tree" and not ssm_drafts:
+            raise InputError(f"{flag} shapes SSM drafts, but no SSM drafts here (the default drafter is lookup); "
+                             f"add --ssm NAME or --drafter ssm:ARG, or drop {flag}")
     if args.microbatches is not None:
         if args.mesh is None:
             raise InputError("--microbatches needs --mesh with pp > 1 (pipeline request groups)")
@@ -172,6 +177,16 @@ class _TextStream:
         return text[self.shown:]
 
 
+def _budget_record(stats: dict, req: dict) -> dict:
+    """The tree budget's cost table and this request's passes at each level, for --json."""
+    if "budget" not in stats:
+        return {}
+    b = stats["budget"]
+    return {"tree_budget": {"tree_nodes": b["tree_nodes"], "ms_per_pass": [round(c * 1e3, 2) for c in
+                                                                          b["seconds_per_pass"]],
+                            "costs_source": b["costs_source"], "passes_at_level": req["passes_at_level"]}}
+
+
 def _stats_line(req: dict, load_s: float, compile_s: float, batch: int, description: str) -> str:
     return (f"# {req['generated_tokens']} tokens in {req['seconds']:.2f} s = {req['tokens_per_s']:.1f} tokens/s | "
             f"load {load_s:.1f} s, compile {compile_s:.1f} s | {req['llm_passes']} LLM passes, "
@@ -230,6 +245,15 @@ def _cmd_generate(args, out) -> int:
     if parallel is not None:  # place once; generation then finds everything where it belongs
         ssms = [s._replace(params=parallel.put_params(s.params, s.config, parallel.ssm_rules)) for s in ssms]
     load_s = time.perf_counter() - t0
+    from specjax.api import measured_budget
+    from specjax.speculation.cost import cache_path
+
+    def measuring(nodes, batch):
+        log(f"# measuring the LLM pass time of a {nodes}-node tree at batch {batch} (once per machine; cached in "
+            f"{cache_path()})")
+
+    plans = [measured_budget(model, plan, parallel=parallel,
+                             progress=lambda n, b=len(plan.ids): measuring(n, b)) for plan in plans]
     names = ssm_specs + _drafter_specs(args)
     description = args.mode + (f", {', '.join(names)}: " + "; ".join(d.describe() for d in plans[0].spec.drafters)
                                if names else "")
@@ -266,7 +290,8 @@ def _cmd_generate(args, out) -> int:
                                       "llm_passes": req["llm_passes"],
                                       "mean_accepted_tokens_per_pass": round(req["mean_tokens_per_pass"], 4),
                                       "tokens_per_pass_histogram": req["tokens_per_pass_histogram"],
-                                      "tokens_per_s": round(req["tokens_per_s"], 3)}) + "\n")
+                                      "tokens_per_s": round(req["tokens_per_s"], 3), **_budget_record(st, req)})
+                          + "\n")
                 out.flush()
                 continue
             if stream_live:

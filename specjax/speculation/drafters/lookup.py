@@ -80,16 +80,11 @@ class LookupDrafter(Drafter):
         return tuple(parents)
 
     def budget_ladder(self) -> tuple[int, ...]:
-        """Node counts (below the root) worth compiling a pass for: none, the best chain's first 1, 2,
-        4, ... tokens, the whole best chain, then every chain (chain-major order keeps each a prefix)."""
-        ladder, n = [0], 1
-        while n < self.depth:
-            ladder.append(n)
-            n *= 2
-        ladder.append(self.depth)
-        if self.branches > 1:
-            ladder.append(self.num_nodes)
-        return tuple(ladder)
+        """Node counts (below the root) worth compiling a pass for: none, the best chain's first token,
+        half of it, all of it, then every chain (chain-major order keeps each a prefix). Each level is
+        one more compiled pass (~2-3 s of compilation each for SmolLM2 on a CPU), so the ladder is short."""
+        ladder = [0, 1, max(1, self.depth // 2), self.depth, self.num_nodes]
+        return tuple(sorted(set(ladder)))
 
     def describe(self) -> str:
         return f"lookup(depth {self.depth}, branches {self.branches}, n-grams {self.max_ngram}..{self.min_ngram})"

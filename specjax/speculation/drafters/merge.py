@@ -25,8 +25,8 @@ def merge_proposals(proposals: list[Proposal], static_parents: list | None = Non
     bookkeeping static; None = read ``proposal.parent`` (dynamic trees, parents before children).
     Entry law rows are offset into the concatenation of the proposals' ``laws`` (in drafter order,
     proposals without laws contributing no rows; ``law_offsets`` overrides the offsets when the
-    stored laws are those of a larger set of proposals, e.g. before a tree budget cut). fault "dedupe_merged" (tests only) keeps one entry
-    per distinct token instead of one per proposal.
+    stored laws are those of a larger set of proposals, e.g. before a tree budget cut). fault
+    "dedupe_merged" (tests only) keeps one entry per distinct token instead of one per proposal.
     """
     max_nodes = merged_size(proposals)
     static_parents = static_parents or [None] * len(proposals)

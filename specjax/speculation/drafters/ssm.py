@@ -234,8 +234,9 @@ def draft_expansion(params, cfg: ModelConfig, cache: KVCache, history: jax.Array
                     sampling: SamplingArrays | None = None, ssm_index: int = 0, fault: str | None = None,
                     commit_depth: int = 0):
     """Expansion drafting (``commit_depth``: the merged tree's depth when deeper than this expansion:
-    the re-read chain then covers every token one step can commit). Returns (tokens [B, N] (root = history[length]), entry_ok [B, N],
-    laws [B, N, V] warped log q at each drafted-from node (None for top-k drafts), cache)."""
+    the re-read chain then covers every token one step can commit). Returns (tokens [B, N] (root =
+    history[length]), entry_ok [B, N], laws [B, N, V] warped log q at each drafted-from node (None for
+    top-k drafts), cache)."""
     batch = history.shape[0]
     parents, levels = expansion.topology()
     n = len(parents)

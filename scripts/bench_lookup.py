@@ -1,0 +1,201 @@
+"""Benchmark: lookup drafting and the tree budget vs incremental decoding and transformers, side by side.
+
+Part 1 (batch 1, greedy, float32, N new tokens, chat template), per prompt in one run: specjax
+incremental, lookup only (the default: ``--budget auto``), SSM only (smollm2-ssm-a, chain <1>), merged
+(lookup + SSM, whole tree), transformers ``generate``, transformers prompt-lookup decoding
+(``prompt_lookup_num_tokens``) and transformers assisted generation with the same SSM. Tokens/s by
+task kind. specjax's time excludes compilation (the host loop compiles ahead of time and times the
+generation alone); transformers compiles nothing.
+
+Part 2: tokens/s vs batch size for specjax incremental and the default (lookup + budget), every
+prompt generated in batches of that size.
+
+Every specjax output is compared with specjax incremental (greedy: must be identical).
+
+    python scripts/bench_lookup.py --max-new-tokens 128 --batch-sizes 1,2,4,8,16 --out bench_out/lookup.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _bench_common as common  # noqa: E402
+
+TASKS = os.path.join(os.path.dirname(__file__), "data", "task_kinds.jsonl")
+GROUNDED = ("summarisation", "rag")
+
+
+def _specjax_seconds(fn):
+    """(tokens per request, seconds of generation without compilation) of a specjax call in host-loop mode."""
+    res = fn(on_tokens=lambda i, ids: None)
+    return res, res.stats["seconds"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts-file", default=TASKS)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batch-max-new-tokens", type=int, default=64)
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16")
+    ap.add_argument("--ssm", default="smollm2-ssm-a")
+    ap.add_argument("--prompt-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: batch1, batch")
+    ap.add_argument("--out", default="bench_out/lookup.png")
+    args = ap.parse_args()
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import specjax
+    from specjax.io.hf_export import draft_vocab_mask, export_hf
+    from specjax.io.registry import resolve
+
+    common.print_header("lookup drafting + tree budget vs incremental vs transformers (greedy, float32)")
+    records = common.load_prompts(args.prompts_file, None)
+    llm = specjax.load_model("smollm2-135m-instruct", progress=False)
+    prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in records])
+    kinds = [r.get("category", "?") for r in records]
+    n = args.max_new_tokens
+    lookup = specjax.Bound(specjax.LookupDrafter())
+    skip = set(args.skip.split(","))
+    results = {"machine": common.machine(), "command": sys.argv}
+
+    if "batch1" not in skip:
+        ssm = specjax.load_model(args.ssm, progress=False)
+        ssm_dir = tempfile.mkdtemp(prefix="specjax_ssm_")
+        export_hf(ssm, ssm_dir)
+        hf = common.load_hf_reference(resolve("smollm2-135m-instruct"))
+        hf_ssm = AutoModelForCausalLM.from_pretrained(ssm_dir, dtype=torch.float32).eval()
+        mask = draft_vocab_mask(ssm_dir, llm.config.vocab_size)
+        if mask is not None:  # the shrunk head: -inf outside its draft vocabulary, as in specjax
+            mask = torch.tensor(mask)
+            hf_ssm.lm_head.register_forward_hook(lambda module, inputs, out: out + mask)
+
+        def sj(**kw):
+            return lambda ids: _specjax_seconds(lambda **k: specjax.generate(llm, [ids], max_new_tokens=n, **kw, **k))
+
+        def hf_run(**kw):
+            def run(ids):
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, **kw)
+                return out[0, len(ids):].tolist(), time.perf_counter() - t0
+            return run
+
+        systems = {
+            "specjax incremental": sj(),
+            "specjax lookup + budget (default)": sj(drafters=[lookup], budget="auto"),
+            "specjax SSM <1>": sj(ssms=[ssm], expansion=(1,)),
+            "specjax lookup + SSM (whole tree)": sj(drafters=[lookup], ssms=[ssm], expansion=(1,)),
+            "transformers greedy": hf_run(),
+            "transformers prompt lookup": hf_run(prompt_lookup_num_tokens=args.prompt_lookup_tokens),
+            "transformers assisted (same SSM)": hf_run(assistant_model=hf_ssm),
+        }
+        for fn in systems.values():  # first calls (weights to device, cost table, first compile)
+            fn(prompts[0])
+        per = {name: collections.defaultdict(lambda: [0, 0.0, 0]) for name in systems}  # kind -> tokens, s, passes
+        mismatches = collections.Counter()
+        for rec, ids, kind in zip(records, prompts, kinds):
+            reference = None
+            for name, fn in systems.items():
+                res, seconds = fn(ids)
+                toks = res if isinstance(res, list) else res.token_ids[0]
+                reference = toks if reference is None else reference
+                if name.startswith("specjax") and toks != reference:
+                    mismatches[name] += 1
+                cell = per[name][kind]
+                cell[0] += len(toks)
+                cell[1] += seconds
+                cell[2] += 0 if isinstance(res, list) else res.stats["llm_passes"]
+            print(f"# done {rec.get('id')} ({kind})", flush=True)
+        kind_names = sorted(set(kinds))
+        table = {name: {k: v[0] / v[1] for k, v in cells.items()} for name, cells in per.items()}
+
+        def total(name, only=None):
+            cells = [v for k, v in per[name].items() if only is None or k in only]
+            return sum(c[0] for c in cells) / sum(c[1] for c in cells)
+
+        print(f"\n# part 1: tokens/s by task kind, batch 1, {n} new tokens, {len(records)} prompts")
+        print(f"{'system':<36} " + " ".join(f"{k[:11]:>11}" for k in kind_names) + f" {'grounded':>9} {'all':>7}")
+        for name in systems:
+            print(f"{name:<36} " + " ".join(f"{table[name][k]:>11.2f}" for k in kind_names)
+                  + f" {total(name, GROUNDED):>9.2f} {total(name):>7.2f}")
+        base, plk = "specjax incremental", "transformers prompt lookup"
+        dflt = "specjax lookup + budget (default)"
+        print(f"# default vs transformers prompt lookup, input-grounded kinds {GROUNDED}: "
+              f"{total(dflt, GROUNDED) / total(plk, GROUNDED):.2f}x; all kinds: {total(dflt) / total(plk):.2f}x")
+        print(f"# default vs specjax incremental: grounded {total(dflt, GROUNDED) / total(base, GROUNDED):.2f}x, "
+              f"all {total(dflt) / total(base):.2f}x")
+        for name in systems:
+            passes = sum(v[2] for v in per[name].values())
+            if passes:
+                print(f"# {name}: {sum(v[0] for v in per[name].values()) / passes:.2f} tokens per LLM pass")
+        print(f"# specjax outputs different from specjax incremental: {dict(mismatches) or 'none'}")
+        results["batch1"] = {"tokens_per_s": table, "mismatches": dict(mismatches), "kinds": kind_names}
+
+    if "batch" not in skip:
+        sizes = [int(x) for x in args.batch_sizes.split(",")]
+        m = args.batch_max_new_tokens
+        sweep = {"specjax incremental": {}, "specjax lookup + budget (default)": {}}
+        print(f"\n# part 2: tokens/s vs batch size, {len(prompts)} prompts, {m} new tokens each")
+        for b in sizes:
+            for name in sweep:
+                kw = {} if name == "specjax incremental" else dict(drafters=[lookup], budget="auto")
+                batches = [prompts[i:i + b] for i in range(0, len(prompts), b)]
+                specjax.generate(llm, batches[0], max_new_tokens=m, **kw)  # cost table rows for this batch size
+                tokens, seconds = 0, 0.0
+                for batch in batches:
+                    res, s = _specjax_seconds(lambda **k: specjax.generate(llm, batch, max_new_tokens=m, **kw, **k))
+                    tokens += sum(len(t) for t in res.token_ids)
+                    seconds += s
+                sweep[name][b] = tokens / seconds
+            print(f"batch {b:>3}: incremental {sweep['specjax incremental'][b]:7.2f} tok/s, default "
+                  f"{sweep['specjax lookup + budget (default)'][b]:7.2f} tok/s = "
+                  f"{sweep['specjax lookup + budget (default)'][b] / sweep['specjax incremental'][b]:.2f}x", flush=True)
+        results["batch"] = sweep
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = [p for p in ("batch1", "batch") if p in results]
+    fig, axes = plt.subplots(1, len(parts), figsize=(7 * len(parts), 4.5), squeeze=False)
+    for ax, part in zip(axes[0], parts):
+        if part == "batch1":
+            kinds_ = results["batch1"]["kinds"]
+            names = list(results["batch1"]["tokens_per_s"])
+            width = 0.8 / len(names)
+            for i, name in enumerate(names):
+                vals = [results["batch1"]["tokens_per_s"][name].get(k, 0) for k in kinds_]
+                ax.bar(np.arange(len(kinds_)) + i * width, vals, width, label=name)
+            ax.set_xticks(np.arange(len(kinds_)) + 0.4 - width / 2, kinds_, rotation=30, fontsize=8)
+            ax.set_ylabel(f"tokens/s (batch 1, greedy, {n} new tokens)")
+            ax.legend(fontsize=7)
+        else:
+            for name, row in results["batch"].items():
+                ax.plot(list(row), list(row.values()), marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("batch size")
+            ax.set_ylabel(f"tokens/s ({args.batch_max_new_tokens} new tokens)")
+            ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"SmolLM2-135M-Instruct, float32, {common.machine().split(';')[0]}", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    fig.savefig(args.out, dpi=110)
+    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    print(f"# plot: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

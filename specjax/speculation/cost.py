@@ -124,7 +124,15 @@ def with_costs(budget: Budget, params, cfg: ModelConfig, batch: int, impl: str, 
         return budget
     nodes = [budget.node_count(level) for level in range(len(budget.levels))]
     costs, source = cached_pass_costs(params, cfg, batch, nodes, impl, parallel, progress=progress)
-    return dataclasses.replace(budget, costs=tuple(costs[n] for n in nodes), source=source)
+    values = [costs[n] for n in nodes]
+    if jax.process_count() > 1:
+        # The costs are constants of the compiled loop and decide every step's branch: all processes
+        # must hold the same ones, so process 0's measurement is everyone's.
+        from jax.experimental import multihost_utils
+
+        values = multihost_utils.broadcast_one_to_all(np.asarray(values, np.float64)).tolist()
+        source += "; process 0's measurement, shared with every process"
+    return dataclasses.replace(budget, costs=tuple(float(v) for v in values), source=source)
 
 
 def _read(path: str) -> dict:

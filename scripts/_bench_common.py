@@ -13,12 +13,9 @@ DEFAULT_PROMPTS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", 
 def machine() -> str:
     import jax
 
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    from specjax.speculation.cost import cpu_name
+
+    cpu = cpu_name()
     mem = ""
     try:
         with open("/proc/meminfo") as f:

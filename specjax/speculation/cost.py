@@ -43,13 +43,16 @@ def machine_key() -> str:
     device = jax.devices()[0]
     if device.platform != "cpu":
         return f"{device.platform}:{device.device_kind}"
-    cpu = platform.processor() or "cpu"
+    return f"cpu:{cpu_name()}:{os.cpu_count()} cores"
+
+
+def cpu_name() -> str:
+    """The processor model (/proc/cpuinfo's model name where there is one)."""
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
-        pass
-    return f"cpu:{cpu}:{os.cpu_count()} cores"
+        return platform.processor() or "unknown CPU"
 
 
 def table_key(cfg: ModelConfig, dtype, batch: int, impl: str, parallel=None) -> str:

@@ -35,7 +35,7 @@ __all__ = ["SpecConfig", "SpecState", "SpecOutput", "VERIFIERS", "DEFAULT_DRAFT"
 
 
 def propose_all(drafter_params: tuple, state: SpecState, spec: SpecConfig, sampling: SamplingArrays):
-    """Every drafter's proposal for this step (root token set) and the drafters' new states."""
+    """Every drafter's proposal for this step (root token set), the drafters' new states and the root [B, 1]."""
     history, length = state.history, state.llm_cache.length
     root = jnp.take_along_axis(history, length[:, None], axis=1)
     proposals, states = [], []
@@ -45,7 +45,7 @@ def propose_all(drafter_params: tuple, state: SpecState, spec: SpecConfig, sampl
         proposal, dstate = drafter.propose(params, dstate, ctx)
         proposals.append(proposal.replace(tokens=proposal.tokens.at[:, 0].set(root[:, 0])))
         states.append(dstate)
-    return proposals, tuple(states)
+    return proposals, tuple(states), root
 
 
 def build_tree(proposals: list, root: jax.Array, spec: SpecConfig, counts: tuple[int, ...]):
@@ -68,7 +68,8 @@ def build_tree(proposals: list, root: jax.Array, spec: SpecConfig, counts: tuple
         p = kept[0]
         tree = static_tree(parents[0], p.tokens.shape[0], p.tokens, entry_ok=p.ok, law_row=p.law_row)
     else:
-        tree = merge_proposals(kept, parents, fault=spec.fault, law_offsets=[_law_offsets(proposals)[s] for s in keep])
+        offsets = _law_offsets(proposals)
+        tree = merge_proposals(kept, parents, fault=spec.fault, law_offsets=[offsets[s] for s in keep])
     return tree, laws, depth
 
 
@@ -132,8 +133,7 @@ def spec_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelCon
     depth = spec.max_depth
     length = state.llm_cache.length
     sampling = state.sampling
-    root = jnp.take_along_axis(state.history, length[:, None], axis=1)
-    proposals, drafter_states = propose_all(drafter_params, state, spec, sampling)
+    proposals, drafter_states, root = propose_all(drafter_params, state, spec, sampling)
     levels = spec.levels
     branches = [functools.partial(_scored_pass, llm_params, proposals, root, state, cfg, spec, parallel, counts)
                 for counts in levels]

@@ -87,6 +87,18 @@ def test_drafter_flag_builds_registered_drafters(tiny_llama_dir, tmp_path):
     assert sum(budget["passes_at_level"]) == record["llm_passes"] - 1  # every loop pass ran at some level
 
 
+def test_sequence_mode_without_ssm_drafts_with_the_default_ssm_and_a_fixed_tree(tiny_llama_dir, tmp_path):
+    """--mode sequence names no SSM: it drafts with derived:auto, which does not estimate its acceptance,
+    so the default budget is the fixed chain (no tree_budget in the record), not a refusal."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": [1, 2, 3]}\n')
+    r = cli("generate", "--model", tiny_llama_dir, "--prompts-file", str(prompts), "--max-new-tokens", "6",
+            "--mode", "sequence", "--expansion", "1,1,1", "--json")
+    assert r.returncode == 0, r.stderr
+    record = json.loads(r.stdout)
+    assert len(record["token_ids"]) == 6 and "tree_budget" not in record
+
+
 def test_json_records_are_per_prompt_and_the_only_stdout(tiny_llama_dir, tmp_path):
     import specjax
 
@@ -139,6 +151,7 @@ def test_stdout_is_protected_from_native_writes():
     (["--drafter", "lookup:depth=40,branches=2"], "80 nodes, beyond the tree limit of 64"),
     (["--budget", "auto", "--ssm", "derived:1"], "--budget auto needs drafters that estimate their acceptance; SSM"),
     (["--mode", "incremental", "--budget", "off"], "--mode incremental drafts nothing, so it takes no --budget"),
+    (["--mode", "sequence", "--budget", "auto"], "SSM derived:auto do not"),  # the default SSM estimates nothing
     (["--ssm", "derived:0"], "K must be in [1, 1] for this 2-layer LLM, got 0"),
     (["--ssm", "derived:x"], "expected derived:auto, derived:K or derived:i,j,..."),
     (["--ssm", "/nonexistent/ssm"], "'/nonexistent/ssm' is neither a registered model"),

@@ -124,13 +124,14 @@ def _drafter_specs(args) -> list[str]:
     return [] if args.mode == "sequence" else list(registry.DEFAULT_DRAFTERS)
 
 
-def _budget(args, ssms, drafter_objs) -> str | None:
+def _budget(args, ssm_specs, drafter_objs) -> str | None:
     """--budget: auto (the default) adapts the tree to measured costs and acceptance when every drafter
     estimates its acceptance (lookup); with an SSM in the pool the default is the whole tree, and an
     explicit --budget auto is refused (SSMs do not estimate acceptance)."""
     if args.mode == "incremental" or args.budget == "off":
         return None
-    blind = [f"SSM {s}" for s in args.ssm or ()] if ssms else []
+    # ssm_specs, not args.ssm: --mode sequence without --ssm drafts with the default SSM.
+    blind = [f"SSM {s}" for s in ssm_specs]
     blind += [d.describe() for d in drafter_objs if type(d).expected_accepted is Drafter.expected_accepted]
     if not blind:
         return "auto"
@@ -231,7 +232,7 @@ def _cmd_generate(args, out) -> int:
     batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, chat_template=not args.no_chat_template,
               mode=args.mode, expansion=expansion, verifier=args.verifier, draft=args.draft,
-              budget=_budget(args, light_ssms, [b.drafter for b in light_drafters]))
+              budget=_budget(args, ssm_specs, [b.drafter for b in light_drafters]))
     plans = [plan_generation(light, batch, ssms=light_ssms, drafters=light_drafters, **kw) for batch in batches]
     if parallel is not None:
         for batch in batches:

@@ -5,9 +5,15 @@ from __future__ import annotations
 import importlib.metadata
 import os
 
-import jax
-import numpy as np
-import pytest
+# Under pytest-xdist two workers share the machine's cores: torch's OpenMP threads spin-wait when
+# oversubscribed (the transformers-reference test took 149 s with another process busy on one of
+# the two cores, 75 s with one torch thread). One thread per worker; read when torch is imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 # One persistent compilation cache for the whole run (in-process tests and the CLI subprocesses they
@@ -98,6 +104,20 @@ def smollm2():
     import specjax
 
     return specjax.load_model("smollm2-135m-instruct", progress=False)
+
+
+# Modules by measured duration, longest first (a full run with --durations=0 on 2 cores). pytest-xdist
+# (--dist loadscope --no-loadscope-reorder) hands whole modules to the two workers in collection
+# order: longest first keeps one worker from starting a 10-minute module while the other runs out of
+# work. Modules not listed follow in their usual order.
+LONGEST_FIRST = ("test_readme.py", "test_smollm2.py", "test_serve.py", "test_speculative_sampling.py",
+                 "test_multihost.py", "test_speculative.py", "test_tree_forward.py", "test_lookup.py",
+                 "test_boost_tune.py", "test_cli.py", "test_seeded.py", "test_sharding.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a module's own order is kept
 
 
 def random_ids(rng: np.random.RandomState, vocab: int, length: int) -> list[int]:

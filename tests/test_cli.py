@@ -29,7 +29,7 @@ def _subparsers():
 
 def test_help_of_every_subcommand_shows_every_option_with_help_and_default():
     parser, subs = _subparsers()
-    assert set(subs) == {"generate", "launch", "convert", "boost-tune", "tree-cost"}
+    assert set(subs) == {"generate", "serve", "launch", "convert", "boost-tune", "tree-cost"}
     assert "`" not in parser.description  # plain text
     for name, sub in subs.items():
         text = sub.format_help()

@@ -1,4 +1,4 @@
-"""The ``specjax`` command: generate, convert, launch, boost-tune, tree-cost.
+"""The ``specjax`` command: generate, serve, convert, launch, boost-tune, tree-cost.
 
 Every argument is checked before any expensive work (model load, compilation, corpus generation);
 a refused input prints ``specjax: error: ...`` and exits with status 2, never a traceback.
@@ -14,6 +14,7 @@ import os
 import sys
 
 from specjax.cli.generate import _cmd_generate
+from specjax.cli.serve import add_parser as add_serve
 from specjax.cli.tree_cost import add_parser as add_tree_cost
 from specjax.errors import SpecjaxError
 from specjax.io import registry
@@ -155,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_boost_tune(sub, fmt)
     add_tree_cost(sub, fmt)
+    add_serve(sub, fmt, _default_compile_cache())
     return p
 
 

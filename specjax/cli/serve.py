@@ -1,0 +1,127 @@
+"""`specjax serve`: an OpenAI-compatible HTTP server (completions, chat completions, streaming) over the
+continuous-batching engine, speculating per request like `specjax generate`.
+
+Every flag is checked before the model loads; the server listens only once the model is loaded and
+its programs are compiled (GET /health answers 200 from then on).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from specjax.errors import InputError
+from specjax.io import registry
+
+NO_SPECULATION = "none"
+
+
+def _check(args) -> None:
+    for flag, value in (("--slots", args.slots), ("--max-queue", args.max_queue), ("--max-tokens", args.max_tokens),
+                        ("--max-prompt-tokens", args.max_prompt_tokens)):
+        if value < 1:
+            raise InputError(f"{flag} must be >= 1, got {value}")
+    if not 0 < args.port < 65536:
+        raise InputError(f"--port must be in [1, 65535], got {args.port}")
+    if args.shutdown_grace < 0:
+        raise InputError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
+    drafters = args.drafter or list(registry.DEFAULT_DRAFTERS)
+    if NO_SPECULATION in drafters and len(drafters) > 1:
+        raise InputError(f"--drafter {NO_SPECULATION} turns speculation off; it takes no other --drafter")
+    if args.budget is not None and drafters == [NO_SPECULATION]:
+        raise InputError(f"--drafter {NO_SPECULATION} drafts nothing, so it takes no --budget")
+    from specjax.sharding import distributed
+
+    if distributed.detect_cluster() is not None:
+        raise InputError("specjax serve runs as one process (multi-host serving is not implemented yet; see the "
+                         "README's Serving section)")
+
+
+def _drafters(args, llm, load: bool) -> list:
+    from specjax.api import resolve_verifier
+    from specjax.cli.generate import _drafter_name
+    from specjax.speculation.drafters import FACTORIES
+    from specjax.speculation.expansion import Expansion
+
+    specs = args.drafter or list(registry.DEFAULT_DRAFTERS)
+    if specs == [NO_SPECULATION]:
+        return []
+    _, draft = resolve_verifier("seeded", "auto", True)
+    widths = Expansion.parse(args.expansion) if args.expansion else Expansion(registry.DEFAULT_EXPANSION)
+    return [FACTORIES[_drafter_name(t)](t.split(":", 1)[1], llm, load=load, expansion=widths, draft=draft)
+            for t in specs]
+
+
+def _budget(args, bound: list) -> str | None:
+    """auto when every drafter estimates its acceptance (the default drafter does), else the whole tree."""
+    from specjax.speculation.drafters.base import Drafter
+
+    if not bound or args.budget == "off":
+        return None
+    blind = [b.drafter.describe() for b in bound if type(b.drafter).expected_accepted is Drafter.expected_accepted]
+    if blind and args.budget == "auto":
+        raise InputError(f"--budget auto needs drafters that estimate their acceptance; {', '.join(blind)} do not "
+                         f"(use --budget off, or the lookup drafter alone)")
+    return None if blind else "auto"
+
+
+def _cmd_serve(args, out) -> int:
+    _check(args)
+    import specjax
+    from specjax.cli.generate import _compile_cache
+    from specjax.serving.server import build_state, run, warm_up
+
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    light = specjax.describe_model(args.model)
+    budget = _budget(args, _drafters(args, light, load=False))  # every flag checked before the weights load
+    if args.max_prompt_tokens + args.max_tokens > light.config.max_positions:
+        raise InputError(f"--max-prompt-tokens {args.max_prompt_tokens} + --max-tokens {args.max_tokens} exceeds the "
+                         f"context window of {light.config.max_positions}")
+    _compile_cache(args.compile_cache)
+    model = specjax.load_model(args.model, dtype=args.dtype, progress=True)
+    bound = _drafters(args, model, load=True)
+    state = build_state(model, model_name=args.served_model_name or args.model, slots=args.slots,
+                        max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
+                        max_queue=args.max_queue, drafters=bound, budget=budget, log=log)
+    warm_up(state.scheduler.engine, prompt_buckets=args.warmup == "all", log=log)
+    run(state, host=args.host, port=args.port, shutdown_grace=args.shutdown_grace, log=log)
+    return 0
+
+
+def add_parser(sub, fmt, compile_cache_default: str) -> None:
+    s = sub.add_parser("serve", formatter_class=fmt,
+                       help="serve the LLM over an OpenAI-compatible HTTP API (continuous batching, speculation)",
+                       description="OpenAI-compatible server: POST /v1/completions and /v1/chat/completions "
+                                   "(streaming or not), GET /v1/models, /health, /metrics (Prometheus). Requests join "
+                                   "and leave the batch between LLM passes; each speculates with its own token tree "
+                                   "and is verified losslessly: greedy and seeded requests get exactly the tokens of "
+                                   "offline `specjax generate`. SIGTERM stops admitting, lets running requests finish "
+                                   "for --shutdown-grace seconds, then fails the rest with an error.")
+    s.add_argument("--model", default=registry.DEFAULT_MODEL,
+                   help=f"registered name {registry.registered_names()}, HF directory, .gguf file or specjax "
+                        f"checkpoint")
+    s.add_argument("--served-model-name", default=None,
+                   help="the name clients send as 'model' (default: the --model argument)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
+    s.add_argument("--slots", type=int, default=8, help="requests generated together (the batch size)")
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting for a slot; beyond it requests are refused with HTTP 429")
+    s.add_argument("--max-prompt-tokens", type=int, default=2048, help="longest prompt accepted, in tokens")
+    s.add_argument("--max-tokens", type=int, default=512,
+                   help="most tokens one request may generate (its default max_tokens)")
+    s.add_argument("--drafter", action="append", default=None, metavar="NAME:ARG",
+                   help="as in `specjax generate` (lookup:auto, lookup:D, ssm:PATH, ...; repeat to merge), or "
+                        f"'{NO_SPECULATION}' for plain decoding (default: {','.join(registry.DEFAULT_DRAFTERS)})")
+    s.add_argument("--expansion", default=None, help="expansion widths of SSM drafters (as in generate)")
+    s.add_argument("--budget", default=None, choices=["auto", "off"],
+                   help="auto: each step verifies as much of each request's tree as pays, from measured pass costs "
+                        "at --slots requests and measured acceptance; off: whole trees (default: auto when every "
+                        "drafter estimates its acceptance, else off)")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype")
+    s.add_argument("--warmup", default="all", choices=["all", "step"],
+                   help="compile before listening: the step and every prompt bucket (all), or the step only")
+    s.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds running requests may finish after SIGTERM before they fail")
+    s.add_argument("--compile-cache", default=compile_cache_default,
+                   help="directory of compiled programs reused by later runs ('none' = off)")
+    s.set_defaults(func=_cmd_serve)

@@ -1,0 +1,227 @@
+"""The HTTP face: OpenAI-compatible completions and chat completions (streamed as server-sent events
+or whole), models, health and Prometheus metrics, on FastAPI.
+
+Each request is checked (``protocol``) before it is queued; the scheduler thread runs it; this side
+turns its token events into text (stop strings cut here, and end the request in the engine at once)
+and into OpenAI's response objects. A client that disconnects ends its request: the slot is freed
+before the next LLM step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.sse import EventSourceResponse, format_sse_event
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specjax.serving.metrics import Metrics
+from specjax.serving.protocol import APIError, Limits, Parsed, TextTracker, parse_body, parse_request
+from specjax.serving.scheduler import Failed, Finished, QueueFull, Scheduler, ShuttingDown, Ticket, Tokens
+
+# A non-streaming request checks this often whether its client is still there.
+_DISCONNECT_POLL_S = 0.25
+
+
+@dataclasses.dataclass
+class ServerState:
+    scheduler: Scheduler
+    metrics: Metrics
+    limits: Limits
+    tokenizer: object
+    vocab: int
+    stop_ids: tuple[int, ...]
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+class _Run:
+    """One admitted request as the client sees it: text deltas, then a finish reason or an error."""
+
+    def __init__(self, server: ServerState, ticket: Ticket, parsed: Parsed, arrived: float):
+        self.server, self.ticket, self.parsed, self.arrived = server, ticket, parsed, arrived
+        self.text = TextTracker(server.tokenizer, parsed.stop_strings)
+        self.finish_reason: str | None = None
+        self.error: Failed | None = None
+        self.first = self.last = None
+
+    async def deltas(self, request: Request | None = None):
+        """Text deltas until the request ends. ``request``: poll it for a disconnect (non-streaming; a
+        stream notices the disconnect when it writes)."""
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(self.ticket.events.get(), _DISCONNECT_POLL_S) if request \
+                        else await self.ticket.events.get()
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                if isinstance(event, Tokens):
+                    self.last = time.perf_counter()
+                    if self.first is None:
+                        self.first = self.last
+                        self.server.metrics.ttft.observe(self.first - self.arrived)
+                    delta = self.text.feed(event.ids)
+                    if self.text.stopped:
+                        self.server.scheduler.cancel(self.ticket)  # the engine stops it before the next step
+                        self.finish_reason = "stop"
+                    if delta:
+                        yield delta
+                    if self.finish_reason:
+                        return
+                elif isinstance(event, Finished):
+                    self.finish_reason = event.reason
+                    rest = self.text.finish()
+                    if rest:
+                        yield rest
+                    return
+                else:
+                    self.error = event
+                    return
+        finally:
+            self._account()
+
+    def _account(self) -> None:
+        m = self.server.metrics
+        if self.finish_reason is None and self.error is None:
+            self.server.scheduler.cancel(self.ticket)
+            outcome = "cancelled"
+        else:
+            outcome = "error" if self.error else self.finish_reason
+        m.requests.labels(outcome).inc()
+        m.generation_tokens.inc(self.text.served_tokens)
+        if self.first is not None and self.text.served_tokens > 1:
+            m.tpot.observe((self.last - self.first) / (self.text.served_tokens - 1))
+
+    def usage(self) -> dict:
+        prompt = len(self.parsed.submission.prompt)
+        return {"prompt_tokens": prompt, "completion_tokens": self.text.served_tokens,
+                "total_tokens": prompt + self.text.served_tokens}
+
+
+def _error_body(failed: Failed) -> dict:
+    return {"error": {"message": failed.message, "type": "server_error", "param": None, "code": failed.code}}
+
+
+def _chunk(run: _Run, rid: str, created: int, delta: str | None, finish: str | None, first: bool = False) -> dict:
+    if run.parsed.chat:
+        d = {} if delta is None else {"content": delta}
+        if first:
+            d = {"role": "assistant", "content": ""}
+        choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": run.server.limits.model_name, "choices": [choice]}
+
+
+async def _stream(run: _Run, rid: str, created: int):
+    def event(obj) -> bytes:
+        return format_sse_event(data_str=json.dumps(obj, ensure_ascii=False))
+
+    if run.parsed.chat:
+        yield event(_chunk(run, rid, created, None, None, first=True))
+    async for delta in run.deltas():
+        yield event(_chunk(run, rid, created, delta, None))
+    if run.error is not None:
+        yield event(_error_body(run.error))
+    else:
+        yield event(_chunk(run, rid, created, None if run.parsed.chat else "", run.finish_reason))
+        if run.parsed.include_usage:
+            yield event({"id": rid, "object": "chat.completion.chunk" if run.parsed.chat else "text_completion",
+                         "created": created, "model": run.server.limits.model_name, "choices": [],
+                         "usage": run.usage()})
+    yield format_sse_event(data_str="[DONE]")
+
+
+async def _whole(run: _Run, rid: str, created: int, request: Request) -> Response:
+    text = "".join([d async for d in run.deltas(request)])
+    if run.error is not None:
+        return JSONResponse(_error_body(run.error), status_code=503 if run.error.code == "shutting_down" else 500)
+    if run.finish_reason is None:  # the client left; nobody reads this
+        return Response(status_code=499)
+    if run.parsed.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": run.finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": run.finish_reason}
+        obj = "text_completion"
+    return JSONResponse({"id": rid, "object": obj, "created": created, "model": run.server.limits.model_name,
+                         "choices": [choice], "usage": run.usage()})
+
+
+def create_app(server: ServerState, lifespan=None) -> FastAPI:
+    app = FastAPI(title="specjax", description="OpenAI-compatible serving with lossless tree speculation",
+                  lifespan=lifespan)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return _error(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, exc: RequestValidationError):
+        return _error(APIError(422, str(exc), code="invalid_type"))
+
+    async def generate(request: Request, chat: bool):
+        arrived = time.perf_counter()
+        try:
+            parsed = parse_request(parse_body(await request.body()), chat=chat, limits=server.limits,
+                                   tokenizer=server.tokenizer, vocab=server.vocab, stop_ids=server.stop_ids)
+            ticket = Ticket(parsed.submission, asyncio.get_running_loop())
+            server.scheduler.submit(ticket)
+        except (APIError, QueueFull, ShuttingDown) as e:
+            server.metrics.requests.labels("rejected").inc()
+            if isinstance(e, QueueFull):
+                e = APIError(429, f"the queue is full ({server.scheduler.max_queue} requests waiting for "
+                                  f"{server.scheduler.engine.slots} busy slots); retry "
+                                  f"later", type="rate_limit_error", code="queue_full")
+            elif isinstance(e, ShuttingDown):
+                e = APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+            return _error(e)
+        server.metrics.prompt_tokens.inc(len(parsed.submission.prompt))
+        run = _Run(server, ticket, parsed, arrived)
+        rid, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time())
+        if parsed.stream:
+            return EventSourceResponse(_stream(run, rid, created), headers={"Cache-Control": "no-cache"})
+        return await _whole(run, rid, created, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.limits.model_name, "object": "model",
+                                            "created": server.created, "owned_by": "specjax",
+                                            "max_model_len": server.limits.context_window}]}
+
+    @app.get("/health")
+    async def health():
+        if not server.scheduler.healthy():
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        queued, busy = server.scheduler.counts()
+        return {"status": "ok", "queued": queued, "busy_slots": busy}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

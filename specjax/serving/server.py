@@ -1,0 +1,110 @@
+"""Build a server around a loaded model and run it with uvicorn until SIGTERM or SIGINT.
+
+Shutdown: the first signal stops admitting (new requests get 503, queued ones fail with "the server is
+shutting down"); running requests go on for up to ``shutdown_grace`` seconds, then fail with a clear
+error event or body; then the process exits (uvicorn re-raises the signal after its own clean
+shutdown, so the exit status says SIGTERM). Nothing hangs on a client that never reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import jax
+import uvicorn
+
+from specjax.engine import Engine
+from specjax.serving.app import ServerState, create_app
+from specjax.serving.metrics import Metrics
+from specjax.serving.protocol import Limits
+from specjax.serving.scheduler import Scheduler
+from specjax.speculation.budget import Budget, default_levels
+from specjax.speculation.cost import with_costs
+from specjax.types import Model
+
+
+def build_state(model: Model, *, model_name: str, slots: int, max_prompt_tokens: int, max_tokens: int,
+                max_queue: int, drafters=(), budget: str | None = "auto", impl: str = "xla",
+                log=lambda *a: None) -> ServerState:
+    """The engine, its scheduler (not started) and the HTTP side's state. ``drafters``: ``Bound`` pairs
+    (none: plain decoding); ``budget``: "auto" (measured tree budget) or None (whole tree)."""
+    from specjax.api import _eos_ids
+    from specjax.errors import InputError
+
+    if model.tokenizer is None:
+        raise InputError("serving needs a tokenizer (text in, text out); this model has none")
+    if not isinstance(max_queue, int) or max_queue < 1:
+        raise InputError(f"max_queue must be a positive int, got {max_queue!r}")
+    drafter_objs = tuple(b.drafter for b in drafters)
+    plan = None
+    if budget == "auto" and drafter_objs:
+        plan = with_costs(Budget(default_levels(drafter_objs)), model.params, model.config, slots, impl,
+                          progress=lambda n: log(f"# measuring the LLM pass time of a {n}-node tree at batch {slots} "
+                                                 f"(once per machine; cached)"))
+    stop_ids = _eos_ids(model)
+    engine = Engine(model, slots=slots, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_tokens,
+                    drafters=drafters, verifier="seeded", impl=impl, max_stop_tokens=max(1, len(stop_ids)),
+                    budget=plan)
+    metrics = Metrics(slots)
+    limits = Limits(model_name=model_name, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens,
+                    context_window=model.config.max_positions, max_stop_tokens=len(stop_ids))
+    return ServerState(scheduler=Scheduler(engine, max_queue=max_queue, metrics=metrics, log=log), metrics=metrics,
+                       limits=limits, tokenizer=model.tokenizer, vocab=model.config.vocab_size, stop_ids=stop_ids)
+
+
+def warm_up(engine: Engine, prompt_buckets: bool = True, log=lambda *a: None) -> None:
+    """Compile the step, insert and release, and (``prompt_buckets``) the prefill of every prompt bucket
+    up to ``max_prompt_tokens``, so no request pays a compilation."""
+    state = engine.init()
+    widths, w = [], 1
+    while True:
+        widths.append(min(w, engine.max_prompt_tokens))
+        if w >= engine.max_prompt_tokens or not prompt_buckets:
+            break
+        w *= 2
+    for i, width in enumerate(widths):
+        log(f"# compiling the prefill of {width}-token prompts ({i + 1}/{len(widths)})")
+        row = engine.prefill([0] * width, max_new_tokens=2)
+        if i == 0:
+            state = engine.insert(state, row, 0)
+    log("# compiling the batched speculative step")
+    state = engine.release(engine.step(state), 0)
+    jax.block_until_ready(state)
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, telling the scheduler the moment a shutdown signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, grace: float):
+        super().__init__(config)
+        self.state, self.grace, self._timer = state, grace, None
+
+    def handle_exit(self, sig, frame):
+        if self._timer is None:
+            self.state.scheduler.begin_shutdown()
+            self._timer = threading.Timer(self.grace, self.state.scheduler.stop)
+            self._timer.daemon = True
+            self._timer.start()
+        super().handle_exit(sig, frame)
+
+
+def run(state: ServerState, *, host: str, port: int, shutdown_grace: float = 10.0, log=lambda *a: None,
+        on_ready=None) -> None:
+    """Serve until a signal; blocks."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.scheduler.start()
+        log(f"# serving '{state.limits.model_name}' on http://{host}:{port}/v1 ({state.scheduler.engine.slots} "
+            f"slots, queue {state.scheduler.max_queue})")
+        if on_ready is not None:
+            on_ready()
+        yield
+        queued, busy = state.scheduler.counts()
+        state.scheduler.stop()
+        log(f"# specjax serve: stopped ({busy} running request(s) failed at shutdown)")
+
+    config = uvicorn.Config(create_app(state, lifespan=lifespan), host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=shutdown_grace + 5.0, lifespan="on")
+    _Uvicorn(config, state, shutdown_grace).run()

@@ -1,0 +1,388 @@
+"""`specjax serve` through the real `openai` client and raw HTTP, against a server started on 127.0.0.1
+inside the test: completions and chat, streaming and not, stop strings, every refusal the OpenAI way,
+cancellation mid-stream, a full queue, SIGTERM, /metrics, and a load test of 64 concurrent requests
+whose greedy and seeded outputs must equal offline `specjax.generate` whatever else is in the batch.
+
+The LLM is a tiny random LLaMA that carries SmolLM2's tokenizer and chat template (real text handling,
+cheap passes); its outputs are nonsense words, which is all the equality checks need.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx2 as httpx  # the HTTP client the openai package is built on
+import openai
+import pytest
+
+import specjax
+from tests.conftest import make_hf_model, requires_smollm2
+
+pytestmark = requires_smollm2
+
+NAME = "tiny-chat"
+MAX_PROMPT, MAX_TOKENS, CONTEXT = 64, 200, 2048
+LONG = 1500  # tokens of a request that is still running when the test acts on it
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny_chat"))
+    make_hf_model("llama", path, vocab_size=49152, num_attention_heads=4, num_key_value_heads=2, eos_token_id=2,
+                  max_position_embeddings=CONTEXT)
+    specjax.describe_model("smollm2-135m-instruct").tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_model(chat_dir):
+    return specjax.load_model(chat_dir, progress=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model_dir: str, tmp: str, *extra: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(os.path.join(tmp, f"serve-{self.port}.log"), "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "specjax", "serve", "--model", model_dir, "--served-model-name", NAME, "--port",
+             str(self.port), "--max-prompt-tokens", str(MAX_PROMPT), *extra],
+            stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ, SPECJAX_CACHE_DIR=tmp))
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            assert self.proc.poll() is None, f"the server exited: {self.output()}"
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"the server did not come up: {self.output()}")
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-4000:]
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        lines = [line for line in text.splitlines() if line.startswith(name + " ")]
+        assert lines, f"{name} not in /metrics"
+        return float(lines[0].split()[-1])
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def _given_pass_costs(model, cache_dir: str, slots: int) -> None:
+    """The tree budget's cost table for this model, written where the server reads it: its measurement
+    is tested in test_lookup.py; here it would only add minutes. Cheap small trees, so the budget
+    speculates and also switches levels."""
+    import jax.numpy as jnp
+
+    from specjax.speculation.cost import table_key
+
+    costs = {1: 1e-3, 2: 1.1e-3, 5: 1.3e-3, 9: 1.8e-3, 17: 3e-3}
+    key = table_key(model.config, jnp.float32, slots, "xla")
+    with open(os.path.join(cache_dir, "tree_costs.json"), "w") as f:
+        json.dump({key: {str(n): c for n, c in costs.items()}}, f)
+
+
+@pytest.fixture(scope="module")
+def server(chat_dir, chat_model, tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("serve"))
+    _given_pass_costs(chat_model, tmp, slots=4)
+    s = Server(chat_dir, tmp, "--slots", "4", "--max-tokens", str(MAX_TOKENS))
+    assert "measuring" not in s.output()  # the given table was used
+    yield s
+    s.close()
+
+
+def _offline(model, requests):
+    """Offline generation of every request, one batch (a request's tokens do not depend on its batch
+    mates): a dict request index -> generated token ids at the largest max_tokens of them all."""
+    prompts = [r["ids"] for r in requests]
+    sampling = [specjax.SamplingParams(temperature=r.get("temperature", 0.0), top_p=r.get("top_p", 1.0),
+                                       top_k=r.get("top_k", 0), seed=r.get("seed", 0)) for r in requests]
+    # the incremental reference decoder: what every speculative configuration must reproduce
+    out = specjax.generate(model, prompts, max_new_tokens=max(r["max_tokens"] for r in requests), sampling=sampling,
+                           mode="incremental")
+    return out.token_ids
+
+
+def _expected(model, tokens: list[int], max_tokens: int, stops=()) -> tuple[str, str, int]:
+    """(text, finish_reason, completion tokens) a client must get for offline tokens ``tokens``."""
+    eos = set(model.config.eos_token_ids)
+    n = next((i + 1 for i, t in enumerate(tokens[:max_tokens]) if t in eos), None)
+    reason = "stop" if n is not None else "length"
+    n = n or max_tokens
+    for k in range(1, n + 1):  # token by token: the first stop string ends the text
+        text = model.tokenizer.decode(tokens[:k], skip_special_tokens=True)
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            return text[:min(hits)], "stop", k
+    return model.tokenizer.decode(tokens[:n], skip_special_tokens=True), reason, n
+
+
+def _ids(model, request) -> list[int]:
+    tok = model.tokenizer
+    if request["kind"] == "chat":
+        return tok.apply_chat_template([{"role": "user", "content": request["text"]}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=True)["input_ids"]
+    return tok(request["text"])["input_ids"]
+
+
+def _call(server: Server, r: dict) -> tuple[str, str, int]:
+    """Send one request through the openai client: (text, finish_reason, completion tokens)."""
+    kw = dict(model=NAME, max_tokens=r["max_tokens"], temperature=r.get("temperature", 0.0), stream=r["stream"])
+    if "seed" in r:
+        kw["seed"] = r["seed"]
+    if "top_p" in r:
+        kw["top_p"] = r["top_p"]
+    if r.get("stop"):
+        kw["stop"] = r["stop"]
+    if r["stream"]:
+        kw["stream_options"] = {"include_usage": True}
+    if r["kind"] == "chat":
+        res = server.client.chat.completions.create(messages=[{"role": "user", "content": r["text"]}], **kw)
+    else:
+        res = server.client.completions.create(prompt=r["text"], **kw)
+    if not r["stream"]:
+        c = res.choices[0]
+        return (c.message.content if r["kind"] == "chat" else c.text), c.finish_reason, res.usage.completion_tokens
+    text, reason, usage = "", None, None
+    for chunk in res:
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+        for c in chunk.choices:
+            text += (c.delta.content or "") if r["kind"] == "chat" else c.text
+            reason = c.finish_reason or reason
+    return text, reason, usage
+
+
+WORDS = ("the river", "a small house", "seven", "green lights", "Summarise this:", "Paris", "def f(x):", "2 + 2 =")
+
+
+def _requests(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        r = {"kind": rng.choice(["chat", "completion"]), "stream": rng.random() < 0.5,
+             "text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 8))), "max_tokens": rng.randint(1, 24)}
+        if rng.random() < 0.5:  # seeded sampling
+            r.update(temperature=rng.choice([0.7, 1.0, 1.3]), seed=rng.randrange(2**31))
+            if rng.random() < 0.5:
+                r["top_p"] = 0.9
+        out.append(r)
+    return out
+
+
+def test_models_health_and_metrics_endpoints(server):
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == [NAME]
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok"
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("specjax_requests_total", "specjax_prompt_tokens_total", "specjax_generation_tokens_total",
+                 "specjax_tokens_per_llm_pass", "specjax_time_to_first_token_seconds",
+                 "specjax_time_per_output_token_seconds", "specjax_queue_length", "specjax_busy_slots"):
+        assert name in text, name
+    assert server.metric("specjax_slots") == 4
+
+
+def test_completions_and_chat_equal_offline_generation_streamed_or_not(server, chat_model):
+    requests = [dict(kind=k, stream=s, text="Name three primes.", max_tokens=24, **sampling)
+                for k in ("completion", "chat") for s in (False, True)
+                for sampling in ({}, {"temperature": 0.9, "seed": 1234, "top_p": 0.95})]
+    for r in requests:
+        r["ids"] = _ids(chat_model, r)
+    offline = _offline(chat_model, requests)
+    for r, tokens in zip(requests, offline):
+        assert _call(server, r) == _expected(chat_model, tokens, r["max_tokens"]), r
+
+
+def test_stop_strings_cut_the_text_and_end_the_request(server, chat_model):
+    base = dict(kind="completion", text="the river", max_tokens=30)
+    base["ids"] = _ids(chat_model, base)
+    tokens = _offline(chat_model, [base])[0]
+    full = chat_model.tokenizer.decode(tokens, skip_special_tokens=True)
+    at = next(i for i in range(len(full) // 2, len(full) - 3) if full[i:i + 3].isalpha())
+    stop = full[at:at + 3]  # three letters the output really contains, past its middle
+    want = _expected(chat_model, tokens, 30, (stop,))
+    assert want[1] == "stop" and want[2] < 30 and stop not in want[0]
+    for stream in (False, True):
+        assert _call(server, dict(base, stream=stream, stop=[stop, "never-in-the-output"])) == want
+
+
+BAD = [  # (path, body, status, param or code in the error)
+    ("completions", b"{not json", 400, None),
+    ("completions", b"[1, 2]", 400, None),
+    ("completions", {"prompt": "hi", "max_tokens": 4}, 400, "model"),
+    ("completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ("completions", {"model": NAME, "prompt": "hi", "max_tokens": "4"}, 422, "max_tokens"),
+    ("completions", {"model": NAME, "prompt": "hi", "temperature": "hot"}, 422, "temperature"),
+    ("completions", {"model": NAME, "prompt": 5}, 422, "prompt"),
+    ("completions", {"model": NAME, "prompt": "hi", "stream": "yes"}, 422, "stream"),
+    ("completions", {"model": NAME, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"model": NAME, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ("completions", {"model": NAME, "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("completions", {"model": NAME, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("completions", {"model": NAME, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("completions", {"model": NAME, "prompt": ""}, 400, "prompt"),
+    ("completions", {"model": NAME, "prompt": []}, 400, "prompt"),
+    ("completions", {"model": NAME, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"model": NAME, "prompt": "hi", "n": 2}, 400, "n"),
+    ("completions", {"model": NAME, "prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("completions", {"model": NAME, "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("completions", {"model": NAME, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
+    ("completions", {"model": NAME, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("completions", {"model": NAME, "prompt": "hi", "max_tokens": CONTEXT}, 400, "context_length_exceeded"),
+    ("completions", {"model": NAME, "prompt": "hi", "max_tokens": MAX_TOKENS + 1}, 400, "max_tokens"),
+    ("completions", {"model": NAME, "prompt": "word " * 100, "max_tokens": 4}, 400, "context_length_exceeded"),
+    ("completions", {"model": NAME, "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("chat/completions", {"model": NAME, "messages": []}, 400, "messages"),
+    ("chat/completions", {"model": NAME, "messages": "hi"}, 422, "messages"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0]"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": 3}]}, 422, "messages[0].content"),
+    ("chat/completions", {"model": NAME, "prompt": "hi"}, 400, "prompt"),
+    ("models/x", None, 404, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{i}-{b[3]}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_openai_errors_and_the_server_lives_on(server, path, body, status, param):
+    url = f"{server.url}/v1/{path}"
+    if body is None:
+        r = httpx.get(url)
+    else:
+        r = httpx.post(url, content=body if isinstance(body, bytes) else json.dumps(body),
+                       headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert param in (error["param"], error["code"]), error
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_openai_client_raises_the_matching_errors(server):
+    with pytest.raises(openai.NotFoundError, match="does not exist here"):
+        server.client.completions.create(model="gpt-4", prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="'temperature' must be 0"):
+        server.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
+                                              temperature=-1)
+
+
+def test_64_concurrent_requests_all_complete_and_equal_offline(server, chat_model):
+    requests = _requests(64, seed=7)
+    for r in requests:
+        r["ids"] = _ids(chat_model, r)
+    offline = _offline(chat_model, requests)
+    before = {k: server.metric(f'specjax_requests_total{{outcome="{k}"}}') for k in ("stop", "length")}
+    generated_before = server.metric("specjax_generation_tokens_total")
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(lambda r: _call(server, r), requests))
+    assert len(results) == 64
+    for i, (r, tokens, got) in enumerate(zip(requests, offline, results)):
+        assert got == _expected(chat_model, tokens, r["max_tokens"]), f"request {i}: {r}"
+    after = {k: server.metric(f'specjax_requests_total{{outcome="{k}"}}') for k in ("stop", "length")}
+    assert sum(after.values()) - sum(before.values()) == 64
+    assert server.metric("specjax_generation_tokens_total") - generated_before == sum(g[2] for g in results)
+    assert server.metric("specjax_queue_length") == 0 and server.metric("specjax_busy_slots") == 0
+
+
+@pytest.fixture(scope="module")
+def one_slot(chat_dir, tmp_path_factory):
+    """One slot, a queue of one, no speculation (one token per pass: a long request stays running)."""
+    s = Server(chat_dir, str(tmp_path_factory.mktemp("serve1")), "--slots", "1", "--max-queue", "1", "--max-tokens",
+               str(LONG), "--drafter", "none", "--shutdown-grace", "1", "--warmup", "step")
+    yield s
+    s.close()
+
+
+LONG_BODY = {"model": NAME, "prompt": "the river", "max_tokens": LONG, "temperature": 0}
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(one_slot):
+    s = one_slot
+    cancelled = s.metric('specjax_requests_total{outcome="cancelled"}')
+    with httpx.stream("POST", s.url + "/v1/completions", json=dict(LONG_BODY, stream=True), timeout=60) as r:
+        assert next(r.iter_lines()).startswith("data: ")  # generation has started; now leave
+    deadline = time.time() + 30
+    while httpx.get(s.url + "/health").json()["busy_slots"] != 0 and time.time() < deadline:
+        time.sleep(0.02)
+    assert httpx.get(s.url + "/health").json()["busy_slots"] == 0
+    assert s.metric('specjax_requests_total{outcome="cancelled"}') == cancelled + 1
+    assert s.metric("specjax_generation_tokens_total") < LONG  # it was stopped, not run to the end
+
+
+def test_full_queue_answers_429_and_sigterm_ends_everything_cleanly(one_slot):
+    """The first request runs, the second waits, the third is refused with 429. SIGTERM then fails the
+    waiting one with a 503 at once, ends the running stream (finished, or failed with a clear error
+    event after the grace period) and the process exits."""
+    s = one_slot
+    with httpx.stream("POST", s.url + "/v1/completions", json=dict(LONG_BODY, stream=True), timeout=60) as running:
+        events = running.iter_lines()
+        assert next(events).startswith("data: ")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(httpx.post, s.url + "/v1/completions", json=dict(LONG_BODY, max_tokens=4),
+                                  timeout=60)
+            deadline = time.time() + 30
+            while s.metric("specjax_queue_length") < 1 and time.time() < deadline:
+                time.sleep(0.02)
+            refused = httpx.post(s.url + "/v1/completions", json=LONG_BODY, timeout=60)
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full", refused.text
+            t0 = time.time()
+            s.proc.send_signal(signal.SIGTERM)
+            w = waiting.result(timeout=30)
+            assert w.status_code == 503 and w.json()["error"]["code"] == "shutting_down", w.text
+        tail = [line for line in events if line.startswith("data: ")]
+    assert tail[-1] == "data: [DONE]"
+    last = json.loads(tail[-2][len("data: "):])
+    if "error" in last:
+        assert last["error"]["code"] == "shutting_down" and "shut down" in last["error"]["message"]
+    else:
+        assert last["choices"][0]["finish_reason"] == "length"
+    # uvicorn shuts down cleanly, then re-raises the signal: the status says SIGTERM, the log says how
+    assert s.proc.wait(60) in (0, -signal.SIGTERM) and time.time() - t0 < 30, s.output()
+    assert "# specjax serve: stopped (" in s.output()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--slots", "0"], "--slots must be >= 1, got 0"),
+    (["--max-queue", "0"], "--max-queue must be >= 1"),
+    (["--port", "70000"], "--port must be in [1, 65535]"),
+    (["--drafter", "none", "--drafter", "lookup:4"], "--drafter none turns speculation off"),
+    (["--drafter", "none", "--budget", "auto"], "--drafter none drafts nothing"),
+    (["--drafter", "nope:1"], "expected NAME:ARG with NAME one of"),
+    (["--budget", "auto", "--drafter", "ssm:derived:1"], "--budget auto needs drafters that estimate"),
+    (["--max-prompt-tokens", "1024", "--max-tokens", "1025"], f"exceeds the context window of {CONTEXT}"),
+])
+def test_bad_serve_flags_fail_before_loading(chat_dir, args, message):
+    r = subprocess.run([sys.executable, "-m", "specjax", "serve", "--model", chat_dir, *args], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr and "loading" not in r.stderr, r.stderr

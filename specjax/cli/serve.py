@@ -112,7 +112,8 @@ def add_parser(sub, fmt, compile_cache_default: str) -> None:
     s.add_argument("--drafter", action="append", default=None, metavar="NAME:ARG",
                    help="as in `specjax generate` (lookup:auto, lookup:D, ssm:PATH, ...; repeat to merge), or "
                         f"'{NO_SPECULATION}' for plain decoding (default: {','.join(registry.DEFAULT_DRAFTERS)})")
-    s.add_argument("--expansion", default=None, help="expansion widths of SSM drafters (as in generate)")
+    s.add_argument("--expansion", default=None, help="expansion widths of SSM drafters, as in generate (default: "
+                        f"{','.join(map(str, registry.DEFAULT_EXPANSION))})")
     s.add_argument("--budget", default=None, choices=["auto", "off"],
                    help="auto: each step verifies as much of each request's tree as pays, from measured pass costs "
                         "at --slots requests and measured acceptance; off: whole trees (default: auto when every "

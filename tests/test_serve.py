@@ -29,7 +29,7 @@ from tests.conftest import make_hf_model, requires_smollm2
 pytestmark = requires_smollm2
 
 NAME = "tiny-chat"
-MAX_PROMPT, MAX_TOKENS, CONTEXT = 64, 200, 2048
+MAX_PROMPT, MAX_TOKENS, CONTEXT = 128, 200, 2048
 LONG = 1500  # tokens of a request that is still running when the test acts on it
 
 
@@ -260,7 +260,7 @@ BAD = [  # (path, body, status, param or code in the error)
     ("completions", {"model": NAME, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("completions", {"model": NAME, "prompt": "hi", "max_tokens": CONTEXT}, 400, "context_length_exceeded"),
     ("completions", {"model": NAME, "prompt": "hi", "max_tokens": MAX_TOKENS + 1}, 400, "max_tokens"),
-    ("completions", {"model": NAME, "prompt": "word " * 100, "max_tokens": 4}, 400, "context_length_exceeded"),
+    ("completions", {"model": NAME, "prompt": "word " * 200, "max_tokens": 4}, 400, "context_length_exceeded"),
     ("completions", {"model": NAME, "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("chat/completions", {"model": NAME, "messages": []}, 400, "messages"),

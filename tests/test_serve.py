@@ -24,6 +24,7 @@ import openai
 import pytest
 
 import specjax
+from specjax.serving.scheduler import Submission, Ticket
 from tests.conftest import make_hf_model, requires_smollm2
 
 pytestmark = requires_smollm2
@@ -232,8 +233,33 @@ def test_stop_strings_cut_the_text_and_end_the_request(server, chat_model):
     stop = full[at:at + 3]  # three letters the output really contains, past its middle
     want = _expected(chat_model, tokens, 30, (stop,))
     assert want[1] == "stop" and want[2] < 30 and stop not in want[0]
+    observed = server.metric("specjax_tokens_per_llm_pass_count")
     for stream in (False, True):
         assert _call(server, dict(base, stream=stream, stop=[stop, "never-in-the-output"])) == want
+    # the engine ends them at its next step, after the client has its text: their passes still count
+    deadline = time.time() + 30
+    while server.metric("specjax_tokens_per_llm_pass_count") < observed + 2 and time.time() < deadline:
+        time.sleep(0.02)
+    assert server.metric("specjax_tokens_per_llm_pass_count") == observed + 2
+
+
+def test_null_fields_mean_not_given_and_completions_default_to_16_tokens(server, chat_model):
+    """The openai client sends an explicit None as null: such fields are absent, never refused.
+    Without max_tokens a completion generates OpenAI's default 16 tokens (chat: up to the server's)."""
+    r = dict(kind="completion", text="the river", max_tokens=16)
+    r["ids"] = _ids(chat_model, r)
+    want = _expected(chat_model, _offline(chat_model, [r])[0], 16)
+    nulls = {k: None for k in ("max_tokens", "top_p", "top_k", "seed", "stop", "n", "logprobs", "user", "suffix",
+                               "stream", "stream_options", "presence_penalty", "logit_bias")}
+    got = httpx.post(server.url + "/v1/completions", json=dict(nulls, model=NAME, prompt="the river", temperature=0),
+                     timeout=120)
+    assert got.status_code == 200, got.text
+    body = got.json()
+    assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"], body["usage"]["completion_tokens"]) \
+        == want
+    chat = server.client.chat.completions.create(model=NAME, max_completion_tokens=5, temperature=0, max_tokens=None,
+                                                 top_p=None, messages=[{"role": "user", "content": "hi", "name": None}])
+    assert chat.usage.completion_tokens <= 5 and chat.choices[0].finish_reason in ("stop", "length")
 
 
 BAD = [  # (path, body, status, param or code in the error)
@@ -339,6 +365,29 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(one_slot):
     assert s.metric("specjax_generation_tokens_total") < LONG  # it was stopped, not run to the end
 
 
+def test_a_client_that_leaves_a_whole_response_request_frees_its_slot(one_slot):
+    """Non-streaming: nothing is written until the end, so the server polls for the disconnect while
+    tokens flow; the request is cancelled in the engine long before its max_tokens."""
+    s = one_slot
+    cancelled = s.metric('specjax_requests_total{outcome="cancelled"}')
+    generated = s.metric("specjax_generation_tokens_total")
+    body = json.dumps(LONG_BODY).encode()
+    with socket.create_connection(("127.0.0.1", s.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.time() + 60
+        while httpx.get(s.url + "/health").json()["busy_slots"] != 1 and time.time() < deadline:
+            time.sleep(0.02)
+        assert httpx.get(s.url + "/health").json()["busy_slots"] == 1, s.output()
+        time.sleep(0.5)  # tokens are flowing
+    deadline = time.time() + 30
+    while httpx.get(s.url + "/health").json()["busy_slots"] != 0 and time.time() < deadline:
+        time.sleep(0.02)
+    assert httpx.get(s.url + "/health").json()["busy_slots"] == 0
+    assert s.metric('specjax_requests_total{outcome="cancelled"}') == cancelled + 1
+    assert s.metric("specjax_generation_tokens_total") - generated < LONG  # stopped, not run to the end
+
+
 def test_full_queue_answers_429_and_sigterm_ends_everything_cleanly(one_slot):
     """The first request runs, the second waits, the third is refused with 429. SIGTERM then fails the
     waiting one with a 503 at once, ends the running stream (finished, or failed with a clear error
@@ -386,3 +435,112 @@ def test_bad_serve_flags_fail_before_loading(chat_dir, args, message):
                        text=True, timeout=300)
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr and "loading" not in r.stderr, r.stderr
+
+
+def test_an_engine_failure_while_admitting_fails_only_that_request(chat_model, monkeypatch):
+    """A prefill that raises (here: injected for one prompt) ends that request with an engine_error;
+    the scheduler lives on and its batch mates get their offline tokens."""
+    import asyncio
+
+    from specjax.serving.scheduler import Failed, Finished, Tokens
+    from specjax.serving.server import build_state
+
+    state = build_state(chat_model, model_name=NAME, slots=2, max_prompt_tokens=16, max_tokens=8, max_queue=8,
+                        drafters=(), budget=None)
+    engine, scheduler = state.scheduler.engine, state.scheduler
+    poisoned = [7, 7, 7]
+    real_prefill = engine.prefill
+
+    def prefill(prompt, *args, **kwargs):
+        if list(prompt) == poisoned:
+            raise RuntimeError("injected prefill failure")
+        return real_prefill(prompt, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "prefill", prefill)
+    greedy = specjax.SamplingParams(temperature=0.0)
+    prompts = [[5, 6, 7], poisoned, [9, 10], [11]]
+    want = _offline(chat_model, [dict(ids=p, max_tokens=8) for p in prompts if p != poisoned])
+
+    async def run_all():
+        loop = asyncio.get_running_loop()
+        tickets = [Ticket(Submission(p, greedy, 8, state.stop_ids), loop) for p in prompts]
+        for t in tickets:
+            scheduler.submit(t)
+
+        async def collect(t):
+            ids = []
+            while True:
+                event = await t.events.get()
+                if isinstance(event, Tokens):
+                    ids += event.ids
+                else:
+                    return ids, event
+        return await asyncio.gather(*(collect(t) for t in tickets))
+
+    scheduler.start()
+    try:
+        results = asyncio.run(asyncio.wait_for(run_all(), 300))
+    finally:
+        scheduler.stop()
+    ok = [r for p, r in zip(prompts, results) if p != poisoned]
+    bad = results[prompts.index(poisoned)]
+    assert bad[0] == [] and isinstance(bad[1], Failed) and bad[1].code == "engine_error"
+    assert "injected prefill failure" in bad[1].message
+    for (ids, end), tokens in zip(ok, want):
+        assert isinstance(end, Finished) and ids == [int(t) for t in tokens[:len(ids)]] and ids
+    assert scheduler.counts() == (0, 0)
+
+
+class _RefusingTokenizer:
+    """A tokenizer whose chat template refuses every conversation and whose encoder fails."""
+
+    chat_template = "{{ raise_exception('roles must alternate') }}"
+
+    def apply_chat_template(self, *a, **k):
+        raise ValueError("roles must alternate")
+
+    def __call__(self, text):
+        raise ValueError("cannot encode")
+
+
+def _parse(body, chat, tokenizer, vocab=49152):
+    from specjax.serving.protocol import Limits, parse_request
+
+    limits = Limits(model_name=NAME, max_prompt_tokens=64, max_tokens=32, context_window=256, max_stop_tokens=1)
+    return parse_request(body, chat=chat, limits=limits, tokenizer=tokenizer, vocab=vocab, stop_ids=(2,))
+
+
+def test_tokenizer_and_template_failures_are_400_errors_naming_the_field(chat_model):
+    from specjax.serving.protocol import APIError
+
+    with pytest.raises(APIError, match="chat template refused 'messages'.*roles must alternate") as e:
+        _parse({"model": NAME, "messages": [{"role": "user", "content": "hi"}]}, True, _RefusingTokenizer())
+    assert e.value.status == 400 and e.value.param == "messages"
+    with pytest.raises(APIError, match="'prompt' could not be tokenized.*cannot encode") as e:
+        _parse({"model": NAME, "prompt": "hi"}, False, _RefusingTokenizer())
+    assert e.value.status == 400 and e.value.param == "prompt"
+    # a tokenizer with more tokens than the model's vocabulary: refused, never clipped
+    with pytest.raises(APIError, match="outside the model's vocabulary") as e:
+        _parse({"model": NAME, "prompt": "hello there"}, False, chat_model.tokenizer, vocab=10)
+    assert e.value.status == 400
+    assert _parse({"model": NAME, "prompt": "hi"}, False, chat_model.tokenizer).submission.max_new_tokens == 16
+    assert _parse({"model": NAME, "messages": [{"role": "user", "content": "hi"}]}, True,
+                  chat_model.tokenizer).submission.max_new_tokens == 32
+
+
+@pytest.mark.parametrize("context,given,want", [
+    (8192, (None, None), (2048, 512)),
+    (2048, (None, None), (1536, 512)),
+    (512, (None, None), (256, 256)),
+    (512, (400, None), (400, 112)),
+    (512, (None, 100), (412, 100)),
+    (2048, (1024, 1025), (1024, 1025)),  # given values are kept (and then refused by the window check)
+])
+def test_serve_length_defaults_fit_the_context_window(context, given, want):
+    import argparse
+
+    from specjax.cli.serve import _lengths
+
+    args = argparse.Namespace(max_prompt_tokens=given[0], max_tokens=given[1])
+    _lengths(args, context)
+    assert (args.max_prompt_tokens, args.max_tokens) == want

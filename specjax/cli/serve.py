@@ -18,7 +18,7 @@ NO_SPECULATION = "none"
 def _check(args) -> None:
     for flag, value in (("--slots", args.slots), ("--max-queue", args.max_queue), ("--max-tokens", args.max_tokens),
                         ("--max-prompt-tokens", args.max_prompt_tokens)):
-        if value < 1:
+        if value is not None and value < 1:
             raise InputError(f"{flag} must be >= 1, got {value}")
     if not 0 < args.port < 65536:
         raise InputError(f"--port must be in [1, 65535], got {args.port}")
@@ -34,6 +34,19 @@ def _check(args) -> None:
     if distributed.detect_cluster() is not None:
         raise InputError("specjax serve runs as one process (multi-host serving is not implemented yet; see the "
                          "README's Serving section)")
+
+
+DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS = 2048, 512
+
+
+def _lengths(args, context: int) -> None:
+    """Defaults that fit the model: a short context window shrinks them (max tokens to at most half of
+    it, the prompt to the rest); given values are kept and checked against the window."""
+    if args.max_tokens is None:
+        args.max_tokens = min(DEFAULT_MAX_TOKENS, max(1, context // 2),
+                              max(1, context - (args.max_prompt_tokens or 1)))
+    if args.max_prompt_tokens is None:
+        args.max_prompt_tokens = max(1, min(DEFAULT_MAX_PROMPT_TOKENS, context - args.max_tokens))
 
 
 def _drafters(args, llm, load: bool) -> list:
@@ -73,6 +86,7 @@ def _cmd_serve(args, out) -> int:
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     light = specjax.describe_model(args.model)
     budget = _budget(args, _drafters(args, light, load=False))  # every flag checked before the weights load
+    _lengths(args, light.config.max_positions)
     if args.max_prompt_tokens + args.max_tokens > light.config.max_positions:
         raise InputError(f"--max-prompt-tokens {args.max_prompt_tokens} + --max-tokens {args.max_tokens} exceeds the "
                          f"context window of {light.config.max_positions}")
@@ -106,9 +120,13 @@ def add_parser(sub, fmt, compile_cache_default: str) -> None:
     s.add_argument("--slots", type=int, default=8, help="requests generated together (the batch size)")
     s.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting for a slot; beyond it requests are refused with HTTP 429")
-    s.add_argument("--max-prompt-tokens", type=int, default=2048, help="longest prompt accepted, in tokens")
-    s.add_argument("--max-tokens", type=int, default=512,
-                   help="most tokens one request may generate (its default max_tokens)")
+    s.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help=f"longest prompt accepted, in tokens (default: {DEFAULT_MAX_PROMPT_TOKENS}, less where the "
+                        f"model's context window is shorter than that plus --max-tokens)")
+    s.add_argument("--max-tokens", type=int, default=None,
+                   help=f"most tokens one request may generate; the default max_tokens of chat requests "
+                        f"(completions: 16, as OpenAI's) (default: {DEFAULT_MAX_TOKENS}, at most half the model's "
+                        f"context window)")
     s.add_argument("--drafter", action="append", default=None, metavar="NAME:ARG",
                    help="as in `specjax generate` (lookup:auto, lookup:D, ssm:PATH, ...; repeat to merge), or "
                         f"'{NO_SPECULATION}' for plain decoding (default: {','.join(registry.DEFAULT_DRAFTERS)})")

@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import json
 import time
+import traceback
 import uuid
 
 from fastapi import FastAPI, Request
@@ -54,18 +55,23 @@ class _Run:
         self.finish_reason: str | None = None
         self.error: Failed | None = None
         self.first = self.last = None
+        self.accounted = False
 
     async def deltas(self, request: Request | None = None):
-        """Text deltas until the request ends. ``request``: poll it for a disconnect (non-streaming; a
-        stream notices the disconnect when it writes)."""
+        """Text deltas until the request ends. ``request``: poll it for a disconnect every
+        ``_DISCONNECT_POLL_S``, while tokens flow too (non-streaming; a stream notices the disconnect
+        when it writes)."""
+        next_poll = time.perf_counter() + _DISCONNECT_POLL_S
         try:
             while True:
+                if request is not None and time.perf_counter() >= next_poll:
+                    if await request.is_disconnected():
+                        return
+                    next_poll = time.perf_counter() + _DISCONNECT_POLL_S
                 try:
                     event = await asyncio.wait_for(self.ticket.events.get(), _DISCONNECT_POLL_S) if request \
                         else await self.ticket.events.get()
                 except TimeoutError:
-                    if await request.is_disconnected():
-                        return
                     continue
                 if isinstance(event, Tokens):
                     self.last = time.perf_counter()
@@ -90,9 +96,13 @@ class _Run:
                     self.error = event
                     return
         finally:
-            self._account()
+            self.account()
 
-    def _account(self) -> None:
+    def account(self) -> None:
+        """Once per request, however it ended: count it, and cancel it in the engine if the client left."""
+        if self.accounted:
+            return
+        self.accounted = True
         m = self.server.metrics
         if self.finish_reason is None and self.error is None:
             self.server.scheduler.cancel(self.ticket)
@@ -131,19 +141,22 @@ async def _stream(run: _Run, rid: str, created: int):
     def event(obj) -> bytes:
         return format_sse_event(data_str=json.dumps(obj, ensure_ascii=False))
 
-    if run.parsed.chat:
-        yield event(_chunk(run, rid, created, None, None, first=True))
-    async for delta in run.deltas():
-        yield event(_chunk(run, rid, created, delta, None))
-    if run.error is not None:
-        yield event(_error_body(run.error))
-    else:
-        yield event(_chunk(run, rid, created, None if run.parsed.chat else "", run.finish_reason))
-        if run.parsed.include_usage:
-            yield event({"id": rid, "object": "chat.completion.chunk" if run.parsed.chat else "text_completion",
-                         "created": created, "model": run.server.limits.model_name, "choices": [],
-                         "usage": run.usage()})
-    yield format_sse_event(data_str="[DONE]")
+    try:
+        if run.parsed.chat:
+            yield event(_chunk(run, rid, created, None, None, first=True))
+        async for delta in run.deltas():
+            yield event(_chunk(run, rid, created, delta, None))
+        if run.error is not None:
+            yield event(_error_body(run.error))
+        else:
+            yield event(_chunk(run, rid, created, None if run.parsed.chat else "", run.finish_reason))
+            if run.parsed.include_usage:
+                yield event({"id": rid, "object": "chat.completion.chunk" if run.parsed.chat else "text_completion",
+                             "created": created, "model": run.server.limits.model_name, "choices": [],
+                             "usage": run.usage()})
+        yield format_sse_event(data_str="[DONE]")
+    finally:  # a client that left before the first write never started run.deltas(): cancel it here
+        run.account()
 
 
 async def _whole(run: _Run, rid: str, created: int, request: Request) -> Response:
@@ -183,9 +196,13 @@ def create_app(server: ServerState, lifespan=None) -> FastAPI:
                                    tokenizer=server.tokenizer, vocab=server.vocab, stop_ids=server.stop_ids)
             ticket = Ticket(parsed.submission, asyncio.get_running_loop())
             server.scheduler.submit(ticket)
-        except (APIError, QueueFull, ShuttingDown) as e:
+        except Exception as e:  # noqa: BLE001 - whatever goes wrong with one request, the server answers and lives on
             server.metrics.requests.labels("rejected").inc()
-            if isinstance(e, QueueFull):
+            if not isinstance(e, (APIError, QueueFull, ShuttingDown)):
+                server.scheduler.log(f"# specjax serve: a request failed before admission:\n{traceback.format_exc()}")
+                e = APIError(500, f"the server failed to read the request: {type(e).__name__}: {e}",
+                             type="server_error", code="internal_error")
+            elif isinstance(e, QueueFull):
                 e = APIError(429, f"the queue is full ({server.scheduler.max_queue} requests waiting for "
                                   f"{server.scheduler.engine.slots} busy slots); retry "
                                   f"later", type="rate_limit_error", code="queue_full")

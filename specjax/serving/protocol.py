@@ -56,6 +56,7 @@ _NEUTRAL = {"best_of": (1,), "echo": (False,), "logprobs": (None, False), "top_l
             "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": (None, {}), "suffix": (None,),
             "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default max_tokens of /v1/completions
 
 
 def parse_body(raw: bytes) -> dict:
@@ -99,6 +100,8 @@ def _bool(body: dict, key: str, default: bool) -> bool:
 
 def _check_fields(body: dict, allowed: set[str]) -> None:
     for key, value in body.items():
+        if value is None:  # null means "not given" (the openai client sends explicit None as null)
+            continue
         if key in _NEUTRAL:
             if value not in _NEUTRAL[key]:
                 raise APIError(400, f"'{key}' is not supported by this server (only {_NEUTRAL[key][0]!r})",
@@ -165,7 +168,10 @@ def _completion_prompt(body: dict, tokenizer, vocab: int) -> list[int]:
     if isinstance(p, str):
         if p == "":
             raise APIError(400, "'prompt' is empty", param="prompt")
-        ids = tokenizer(p)["input_ids"]
+        try:
+            ids = tokenizer(p)["input_ids"]
+        except Exception as e:  # noqa: BLE001 - the tokenizer's own message says what it could not encode
+            raise APIError(400, f"'prompt' could not be tokenized: {type(e).__name__}: {e}", param="prompt") from None
     elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         if not p:
             raise APIError(400, "'prompt' is empty", param="prompt")
@@ -198,7 +204,7 @@ def _chat_prompt(body: dict, tokenizer) -> list[int]:
             raise _type_error(where, "an object with a string 'role'", m)
         if m["role"] not in _ROLES:
             raise APIError(400, f"{where}.role must be one of {list(_ROLES)}, got {m['role']!r}", param=where)
-        extra = set(m) - {"role", "content", "name"}
+        extra = {k for k, v in m.items() if v is not None} - {"role", "content", "name"}
         if extra:
             raise APIError(400, f"{where}: unsupported field(s) {sorted(extra)}", param=where,
                            code="unsupported_parameter")
@@ -216,8 +222,13 @@ def _chat_prompt(body: dict, tokenizer) -> list[int]:
         raise APIError(400, "'messages' hold no text", param="messages")
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-    return [int(t) for t in tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True,
-                                                          return_dict=True)["input_ids"]]
+    try:
+        ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]
+    except Exception as e:  # noqa: BLE001 - templates refuse conversations in their own words (jinja raise_exception)
+        raise APIError(400, f"the model's chat template refused 'messages': {type(e).__name__}: {e}",
+                       param="messages") from None
+    return [int(t) for t in ids]
 
 
 def parse_request(body: dict, *, chat: bool, limits: Limits, tokenizer, vocab: int, stop_ids: tuple[int, ...]) \
@@ -240,6 +251,10 @@ def parse_request(body: dict, *, chat: bool, limits: Limits, tokenizer, vocab: i
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, key)
     ids = _chat_prompt(body, tokenizer) if chat else _completion_prompt(body, tokenizer, vocab)
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:  # a tokenizer with more (added) tokens than the model's embedding rows
+        raise APIError(400, f"the {'messages' if chat else 'prompt'} tokenize to id {bad[0]}, outside the model's "
+                            f"vocabulary [0, {vocab})", param="messages" if chat else "prompt")
     if max_tokens is not None and max_tokens <= 0:
         raise APIError(400, f"'{key}' must be >= 1, got {max_tokens}", param=key)
     if len(ids) + (max_tokens or 1) > limits.context_window:
@@ -253,8 +268,9 @@ def parse_request(body: dict, *, chat: bool, limits: Limits, tokenizer, vocab: i
     if max_tokens is not None and max_tokens > limits.max_tokens:
         raise APIError(400, f"'{key}' is {max_tokens}; this server generates at most {limits.max_tokens} tokens per "
                        f"request (specjax serve --max-tokens)", param=key)
-    if max_tokens is None:  # as much as the server and the context window allow
-        max_tokens = min(limits.max_tokens, limits.context_window - len(ids))
+    if max_tokens is None:  # OpenAI's defaults: 16 for completions; chat as much as the server and the context allow
+        max_tokens = min(COMPLETIONS_DEFAULT_MAX_TOKENS if not chat else limits.max_tokens, limits.max_tokens,
+                         limits.context_window - len(ids))
     submission = Submission(prompt=ids, sampling=sampling, max_new_tokens=max_tokens, stop_ids=stop_ids)
     return Parsed(submission, stop_strings, stream, include_usage, chat)
 

@@ -75,6 +75,7 @@ class Ticket:
         self.slot: int | None = None
         self.emitted = 0  # tokens already pushed
         self.passes = 0
+        self.hist: np.ndarray | None = None  # its tokens-per-pass histogram, as of the last step
         self.closed = False  # an end event was pushed
 
     def _push(self, event) -> None:
@@ -102,6 +103,7 @@ class Scheduler:
         self._queue: collections.deque[Ticket] = collections.deque()
         self._cancels: list[Ticket] = []
         self._slots: list[Ticket | None] = [None] * engine.slots
+        self._admitting: list[Ticket] = []  # taken from the queue, not yet in a slot
         self._accepting = True
         self._stopping = False
         self._stop_message = ""
@@ -183,8 +185,10 @@ class Scheduler:
             message = f"the engine failed: {type(e).__name__}: {e}"
             with self._lock:
                 self._accepting = False
-                tickets = [t for t in self._slots if t is not None] + list(self._queue)
+                tickets = [t for t in self._slots if t is not None] + self._admitting + list(self._queue)
                 self._queue.clear()
+                self._slots, self._admitting = [None] * len(self._slots), []
+                self._gauges()
             for t in tickets:
                 t._push(Failed(message, "engine_error"))
             return
@@ -210,12 +214,25 @@ class Scheduler:
             admit = []
             while free[len(admit):] and self._queue and not (running and admit):
                 admit.append(self._queue.popleft())
+            self._admitting = list(admit)
             self._gauges()
         for t in cancels:
             if t.slot is not None:
                 self.state = self.engine.release(self.state, t.slot)
+                self._observe(t.hist)
         for t, slot in zip(admit, free):
-            self._admit(t, slot)
+            try:
+                self._admit(t, slot)
+            except Exception as e:  # noqa: BLE001 - one request's failure (say, its prompt) is not everyone's
+                self.log(f"# specjax serve: admitting a request failed:\n{traceback.format_exc()}")
+                with self._lock:
+                    if self._slots[slot] is t:
+                        self._slots[slot] = None
+                    self._gauges()
+                t._push(Failed(f"the engine could not start the request: {type(e).__name__}: {e}", "engine_error"))
+            finally:
+                with self._lock:
+                    self._admitting.remove(t)
         with self._lock:
             active = [(i, t) for i, t in enumerate(self._slots) if t is not None]
         if not active:
@@ -246,9 +263,20 @@ class Scheduler:
                              bool(view.failed[0]), view.tokens_per_pass[0], inserted=False):
             self.state = self.engine.insert(self.state, row, slot)
 
+    def _observe(self, hist: np.ndarray | None) -> float:
+        """A request's mean tokens per LLM pass (prefill excluded), recorded in the metrics."""
+        passes = 0 if hist is None else int(hist.sum())
+        if not passes:
+            return 0.0
+        mean = float((hist * np.arange(len(hist))).sum() / passes)
+        if self.metrics is not None:
+            self.metrics.tokens_per_pass.observe(mean)
+        return mean
+
     def _deliver(self, t: Ticket, slot: int, tokens: np.ndarray, n: int, done: bool, failed: bool, hist: np.ndarray,
                  inserted: bool = True) -> bool:
         """Push the slot's new tokens; on its end, free the slot. True when the request ended."""
+        t.hist = hist
         if n > t.emitted:
             t._push(Tokens([int(x) for x in tokens[t.emitted:n]]))
             t.emitted = n
@@ -260,14 +288,11 @@ class Scheduler:
             self._gauges()
         if inserted:
             self.state = self.engine.release(self.state, slot)
+        mean = self._observe(hist)
         if failed:
             t._push(Failed("the LLM produced non-finite logits; the request stopped", "generation_failed"))
             return True
         last = int(tokens[n - 1]) if n else -1
         reason = "stop" if last in t.submission.stop_ids else "length"
-        passes = int(hist.sum())
-        mean = float((hist * np.arange(len(hist))).sum() / passes) if passes else 0.0
-        if self.metrics is not None and passes:
-            self.metrics.tokens_per_pass.observe(mean)
         t._push(Finished(reason, t.passes, mean))
         return True

@@ -82,7 +82,9 @@ class _Uvicorn(uvicorn.Server):
 
     def handle_exit(self, sig, frame):
         if self._timer is None:
-            self.state.scheduler.begin_shutdown()
+            # A signal handler runs on the main thread between two bytecodes, maybe while that thread
+            # holds the scheduler's lock (submit, cancel): take the lock from another thread.
+            threading.Thread(target=self.state.scheduler.begin_shutdown, name="specjax-shutdown", daemon=True).start()
             self._timer = threading.Timer(self.grace, self.state.scheduler.stop)
             self._timer.daemon = True
             self._timer.start()

@@ -27,9 +27,10 @@ _FAMILIES = {"llama": llama.forward, "opt": opt.forward}
 
 
 def forward(params, tokens, positions, cache, meta, cfg, logits_indices=None, parallel=None,
-            hidden: tuple[int, ...] | None = None) -> ForwardOutput:
+            hidden: tuple[int, ...] | None = None, block_only: bool = False) -> ForwardOutput:
+    """``block_only``: leave ``cache`` untouched and return only the pass's K/V (``run_layers``)."""
     return _FAMILIES[cfg.family](params, tokens, positions, cache, meta, cfg, logits_indices, parallel,
-                                 hidden=check_hidden(hidden, cfg))
+                                 hidden=check_hidden(hidden, cfg), block_only=block_only)
 
 
 __all__ = ["forward", "ForwardOutput", "init_params", "param_specs", "param_logical_axes", "check_params",

@@ -85,10 +85,12 @@ def write_block(cache: jax.Array, layer: jax.Array, new: jax.Array, lengths: jax
 
 
 def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMeta,
-                    cfg: ModelConfig, inv_freq, bias: bool):
+                    cfg: ModelConfig, inv_freq, bias: bool, prefix=None):
     """Self-attention of the block tokens over the cache of layer ``layer``.
 
     x: [B, T, D]; k_cache, v_cache: [L, B, S, KVH, Dh]. Returns (out [B, T, D], k_cache, v_cache).
+    ``prefix``: (k, v) caches [L, B, S, KVH, Dh] read only (block-only passes, ``run_layers``); then
+    ``k_cache, v_cache`` are the pass's block buffers [L, B, T, KVH, Dh] and receive the block's K/V.
     """
     q = jnp.einsum("btd,dhk->bthk", x, lp["wq"])
     k = jnp.einsum("btd,dhk->bthk", x, lp["wk"])
@@ -98,9 +100,16 @@ def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMe
     if inv_freq is not None:
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
+    scale = cfg.head_dim ** -0.5
+    if prefix is not None:  # block-only: the cache is read, never written (no copy of it where it is shared)
+        k_cache = k_cache.at[layer].set(k.astype(k_cache.dtype))
+        v_cache = v_cache.at[layer].set(v.astype(v_cache.dtype))
+        attn = attend(q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), prefix[0], prefix[1], meta, scale,
+                      layer=layer)
+        out = jnp.einsum("bthk,hkd->btd", attn, lp["wo"])
+        return (out + lp["bo"] if bias else out), k_cache, v_cache
     k_cache = write_block(k_cache, layer, k, meta.lengths, meta.slots)
     v_cache = write_block(v_cache, layer, v, meta.lengths, meta.slots)
-    scale = cfg.head_dim ** -0.5
     if meta.ancestor is not None and resolve_impl(meta.impl) == "pallas":  # the tree-attention kernel (GPU)
         attn = tree_attention(q, k_cache[layer], v_cache[layer], meta.lengths, meta.ancestor, scale=scale,
                               impl="pallas", region=meta.region)

@@ -27,7 +27,7 @@ def draft_rows(cfg: ModelConfig) -> np.ndarray:
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, meta: AttentionMeta,
             cfg: ModelConfig, logits_indices: jax.Array | None = None, parallel=None, hidden=None,
-            row_logits: bool = False) -> ForwardOutput:
+            row_logits: bool = False, block_only: bool = False) -> ForwardOutput:
     """tokens, positions: [B, T] -> ForwardOutput(logits [B, T or K, V] float32, cache with the block
     written, hidden states entering the ``hidden`` layers or None; see ``specjax.models``).
     parallel: a ``specjax.sharding.Parallel`` whose pp > 1 pipelines the layers (None = one scan).
@@ -38,11 +38,12 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
     h = params["embed"][rows]  # [B, T, D]
 
     def layer(h, lp, k_all, v_all, i, per_request):
-        positions, meta = per_request
+        positions, meta, *prefix = per_request  # prefix: the read-only cache of a block-only pass
         with jax.named_scope("attention"):
             x = rms_norm(h, lp["attn_norm"], cfg.norm_eps)
             attn, k_all, v_all = attention_block(x, lp, k_all, v_all, i, positions, meta, cfg, inv_freq,
-                                                 bias=cfg.attention_bias)
+                                                 bias=cfg.attention_bias,
+                                                 prefix=prefix[0] if prefix else None)
             h = h + attn
         with jax.named_scope("mlp"):
             x = rms_norm(h, lp["mlp_norm"], cfg.norm_eps)
@@ -57,7 +58,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
         return h, k_all, v_all
 
     h, cache, captured = run_layers(layer, h, params["layers"], cache, (positions, meta), parallel, hidden,
-                                   logits_indices)
+                                   logits_indices, block_only=block_only)
     final_h = select_positions(h, logits_indices)  # the input of the final norm
     h = rms_norm(final_h, params["final_norm"], cfg.norm_eps)
     if cfg.tie_word_embeddings:

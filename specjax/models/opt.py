@@ -15,7 +15,7 @@ from specjax.models.output import ForwardOutput, select_positions
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, meta: AttentionMeta,
             cfg: ModelConfig, logits_indices: jax.Array | None = None, parallel=None,
-            hidden=None) -> ForwardOutput:
+            hidden=None, block_only: bool = False) -> ForwardOutput:
     """tokens, positions: [B, T] -> ForwardOutput(logits [B, T or K, V] float32, cache with the block
     written, hidden states entering the ``hidden`` layers or None; see ``specjax.models``).
     parallel: a ``specjax.sharding.Parallel`` whose pp > 1 pipelines the layers (None = one scan)."""
@@ -26,10 +26,11 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
     h = h + params["pos_embed"][positions + cfg.position_offset]
 
     def layer(h, lp, k_all, v_all, i, per_request):
-        positions, meta = per_request
+        positions, meta, *prefix = per_request  # prefix: the read-only cache of a block-only pass
         with jax.named_scope("attention"):
             x = layer_norm(h, lp["attn_norm_scale"], lp["attn_norm_bias"], eps) if pre_ln else h
-            attn, k_all, v_all = attention_block(x, lp, k_all, v_all, i, positions, meta, cfg, None, bias=bias)
+            attn, k_all, v_all = attention_block(x, lp, k_all, v_all, i, positions, meta, cfg, None, bias=bias,
+                                                 prefix=prefix[0] if prefix else None)
             h = h + attn
             if not pre_ln:
                 h = layer_norm(h, lp["attn_norm_scale"], lp["attn_norm_bias"], eps)
@@ -44,7 +45,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
         return h, k_all, v_all
 
     h, cache, captured = run_layers(layer, h, params["layers"], cache, (positions, meta), parallel, hidden,
-                                   logits_indices)
+                                   logits_indices, block_only=block_only)
     h = final_h = select_positions(h, logits_indices)  # the input of the final norm
     if cfg.final_layer_norm:
         h = layer_norm(h, params["final_norm_scale"], params["final_norm_bias"], eps)

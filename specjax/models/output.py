@@ -13,7 +13,8 @@ from specjax.models.cache import KVCache
 
 class ForwardOutput(NamedTuple):
     logits: jax.Array  # [B, T or K, V] float32
-    cache: KVCache  # the block's K/V written to the scratch slots; length unchanged
+    cache: KVCache  # the block's K/V written to the scratch slots; length unchanged (block_only: the block's
+    # K/V alone, [L, B, T, KVH, Dh], with the input's length)
     hidden: jax.Array | None = None  # [B, T or K, len(hidden), D]: hidden states entering the asked layers
 
 

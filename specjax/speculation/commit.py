@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax.attention import resolve_impl
 from specjax.attention.meta import AttentionMeta
 from specjax.config import ModelConfig
 from specjax.models import ForwardOutput, forward
@@ -13,15 +14,42 @@ from specjax.speculation.tree import TokenTree
 
 
 def tree_forward(params, tree: TokenTree, cache: KVCache, cfg: ModelConfig, impl: str = "auto", parallel=None,
-                 hidden: tuple[int, ...] | None = None) -> ForwardOutput:
+                 hidden: tuple[int, ...] | None = None, block_only: bool = False) -> ForwardOutput:
     """ForwardOutput: logits [B, N, V] for every node, the cache with the tree's K/V in scratch slots
     ``[length, length + N)`` (slot = node index), and the hidden states ``hidden`` asks for at every
     node. Node positions are ``length + depth`` (RoPE angles for LLaMA, learned-position rows for
     OPT), never the slot index. ``length`` is unchanged.
+
+    ``block_only``: ``cache`` is left as it is and the output's cache holds only the nodes' K/V,
+    [L, B, N, KVH, Dh] (node order), for ``commit_block``. The speculative loop passes this way: it
+    keeps the tree pass from writing the shared cache inside the budget's ``lax.switch``. (The Pallas
+    kernel and the pipeline read the tree from the cache: they write it there, then the block is
+    gathered from it.)
     """
     positions = cache.length[:, None] + tree.depth
     meta = AttentionMeta(lengths=cache.length, ancestor=tree.ancestor, impl=impl)
-    return forward(params, tree.tokens, positions, cache, meta, cfg, parallel=parallel, hidden=hidden)
+    writes = resolve_impl(impl) == "pallas" or (parallel is not None and parallel.pipelined)
+    out = forward(params, tree.tokens, positions, cache, meta, cfg, parallel=parallel, hidden=hidden,
+                  block_only=block_only and not writes)
+    if block_only and writes:
+        rows = jnp.arange(cache.batch)[:, None]
+        slots = cache.length[:, None] + jnp.arange(tree.tokens.shape[1])[None, :]
+        out = out._replace(cache=KVCache(k=out.cache.k[:, rows, slots], v=out.cache.v[:, rows, slots],
+                                         length=cache.length))
+    return out
+
+
+def commit_block(cache: KVCache, block: KVCache, path: jax.Array, num_keep: jax.Array) -> KVCache:
+    """``cache`` with the accepted path's K/V, taken from a block-only tree pass's ``block``
+    ([L, B, N, KVH, Dh]), at positions ``length + d``, and length advanced (as ``commit_path``)."""
+    batch, width = path.shape
+    rows = jnp.arange(batch)[:, None]
+    keep = jnp.arange(width)[None, :] < num_keep[:, None]
+    dst = jnp.where(keep, cache.length[:, None] + jnp.arange(width)[None, :], cache.max_len)  # drop the rest
+    src = jnp.maximum(path, 0)
+    k = cache.k.at[:, rows, dst].set(block.k[:, rows, src], mode="drop")
+    v = cache.v.at[:, rows, dst].set(block.v[:, rows, src], mode="drop")
+    return KVCache(k=k, v=v, length=cache.length + num_keep.astype(jnp.int32))
 
 
 def commit_path(cache: KVCache, path: jax.Array, num_keep: jax.Array) -> KVCache:

@@ -77,7 +77,7 @@ def measure_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: 
     def one_pass(params, tree, cache):
         if parallel is not None:
             cache = parallel.constrain_cache(cache, cfg)
-        return tree_forward(params, tree, cache, cfg, impl, parallel).logits
+        return tree_forward(params, tree, cache, cfg, impl, parallel, block_only=True).logits  # as the loop runs it
 
     fwd = jax.jit(one_pass)
     out = {}

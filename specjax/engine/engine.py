@@ -94,7 +94,8 @@ class Engine:
                                 jnp.ones((self.slots,), jnp.int32), _sampling([SamplingParams()] * self.slots),
                                 jnp.full((self.slots, self.max_stop_tokens), NO_STOP, jnp.int32))
         state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        return state.replace(done=jnp.ones((self.slots,), bool),
+        # Free slots still run through every step: give them valid (greedy) settings, not zeros
+        return state.replace(done=jnp.ones((self.slots,), bool), sampling=_sampling([SamplingParams()] * self.slots),
                              stop_ids=jnp.full((self.slots, self.max_stop_tokens), NO_STOP, jnp.int32))
 
     def prefill(self, prompt: list[int], sampling: SamplingParams | None = None, max_new_tokens: int | None = None,

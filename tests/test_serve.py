@@ -278,6 +278,7 @@ BAD = [  # (path, body, status, param or code in the error)
     ("completions", {"model": NAME, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("completions", {"model": NAME, "prompt": ""}, 400, "prompt"),
     ("completions", {"model": NAME, "prompt": []}, 400, "prompt"),
+    ("completions", {"model": NAME, "prompt": [1, 49152]}, 400, "prompt"),
     ("completions", {"model": NAME, "prompt": ["a", "b"]}, 400, "prompt"),
     ("completions", {"model": NAME, "prompt": "hi", "n": 2}, 400, "n"),
     ("completions", {"model": NAME, "prompt": "hi", "best_of": 3}, 400, "best_of"),

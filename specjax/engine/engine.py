@@ -89,13 +89,14 @@ class Engine:
 
     def init(self) -> SpecState:
         """A batch state with every slot free."""
+        greedy = _sampling([SamplingParams()] * self.slots)
         shapes = jax.eval_shape(functools.partial(init_state, **self._sizes), self.model.params, self.drafter_params,
                                 jnp.zeros((self.slots, 1), jnp.int32), jnp.ones((self.slots,), jnp.int32),
-                                jnp.ones((self.slots,), jnp.int32), _sampling([SamplingParams()] * self.slots),
+                                jnp.ones((self.slots,), jnp.int32), greedy,
                                 jnp.full((self.slots, self.max_stop_tokens), NO_STOP, jnp.int32))
         state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         # Free slots still run through every step: give them valid (greedy) settings, not zeros
-        return state.replace(done=jnp.ones((self.slots,), bool), sampling=_sampling([SamplingParams()] * self.slots),
+        return state.replace(done=jnp.ones((self.slots,), bool), sampling=greedy,
                              stop_ids=jnp.full((self.slots, self.max_stop_tokens), NO_STOP, jnp.int32))
 
     def prefill(self, prompt: list[int], sampling: SamplingParams | None = None, max_new_tokens: int | None = None,

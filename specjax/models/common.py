@@ -101,21 +101,21 @@ def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMe
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
     scale = cfg.head_dim ** -0.5
-    if prefix is not None:  # block-only: the cache is read, never written (no copy of it where it is shared)
-        k_cache = k_cache.at[layer].set(k.astype(k_cache.dtype))
-        v_cache = v_cache.at[layer].set(v.astype(v_cache.dtype))
-        attn = attend(q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), prefix[0], prefix[1], meta, scale,
-                      layer=layer)
-        out = jnp.einsum("bthk,hkd->btd", attn, lp["wo"])
-        return (out + lp["bo"] if bias else out), k_cache, v_cache
-    k_cache = write_block(k_cache, layer, k, meta.lengths, meta.slots)
-    v_cache = write_block(v_cache, layer, v, meta.lengths, meta.slots)
-    if meta.ancestor is not None and resolve_impl(meta.impl) == "pallas":  # the tree-attention kernel (GPU)
+    k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
+    pallas_tree = meta.ancestor is not None and resolve_impl(meta.impl) == "pallas"  # the GPU tree kernel
+    if prefix is None:
+        k_cache = write_block(k_cache, layer, k, meta.lengths, meta.slots)
+        v_cache = write_block(v_cache, layer, v, meta.lengths, meta.slots)
+        prefix = (k_cache, v_cache)
+    elif pallas_tree:
+        raise ValueError("the Pallas tree kernel reads the tree from the cache: it cannot run block-only")
+    else:  # block-only: the cache is read, never written (no copy of it where it is shared)
+        k_cache, v_cache = k_cache.at[layer].set(k), v_cache.at[layer].set(v)
+    if pallas_tree:
         attn = tree_attention(q, k_cache[layer], v_cache[layer], meta.lengths, meta.ancestor, scale=scale,
                               impl="pallas", region=meta.region)
     else:  # prefix through a bucketed view + the block: prefill, decoding, tree passes, drafting
-        attn = attend(q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), k_cache, v_cache, meta, scale,
-                      layer=layer)
+        attn = attend(q, k, v, prefix[0], prefix[1], meta, scale, layer=layer)
     out = jnp.einsum("bthk,hkd->btd", attn, lp["wo"])
     if bias:
         out = out + lp["bo"]

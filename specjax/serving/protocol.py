@@ -156,7 +156,7 @@ def _sampling(body: dict) -> SamplingParams:
                           seed=seed)
 
 
-def _completion_prompt(body: dict, tokenizer, vocab: int) -> list[int]:
+def _completion_prompt(body: dict, tokenizer) -> list[int]:
     if "prompt" not in body:
         raise APIError(400, "'prompt' is required", param="prompt")
     p = body["prompt"]
@@ -175,9 +175,6 @@ def _completion_prompt(body: dict, tokenizer, vocab: int) -> list[int]:
     elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         if not p:
             raise APIError(400, "'prompt' is empty", param="prompt")
-        bad = [t for t in p if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"'prompt' token id {bad[0]} is not in [0, {vocab})", param="prompt")
         ids = p
     else:
         raise _type_error("prompt", "a string or a list of token ids", p)
@@ -250,11 +247,12 @@ def parse_request(body: dict, *, chat: bool, limits: Limits, tokenizer, vocab: i
     stop_strings = _stop(body)
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, key)
-    ids = _chat_prompt(body, tokenizer) if chat else _completion_prompt(body, tokenizer, vocab)
+    ids = _chat_prompt(body, tokenizer) if chat else _completion_prompt(body, tokenizer)
     bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:  # a tokenizer with more (added) tokens than the model's embedding rows
-        raise APIError(400, f"the {'messages' if chat else 'prompt'} tokenize to id {bad[0]}, outside the model's "
-                            f"vocabulary [0, {vocab})", param="messages" if chat else "prompt")
+    if bad:  # given ids, or a tokenizer with more (added) tokens than the model's embedding rows
+        field = "messages" if chat else "prompt"
+        raise APIError(400, f"'{field}' holds token id {bad[0]}, outside the model's vocabulary [0, {vocab})",
+                       param=field)
     if max_tokens is not None and max_tokens <= 0:
         raise APIError(400, f"'{key}' must be >= 1, got {max_tokens}", param=key)
     if len(ids) + (max_tokens or 1) > limits.context_window:
@@ -269,8 +267,8 @@ def parse_request(body: dict, *, chat: bool, limits: Limits, tokenizer, vocab: i
         raise APIError(400, f"'{key}' is {max_tokens}; this server generates at most {limits.max_tokens} tokens per "
                        f"request (specjax serve --max-tokens)", param=key)
     if max_tokens is None:  # OpenAI's defaults: 16 for completions; chat as much as the server and the context allow
-        max_tokens = min(COMPLETIONS_DEFAULT_MAX_TOKENS if not chat else limits.max_tokens, limits.max_tokens,
-                         limits.context_window - len(ids))
+        default = limits.max_tokens if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, limits.max_tokens)
+        max_tokens = min(default, limits.context_window - len(ids))
     submission = Submission(prompt=ids, sampling=sampling, max_new_tokens=max_tokens, stop_ids=stop_ids)
     return Parsed(submission, stop_strings, stream, include_usage, chat)
 

@@ -21,10 +21,10 @@ def tree_forward(params, tree: TokenTree, cache: KVCache, cfg: ModelConfig, impl
     OPT), never the slot index. ``length`` is unchanged.
 
     ``block_only``: ``cache`` is left as it is and the output's cache holds only the nodes' K/V,
-    [L, B, N, KVH, Dh] (node order), for ``commit_block``. The speculative loop passes this way: it
-    keeps the tree pass from writing the shared cache inside the budget's ``lax.switch``. (The Pallas
-    kernel and the pipeline read the tree from the cache: they write it there, then the block is
-    gathered from it.)
+    [L, B, N, KVH, Dh] (node order); ``commit_rows`` commits the accepted path from it. The
+    speculative loop passes this way: it keeps the tree pass from writing the shared cache inside the
+    budget's ``lax.switch``. (The Pallas kernel and the pipeline read the tree from the cache: they
+    write it there, then the block is gathered from it.)
     """
     positions = cache.length[:, None] + tree.depth
     meta = AttentionMeta(lengths=cache.length, ancestor=tree.ancestor, impl=impl)
@@ -39,19 +39,6 @@ def tree_forward(params, tree: TokenTree, cache: KVCache, cfg: ModelConfig, impl
     return out
 
 
-def commit_block(cache: KVCache, block: KVCache, path: jax.Array, num_keep: jax.Array) -> KVCache:
-    """``cache`` with the accepted path's K/V, taken from a block-only tree pass's ``block``
-    ([L, B, N, KVH, Dh]), at positions ``length + d``, and length advanced (as ``commit_path``)."""
-    batch, width = path.shape
-    rows = jnp.arange(batch)[:, None]
-    keep = jnp.arange(width)[None, :] < num_keep[:, None]
-    dst = jnp.where(keep, cache.length[:, None] + jnp.arange(width)[None, :], cache.max_len)  # drop the rest
-    src = jnp.maximum(path, 0)
-    k = cache.k.at[:, rows, dst].set(block.k[:, rows, src], mode="drop")
-    v = cache.v.at[:, rows, dst].set(block.v[:, rows, src], mode="drop")
-    return KVCache(k=k, v=v, length=cache.length + num_keep.astype(jnp.int32))
-
-
 def commit_path(cache: KVCache, path: jax.Array, num_keep: jax.Array) -> KVCache:
     """Move the accepted path's K/V from scratch slots to contiguous positions and advance length.
 
@@ -60,13 +47,18 @@ def commit_path(cache: KVCache, path: jax.Array, num_keep: jax.Array) -> KVCache
     position length + d. A pure gather + scatter into the (donated) cache: no host round trip and no
     full-cache copy. Gathering every row before scattering makes overlapping moves safe.
     """
-    batch, width = path.shape
-    rows = jnp.arange(batch)[:, None]
+    rows = jnp.arange(path.shape[0])[:, None]
     src = cache.length[:, None] + jnp.maximum(path, 0)  # [B, P]
+    return commit_rows(cache, cache.k[:, rows, src], cache.v[:, rows, src], num_keep)
+
+
+def commit_rows(cache: KVCache, k_rows: jax.Array, v_rows: jax.Array, num_keep: jax.Array) -> KVCache:
+    """Write the path's K/V rows [L, B, P, KVH, Dh] (depth order; from the cache's scratch slots or
+    from a block-only pass) to positions ``length + d`` for ``d < num_keep`` and advance length."""
+    width = k_rows.shape[2]
+    rows = jnp.arange(k_rows.shape[1])[:, None]
     keep = jnp.arange(width)[None, :] < num_keep[:, None]
     dst = jnp.where(keep, cache.length[:, None] + jnp.arange(width)[None, :], cache.max_len)  # drop the rest
-    k_rows = cache.k[:, rows, src]  # [L, B, P, KVH, Dh]
-    v_rows = cache.v[:, rows, src]
-    k = cache.k.at[:, rows, dst].set(k_rows, mode="drop")
-    v = cache.v.at[:, rows, dst].set(v_rows, mode="drop")
+    k = cache.k.at[:, rows, dst].set(k_rows.astype(cache.k.dtype), mode="drop")
+    v = cache.v.at[:, rows, dst].set(v_rows.astype(cache.v.dtype), mode="drop")
     return KVCache(k=k, v=v, length=cache.length + num_keep.astype(jnp.int32))

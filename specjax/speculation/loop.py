@@ -19,7 +19,7 @@ from specjax.decoding.incremental import PAD_TOKEN, prefill
 from specjax.decoding.sampling import SamplingArrays, finite_rows, sample_tokens
 from specjax.models.cache import init_cache
 from specjax.speculation.budget import choose_level, expected_by_level
-from specjax.speculation.commit import commit_block, tree_forward
+from specjax.speculation.commit import commit_rows, tree_forward
 from specjax.speculation.drafters.base import Accepted, DraftContext
 from specjax.speculation.drafters.merge import concat_laws, merge_proposals
 from specjax.speculation.expansion import static_tree
@@ -107,9 +107,9 @@ def verify(logits, tree: TokenTree, laws, sampling: SamplingArrays, length: jax.
 
 def _scored_pass(llm_params, proposals, root, state: SpecState, cfg, spec: SpecConfig, parallel, counts):
     """One branch of the budget switch: the tree at these node counts through the LLM, verified.
-    Returns (verdict, the nodes' K/V [L, B, N, KVH, Dh], finite logits at the path's nodes, hidden
-    states at the path's nodes), padded to the spec's full depth and node count so every branch has
-    one shape. The pass only reads the cache (``block_only``): the switch never copies it."""
+    Returns (verdict, K/V [L, B, D + 1, KVH, Dh], finite logits and hidden states, each at the path's
+    nodes), padded to the spec's full depth so every branch has one shape. The pass only reads the
+    cache (``block_only``) and the accepted path is committed after the switch: it never copies the cache."""
     tree, laws, depth = build_tree(proposals, root, spec, counts)
     out = tree_forward(llm_params, tree, state.llm_cache, cfg, spec.impl, parallel, hidden=spec.hidden_layers,
                        block_only=True)
@@ -123,9 +123,9 @@ def _scored_pass(llm_params, proposals, root, state: SpecState, cfg, spec: SpecC
     hidden = None
     if out.hidden is not None:
         hidden = jnp.take_along_axis(out.hidden, at_path[:, :, None, None], axis=1)
-    grow = ((0, 0), (0, 0), (0, spec.num_nodes - tree.tokens.shape[1]), (0, 0), (0, 0))
-    block = out.cache.replace(k=jnp.pad(out.cache.k, grow), v=jnp.pad(out.cache.v, grow))
-    return verdict, block, finite, hidden
+    rows = jnp.arange(at_path.shape[0])[:, None]
+    path_kv = (out.cache.k[:, rows, at_path], out.cache.v[:, rows, at_path])
+    return verdict, path_kv, finite, hidden
 
 
 def spec_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelConfig, spec: SpecConfig,
@@ -143,11 +143,11 @@ def spec_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelCon
                 for counts in levels]
     if spec.budget is None:
         level = jnp.int32(0)
-        verdict, block, finite_on_path, hidden = branches[0]()
+        verdict, path_kv, finite_on_path, hidden = branches[0]()
     else:
         expected = expected_by_level(spec.drafters, drafter_params, drafter_states, spec.budget)
         level = choose_level(spec.budget, expected, active)
-        verdict, block, finite_on_path, hidden = jax.lax.switch(level, branches)
+        verdict, path_kv, finite_on_path, hidden = jax.lax.switch(level, branches)
     # Accepted token d + 1 was decided by the LLM's logits at path node d (the root is node 0); the bonus
     # by the last accepted node. If path node j has non-finite logits (NaN weights, overflow), the tokens
     # decided before it stand, exactly as incremental decoding emits them, and the request fails there.
@@ -178,7 +178,7 @@ def spec_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelCon
     done = state.done | failed | (active & finished)
 
     keep = jnp.where(active, verdict.num_accepted + 1, 0)  # root + accepted nodes
-    llm_cache = commit_block(state.llm_cache, block, verdict.path, keep)
+    llm_cache = commit_rows(state.llm_cache, *path_kv, keep)
     drafter_states = _commit_drafters(drafter_params, drafter_states, spec, verdict, n_emit, llm_cache.length,
                                       hidden)
 

@@ -67,7 +67,7 @@ class HiddenRecorder(RepeatDrafter):
 
     layers: int = 0
 
-    def init(self, params, prompt_tokens, prompt_lens, *, cache_len, parallel=None):
+    def init(self, params, prompt_tokens, prompt_lens, *, cache_len, parallel=None, hidden=None, first=None):
         batch = prompt_tokens.shape[0]
         return (jnp.zeros((batch, self.hidden_size), jnp.float32), jnp.full((batch,), -1, jnp.int32))
 

@@ -230,7 +230,7 @@ def train(student: Model, examples: Examples, tc: TrainConfig, checkpoint_dir: s
               "config": cfg.to_dict()}
     if tc.loss == "kl":  # the same loss either way, but not the same float rounding: do not mix on resume
         recipe["teacher"] = "precomputed" if precomputed else "llm per batch"
-    run = _RunDir(checkpoint_dir, recipe)
+    run = RunDir(checkpoint_dir, recipe)
     step, params, opt_state, history = run.resume(params, opt_state)
     if step:
         log(f"resumed {checkpoint_dir} at step {step}/{total}")
@@ -304,7 +304,7 @@ def _check_training(student: Model, examples: Examples, tc: TrainConfig, llm: Mo
     return per_epoch, total
 
 
-class _RunDir:
+class RunDir:
     """A training run's directory: the recipe guard (resuming with another recipe is an error), orbax
     checkpoints of params + optimiser state (the newest two kept), and the evaluation history."""
 

@@ -59,9 +59,11 @@ PREFILL_CHUNK = 256
 
 
 def prefill(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, cache: KVCache, cfg: ModelConfig,
-            parallel=None):
+            parallel=None, hidden: tuple[int, ...] | None = None):
     """Run the right-padded prompts [B, T] through the model; returns (logits at each last prompt
     token [B, V], cache with length = prompt_lens). Padding slots are written but never committed.
+    ``hidden`` (layer indices, as ``specjax.models.forward`` takes them): also return the hidden states
+    at every prompt position, [B, T, len(hidden), D] (a third result).
 
     A prompt longer than PREFILL_SINGLE is read in chunks (chunked prefill): chunk c attends to the
     c * PREFILL_CHUNK positions already written plus itself causally, so attention costs the causal
@@ -74,26 +76,34 @@ def prefill(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, cache: KVC
     if num_tokens <= PREFILL_SINGLE:
         positions = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (batch, num_tokens))
         out = forward(params, prompt_tokens, positions, cache, causal_meta(jnp.zeros((batch,), jnp.int32)), cfg,
-                      logits_indices=(lens - 1)[:, None], parallel=parallel)
-        return out.logits[:, 0], out.cache.replace(length=lens)
+                      logits_indices=(lens - 1)[:, None], parallel=parallel, hidden=hidden, all_hidden=bool(hidden))
+        result = (out.logits[:, 0], out.cache.replace(length=lens))
+        return result + (out.hidden,) if hidden else result
     chunk = PREFILL_CHUNK
     padded = jnp.pad(prompt_tokens, ((0, 0), (0, -num_tokens % chunk)))
     dtype = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
+    states = None
+    if hidden:
+        states = jnp.zeros((batch, padded.shape[1], len(hidden), cfg.hidden_size), dtype)
 
     def one_chunk(c, carry):
-        cache, logits = carry
+        cache, logits, states = carry
         start = c * chunk
         tokens = jax.lax.dynamic_slice_in_dim(padded, start, chunk, axis=1)
         positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
         last = jnp.clip(lens - 1 - start, 0, chunk - 1)
         out = forward(params, tokens, positions, cache, causal_meta(jnp.full((batch,), start, jnp.int32)), cfg,
-                      logits_indices=last[:, None], parallel=parallel)
+                      logits_indices=last[:, None], parallel=parallel, hidden=hidden, all_hidden=bool(hidden))
+        if hidden:
+            states = jax.lax.dynamic_update_slice_in_dim(states, out.hidden.astype(dtype), start, axis=1)
         here = (lens - 1 >= start) & (lens - 1 < start + chunk)  # this chunk holds the last prompt token
-        return out.cache, jnp.where(here[:, None], out.logits[:, 0].astype(dtype), logits)
+        return out.cache, jnp.where(here[:, None], out.logits[:, 0].astype(dtype), logits), states
 
     needed = (jnp.max(lens) + chunk - 1) // chunk
-    cache, logits = jax.lax.fori_loop(0, needed, one_chunk, (cache, jnp.zeros((batch, cfg.vocab_size), dtype)))
-    return logits, cache.replace(length=lens)
+    cache, logits, states = jax.lax.fori_loop(0, needed, one_chunk,
+                                              (cache, jnp.zeros((batch, cfg.vocab_size), dtype), states))
+    result = (logits, cache.replace(length=lens))
+    return result + (states[:, :num_tokens],) if hidden else result
 
 
 def decode_step(params, state: DecodeState, sampling: SamplingArrays, max_new_tokens: jax.Array,

@@ -27,10 +27,13 @@ _FAMILIES = {"llama": llama.forward, "opt": opt.forward}
 
 
 def forward(params, tokens, positions, cache, meta, cfg, logits_indices=None, parallel=None,
-            hidden: tuple[int, ...] | None = None, block_only: bool = False) -> ForwardOutput:
-    """``block_only``: leave ``cache`` untouched and return only the pass's K/V (``run_layers``)."""
+            hidden: tuple[int, ...] | None = None, block_only: bool = False,
+            all_hidden: bool = False) -> ForwardOutput:
+    """``block_only``: leave ``cache`` untouched and return only the pass's K/V (``run_layers``).
+    ``all_hidden``: hidden states at every position [B, T, ...] even where ``logits_indices`` picks a few
+    (a prefill that feeds a feature drafter pays the head for the last prompt token only)."""
     return _FAMILIES[cfg.family](params, tokens, positions, cache, meta, cfg, logits_indices, parallel,
-                                 hidden=check_hidden(hidden, cfg), block_only=block_only)
+                                 hidden=check_hidden(hidden, cfg), block_only=block_only, all_hidden=all_hidden)
 
 
 __all__ = ["forward", "ForwardOutput", "init_params", "param_specs", "param_logical_axes", "check_params",

@@ -84,14 +84,8 @@ def write_block(cache: jax.Array, layer: jax.Array, new: jax.Array, lengths: jax
     return cache.at[layer, rows, lengths[:, None] + offsets].set(new.astype(cache.dtype), mode="drop")
 
 
-def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMeta,
-                    cfg: ModelConfig, inv_freq, bias: bool, prefix=None):
-    """Self-attention of the block tokens over the cache of layer ``layer``.
-
-    x: [B, T, D]; k_cache, v_cache: [L, B, S, KVH, Dh]. Returns (out [B, T, D], k_cache, v_cache).
-    ``prefix``: (k, v) caches [L, B, S, KVH, Dh] read only (block-only passes, ``run_layers``); then
-    ``k_cache, v_cache`` are the pass's block buffers [L, B, T, KVH, Dh] and receive the block's K/V.
-    """
+def project_qkv(x, lp, positions, inv_freq, bias: bool):
+    """x [B, T, D] -> q [B, T, H, Dh], k and v [B, T, KVH, Dh], RoPE applied at ``positions`` (None: no RoPE)."""
     q = jnp.einsum("btd,dhk->bthk", x, lp["wq"])
     k = jnp.einsum("btd,dhk->bthk", x, lp["wk"])
     v = jnp.einsum("btd,dhk->bthk", x, lp["wv"])
@@ -100,6 +94,18 @@ def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMe
     if inv_freq is not None:
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
+    return q, k, v
+
+
+def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMeta,
+                    cfg: ModelConfig, inv_freq, bias: bool, prefix=None):
+    """Self-attention of the block tokens over the cache of layer ``layer``.
+
+    x: [B, T, D]; k_cache, v_cache: [L, B, S, KVH, Dh]. Returns (out [B, T, D], k_cache, v_cache).
+    ``prefix``: (k, v) caches [L, B, S, KVH, Dh] read only (block-only passes, ``run_layers``); then
+    ``k_cache, v_cache`` are the pass's block buffers [L, B, T, KVH, Dh] and receive the block's K/V.
+    """
+    q, k, v = project_qkv(x, lp, positions, inv_freq, bias)
     scale = cfg.head_dim ** -0.5
     k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
     pallas_tree = meta.ancestor is not None and resolve_impl(meta.impl) == "pallas"  # the GPU tree kernel

@@ -25,17 +25,19 @@ def draft_rows(cfg: ModelConfig) -> np.ndarray:
     return rows
 
 
-def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, meta: AttentionMeta,
-            cfg: ModelConfig, logits_indices: jax.Array | None = None, parallel=None, hidden=None,
-            row_logits: bool = False, block_only: bool = False) -> ForwardOutput:
-    """tokens, positions: [B, T] -> ForwardOutput(logits [B, T or K, V] float32, cache with the block
-    written, hidden states entering the ``hidden`` layers or None; see ``specjax.models``).
-    parallel: a ``specjax.sharding.Parallel`` whose pp > 1 pipelines the layers (None = one scan).
-    With ``cfg.draft_vocab``, logits are scattered into the full vocabulary (-inf elsewhere) unless
-    ``row_logits`` asks for the raw head rows [B, T, len(draft_vocab) + 1] (training)."""
-    inv_freq = rope_inv_freq(cfg)
-    rows = tokens if cfg.draft_vocab is None else jnp.asarray(draft_rows(cfg))[tokens]
-    h = params["embed"][rows]  # [B, T, D]
+def mlp(x: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
+    """SwiGLU: x [B, T, D] -> [B, T, D]."""
+    gate = jnp.einsum("btd,df->btf", x, lp["w_gate"])
+    up = jnp.einsum("btd,df->btf", x, lp["w_up"])
+    if cfg.mlp_bias:
+        gate, up = gate + lp["b_gate"], up + lp["b_up"]
+    down = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp["w_down"])
+    return down + lp["b_down"] if cfg.mlp_bias else down
+
+
+def decoder_layer(cfg: ModelConfig, inv_freq):
+    """One pre-norm LLaMA block over the cache, as ``run_layers`` calls it: (h, lp, k_all, v_all, i,
+    (positions, meta[, read-only prefix])) -> (h, k_all, v_all). Shared with the feature drafter."""
 
     def layer(h, lp, k_all, v_all, i, per_request):
         positions, meta, *prefix = per_request  # prefix: the read-only cache of a block-only pass
@@ -46,19 +48,28 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
                                                  prefix=prefix[0] if prefix else None)
             h = h + attn
         with jax.named_scope("mlp"):
-            x = rms_norm(h, lp["mlp_norm"], cfg.norm_eps)
-            gate = jnp.einsum("btd,df->btf", x, lp["w_gate"])
-            up = jnp.einsum("btd,df->btf", x, lp["w_up"])
-            if cfg.mlp_bias:
-                gate, up = gate + lp["b_gate"], up + lp["b_up"]
-            down = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp["w_down"])
-            if cfg.mlp_bias:
-                down = down + lp["b_down"]
-            h = h + down
+            h = h + mlp(rms_norm(h, lp["mlp_norm"], cfg.norm_eps), lp, cfg)
         return h, k_all, v_all
 
+    return layer
+
+
+def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, meta: AttentionMeta,
+            cfg: ModelConfig, logits_indices: jax.Array | None = None, parallel=None, hidden=None,
+            row_logits: bool = False, block_only: bool = False, all_hidden: bool = False) -> ForwardOutput:
+    """tokens, positions: [B, T] -> ForwardOutput(logits [B, T or K, V] float32, cache with the block
+    written, hidden states entering the ``hidden`` layers or None; see ``specjax.models``).
+    parallel: a ``specjax.sharding.Parallel`` whose pp > 1 pipelines the layers (None = one scan).
+    With ``cfg.draft_vocab``, logits are scattered into the full vocabulary (-inf elsewhere) unless
+    ``row_logits`` asks for the raw head rows [B, T, len(draft_vocab) + 1] (training)."""
+    inv_freq = rope_inv_freq(cfg)
+    rows = tokens if cfg.draft_vocab is None else jnp.asarray(draft_rows(cfg))[tokens]
+    h = params["embed"][rows]  # [B, T, D]
+
+    layer = decoder_layer(cfg, inv_freq)
     h, cache, captured = run_layers(layer, h, params["layers"], cache, (positions, meta), parallel, hidden,
-                                   logits_indices, block_only=block_only)
+                                   None if all_hidden else logits_indices, block_only=block_only)
+    every_h = h
     final_h = select_positions(h, logits_indices)  # the input of the final norm
     h = rms_norm(final_h, params["final_norm"], cfg.norm_eps)
     if cfg.tie_word_embeddings:
@@ -69,4 +80,5 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
         # The "other" row is dropped: it stands for many tokens, none of which the SSM can name.
         full = jnp.full(logits.shape[:-1] + (cfg.vocab_size,), -jnp.inf, logits.dtype)
         logits = full.at[..., np.asarray(cfg.draft_vocab)].set(logits[..., :-1])
-    return ForwardOutput(logits, cache, hidden_output(hidden, captured, final_h, cfg.num_layers))
+    states = hidden_output(hidden, captured, every_h if all_hidden else final_h, cfg.num_layers)
+    return ForwardOutput(logits, cache, states)

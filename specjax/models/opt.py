@@ -15,7 +15,7 @@ from specjax.models.output import ForwardOutput, select_positions
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, meta: AttentionMeta,
             cfg: ModelConfig, logits_indices: jax.Array | None = None, parallel=None,
-            hidden=None, block_only: bool = False) -> ForwardOutput:
+            hidden=None, block_only: bool = False, all_hidden: bool = False) -> ForwardOutput:
     """tokens, positions: [B, T] -> ForwardOutput(logits [B, T or K, V] float32, cache with the block
     written, hidden states entering the ``hidden`` layers or None; see ``specjax.models``).
     parallel: a ``specjax.sharding.Parallel`` whose pp > 1 pipelines the layers (None = one scan)."""
@@ -45,7 +45,8 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
         return h, k_all, v_all
 
     h, cache, captured = run_layers(layer, h, params["layers"], cache, (positions, meta), parallel, hidden,
-                                   logits_indices, block_only=block_only)
+                                   None if all_hidden else logits_indices, block_only=block_only)
+    every_h = h
     h = final_h = select_positions(h, logits_indices)  # the input of the final norm
     if cfg.final_layer_norm:
         h = layer_norm(h, params["final_norm_scale"], params["final_norm_bias"], eps)
@@ -55,4 +56,5 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
         logits = jnp.einsum("bte,ve->btv", h, params["embed"], preferred_element_type=compute_dtype(h.dtype))
     else:
         logits = jnp.einsum("bte,ev->btv", h, params["lm_head"], preferred_element_type=compute_dtype(h.dtype))
-    return ForwardOutput(logits, cache, hidden_output(hidden, captured, final_h, cfg.num_layers))
+    states = hidden_output(hidden, captured, every_h if all_hidden else final_h, cfg.num_layers)
+    return ForwardOutput(logits, cache, states)

@@ -224,15 +224,21 @@ def init_state(llm_params, drafter_params: tuple, prompt_tokens, prompt_lens, ma
     llm_cache = init_cache(cfg, batch, cache_len, dtype)
     if parallel is not None:
         llm_cache = parallel.constrain_cache(llm_cache, cfg)
-    logits, llm_cache = prefill(llm_params, prompt_tokens, prompt_lens, llm_cache, cfg, parallel)
+    logits, llm_cache, *states = prefill(llm_params, prompt_tokens, prompt_lens, llm_cache, cfg, parallel,
+                                         hidden=spec.hidden_layers)
     ok = finite_rows(logits)
     first = sample_tokens(logits, sampling, positions=prompt_lens)
     if spec.verifier == "greedy" or spec.fault == "greedy_first_token":
         first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     history = jnp.zeros((batch, cache_len), jnp.int32).at[:, :width].set(prompt_tokens)
     history = history.at[jnp.arange(batch), prompt_lens].set(first)
-    drafter_states = tuple(d.init(p, prompt_tokens, prompt_lens, cache_len=cache_len, parallel=parallel)
-                           for d, p in zip(spec.drafters, drafter_params))
+    drafter_states = []
+    for d, p in zip(spec.drafters, drafter_params):
+        extra = {}
+        if d.hidden_layers:  # the prompt's hidden states for the layers this drafter reads, and the first root
+            extra = {"hidden": states[0][:, :, [spec.hidden_layers.index(i) for i in d.hidden_layers]], "first": first}
+        drafter_states.append(d.init(p, prompt_tokens, prompt_lens, cache_len=cache_len, parallel=parallel, **extra))
+    drafter_states = tuple(drafter_states)
     depth = spec.max_depth
     max_new_tokens = jnp.asarray(max_new_tokens, jnp.int32)
     return SpecState(llm_cache=llm_cache, drafter_states=drafter_states, history=history,

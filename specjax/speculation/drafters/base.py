@@ -4,7 +4,8 @@ A drafter proposes part of each step's token tree for every request in the batch
 (a pytree, possibly empty) and a state (a pytree, possibly empty) that lives in the loop state, one
 row per request slot. The loop calls, all inside the one jitted ``lax.while_loop``:
 
-* ``init(params, prompt)`` once per request batch (prefill): the state after the prompt;
+* ``init(params, prompt, ...)`` once per request batch (prefill): the state after the prompt (with the
+  LLM's prefill hidden states and first token for drafters that read hidden states);
 * ``propose(params, state, ctx)`` once per step: a ``Proposal`` (its nodes below the root, with
   their parents and the law each was drawn from) and the updated state;
 * ``commit(params, state, accepted)`` after verification: the accepted path, the emitted tokens
@@ -115,8 +116,11 @@ class Drafter:
         """The proposal's parent array when it never changes (expansion trees), else None."""
         return None
 
-    def init(self, params, prompt_tokens: jax.Array, prompt_lens: jax.Array, *, cache_len: int, parallel=None):
-        """The drafter's state after the right-padded prompts [B, T] (lengths [B])."""
+    def init(self, params, prompt_tokens: jax.Array, prompt_lens: jax.Array, *, cache_len: int, parallel=None,
+             hidden: jax.Array | None = None, first: jax.Array | None = None):
+        """The drafter's state after the right-padded prompts [B, T] (lengths [B]). A drafter with
+        ``hidden_layers`` also gets the LLM's hidden states at every prompt position, ``hidden`` [B, T,
+        len(hidden_layers), H], and the LLM's first generated token ``first`` [B] (the first root)."""
         return ()
 
     def propose(self, params, state, ctx: DraftContext) -> tuple[Proposal, object]:

@@ -1,0 +1,109 @@
+"""The feature drafter's corpus: the LLM's own continuations of prompts of several task kinds,
+generated in resumable parts (``specjax.boost.corpus.generate_corpus`` shards, one directory per part).
+
+Parts, in generation order (stage 2 quotes the passages part, so it comes first):
+
+* ``passages``: articles, reports, meeting notes, blog posts written by the LLM (greedy);
+* ``grounded-greedy`` / ``grounded-sampled``: summarisation, passage QA, retrieval over two
+  documents, rewriting, translation and extraction prompts quoting those passages;
+* ``tasks-greedy`` / ``tasks-sampled``: chat, explanation, QA, creative writing, comparisons,
+  plans, math word problems and code (``specjax.boost.task_prompts``).
+
+Greedy parts match what greedy speculation sees; the sampled parts (temperature 1, seeded) keep
+the drafter useful when requests sample. Prompts are sorted by length inside a part so a batch
+pads little. ``provenance.json`` records what each part was made from and how long it took.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+from specjax.boost.corpus import generate_corpus, read_shard
+from specjax.boost.task_prompts import passage_prompts, stage1_prompts, stage2_prompts
+from specjax.errors import InputError
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusPlan:
+    passages: int = 1200
+    tasks: int = 6400
+    grounded: int = 2400
+    sampled_fraction: float = 0.25  # of tasks and grounded prompts, at temperature 1
+    max_new_tokens: int = 128
+    passage_tokens: int = 160
+    batch_size: int = 128
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("passages", "tasks", "grounded", "max_new_tokens", "passage_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise InputError(f"corpus plan: {name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.sampled_fraction <= 1.0:
+            raise InputError(f"corpus plan: sampled_fraction must be in [0, 1], got {self.sampled_fraction}")
+
+
+PARTS = ("passages", "grounded-greedy", "grounded-sampled", "tasks-greedy", "tasks-sampled")
+
+
+def part_dirs(out_dir: str) -> dict[str, str]:
+    return {name: os.path.join(out_dir, name) for name in PARTS}
+
+
+def build_feature_corpus(model, out_dir: str, plan: CorpusPlan = CorpusPlan(), exclude=(), progress: bool = True,
+                         log=print) -> dict[str, list[str]]:
+    """Generate (or resume) every part; returns {part: shard paths}."""
+    os.makedirs(out_dir, exist_ok=True)
+    dirs = part_dirs(out_dir)
+    tpl = model.tokenizer
+
+    def by_length(prompts):
+        return sorted(prompts, key=lambda p: len(tpl.encode(p)))
+
+    def run(name, prompts, temperature, max_new):
+        started = time.perf_counter()
+        paths = generate_corpus(model, by_length(prompts), dirs[name], max_new_tokens=max_new,
+                                batch_size=plan.batch_size, temperatures=(temperature,), seed=plan.seed,
+                                progress=progress, recipe={"part": name, "plan": dataclasses.asdict(plan)})
+        _record(out_dir, name, len(prompts), temperature, time.perf_counter() - started)
+        return paths
+
+    shards = {}
+    passages = passage_prompts(plan.passages, seed=plan.seed, exclude=exclude)
+    topic_of = {p: t for t, p in passages}
+    ordered = by_length(list(topic_of))  # the order generate_corpus writes the sequences in
+    shards["passages"] = run("passages", ordered, 0.0, plan.passage_tokens)
+    texts = _continuations(shards["passages"], tpl)
+    if len(texts) != len(ordered):
+        raise InputError(f"{dirs['passages']}: {len(texts)} sequences for {len(ordered)} prompts")
+    topics_texts = [(topic_of[prompt], text) for prompt, text in zip(ordered, texts)]
+    grounded = [p for _, p in stage2_prompts(topics_texts, plan.grounded, seed=plan.seed, exclude=exclude)]
+    tasks = [p for _, p in stage1_prompts(plan.tasks, seed=plan.seed, exclude=exclude)]
+    for name, prompts in (("grounded", grounded), ("tasks", tasks)):
+        cut = round(len(prompts) * (1 - plan.sampled_fraction))
+        shards[f"{name}-greedy"] = run(f"{name}-greedy", prompts[:cut], 0.0, plan.max_new_tokens)
+        if cut < len(prompts):
+            shards[f"{name}-sampled"] = run(f"{name}-sampled", prompts[cut:], 1.0, plan.max_new_tokens)
+    log(f"corpus {out_dir}: {sum(len(v) for v in shards.values())} shards")
+    return shards
+
+
+def _continuations(paths, tokenizer) -> list[str]:
+    """The continuation text of every sequence of a part, in generation order."""
+    return [tokenizer.decode(ids[prompt_len:], skip_special_tokens=True)
+            for path in paths for ids, prompt_len in read_shard(path)]
+
+
+def _record(out_dir: str, part: str, num_prompts: int, temperature: float, seconds: float) -> None:
+    path = os.path.join(out_dir, "provenance.json")
+    record = json.load(open(path)) if os.path.exists(path) else {}
+    entry = record.get(part, {"seconds": 0.0})
+    entry.update(prompts=num_prompts, temperature=temperature, seconds=entry["seconds"] + seconds,
+                 source="specjax.boost.task_prompts (templates x topics, seeded numbers); the LLM's own "
+                        "continuations via specjax.generate(mode='incremental')")
+    record[part] = entry
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(path + ".tmp", path)

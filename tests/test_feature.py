@@ -1,0 +1,319 @@
+"""The feature drafter: its training data and unrolled training, the same features at drafting time
+as in training, the dynamic tree's shape, and lossless speculation with it (greedy and seeded equal
+incremental decoding, alone, budgeted, merged and in the engine; exact laws under MSS, RRS and naive,
+with a mutation the law test must catch)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax.attention.meta import AttentionMeta, causal_meta
+from specjax.boost.feature_data import FeatureSet, draft_vocabulary, split_held_out, teacher_features
+from specjax.boost.feature_train import FeatureTrainConfig, depth_agreement, make_batch, train_feature, unrolled
+from specjax.decoding.incremental import prefill
+from specjax.errors import InputError
+from specjax.models.cache import init_cache
+from specjax.models.feature import FeatureConfig, bind, feature_forward, init_feature_cache, init_trained, llm_features
+from specjax.speculation.budget import Budget, default_levels
+from specjax.speculation.drafters.base import DraftContext
+from specjax.speculation.drafters.feature import FeatureDrafter, node_depths
+from specjax.speculation.drafters.lookup import LookupDrafter
+from specjax.speculation.loop import SpecConfig, generate_speculative_jit
+from specjax.types import Model
+from tests.conftest import random_ids
+from tests.stats import assert_fits, fits
+from tests.toy import exact_sequence_law, sampling_arrays, toy_model
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    return specjax.load_model(tiny_llama_dir, progress=False)
+
+
+def _feature_set(model: Model, sequences) -> FeatureSet:
+    feats = teacher_features(model, sequences)
+    return FeatureSet(np.concatenate([np.asarray(s, np.int32) for s, _ in sequences]),
+                      np.concatenate([g for g, _ in feats]), np.concatenate([t for _, t in feats]),
+                      np.cumsum([0] + [len(s) for s, _ in sequences]).astype(np.int64),
+                      np.asarray([p for _, p in sequences], np.int32), np.zeros(len(sequences), np.int32), ("toy",))
+
+
+@pytest.fixture(scope="module")
+def corpus(llama):
+    """The tiny LLM's own greedy continuations of random prompts (it soon repeats itself: learnable)."""
+    rng = np.random.RandomState(0)
+    prompts = [random_ids(rng, llama.config.vocab_size, int(rng.randint(4, 12))) for _ in range(24)]
+    out = specjax.generate(llama, prompts, max_new_tokens=40, ignore_eos=True)
+    return _feature_set(llama, [(p + c, len(p)) for p, c in zip(prompts, out.token_ids)])
+
+
+TC = FeatureTrainConfig(epochs=60, batch_size=8, window=48, warmup_steps=10, eval_every=1000, unrolled_steps=3,
+                        learning_rate=3e-3, checkpoint_every=100)
+
+
+@pytest.fixture(scope="module")
+def trained(llama, corpus, tmp_path_factory):
+    """(FeatureConfig, bound params before training, after training, history). The tiny random LLM's
+    text does not generalise from 24 sequences: the drafter learns them (what the tests need: a drafter
+    whose drafts the LLM accepts on these prompts); held-out agreement is measured on SmolLM2."""
+    vocab, coverage = draft_vocabulary(corpus, 100, llama.config.vocab_size)
+    assert 0.9 < coverage <= 1.0
+    cfg = FeatureConfig(llama.config, vocab)
+    start = bind(init_trained(llama.params, cfg, jax.random.key(1)), llama.params, cfg)
+    params, history = train_feature(start, corpus, cfg, TC, str(tmp_path_factory.mktemp("feature_run")),
+                                    held_out=corpus.subset(np.arange(8)), eval_steps=4, progress=False)
+    return cfg, start, params, history
+
+
+# -- data and training -----------------------------------------------------------------------------------
+
+
+def test_teacher_features_are_the_llms_post_norm_hidden_states(llama):
+    from specjax.decoding.incremental import full_logits
+    from specjax.models import forward
+
+    seqs = [([3, 9, 4, 1, 7], 2), ([5, 5, 6], 1)]
+    got = teacher_features(llama, seqs)
+    for (ids, _), (g, top) in zip(seqs, got):
+        tokens = jnp.asarray([ids])
+        out = forward(llama.params, tokens, jnp.arange(len(ids))[None], init_cache(llama.config, 1, len(ids)),
+                      causal_meta(jnp.zeros((1,), jnp.int32)), llama.config, hidden=(llama.config.num_layers,))
+        cfg = FeatureConfig(llama.config, (0, 1))
+        want = llm_features({"final_norm": llama.params["final_norm"]}, out.hidden[0, :, 0], cfg)
+        chex.assert_trees_all_close(g.astype(np.float32), np.asarray(want), atol=1e-2, rtol=1e-2)  # stored float16
+        assert (top == np.asarray(jnp.argmax(full_logits(llama.params, tokens, llama.config)[0], -1))).all()
+
+
+def test_make_batch_left_pads_so_continuations_end_together(corpus):
+    batch = make_batch(corpus, np.array([0, 1, 2]), window=48)
+    width = batch["tokens"].shape[1]
+    for row, i in enumerate([0, 1, 2]):
+        ids, f, top, prompt_len = corpus.sequence(i)
+        s = batch["start"][row]
+        assert s == width - len(ids) and (batch["tokens"][row, s:] == ids).all()
+        assert (batch["positions"][row, s:] == np.arange(len(ids))).all()
+        assert (batch["features"][row, :s] == 0).all()
+        want = np.zeros(width)
+        want[s + prompt_len - 1:width - 1] = 1  # position p predicts token p + 1 of the continuation
+        assert (batch["loss"][row] == want).all()
+    with pytest.raises(InputError, match="does not fit the training window"):
+        make_batch(corpus, np.array([0]), window=10)
+    train, held = split_held_out(corpus, 0.25, seed=1)
+    assert len(held) == 6 and len(train) == len(corpus) - 6
+    seqs = lambda d: {tuple(d.sequence(i)[0].tolist()) for i in range(len(d))}  # noqa: E731
+    assert not seqs(train) & seqs(held) and seqs(train) | seqs(held) == seqs(corpus)
+
+
+def test_training_raises_agreement_at_every_trained_depth(trained, corpus):
+    cfg, start, params, history = trained
+    before = depth_agreement(start, corpus, cfg, steps=4, window=TC.window)["all"]
+    after = depth_agreement(params, corpus, cfg, steps=4, window=TC.window)["all"]
+    assert [h["step"] for h in history] == [0, history[-1]["step"]] and history[-1]["step"] > 100
+    assert history[-1]["held_out"]["all"][0] > history[0]["held_out"]["all"][0]  # the evaluation was recorded
+    for d in range(3):  # the trained steps: the drafter fed its own features (measured: +0.15 to +0.24)
+        assert after[d] > before[d] + 0.1, (before, after)
+
+
+def test_training_resumes_bit_exactly(llama, corpus, tmp_path):
+    cfg = FeatureConfig(llama.config, tuple(range(llama.config.vocab_size)))
+    start = bind(init_trained(llama.params, cfg, jax.random.key(2)), llama.params, cfg)
+    tc = FeatureTrainConfig(epochs=1, batch_size=8, window=48, warmup_steps=1, unrolled_steps=2, eval_every=1000,
+                            checkpoint_every=2)
+    straight, _ = train_feature(start, corpus, cfg, tc, str(tmp_path / "a"), progress=False)
+    train_feature(start, corpus, cfg, tc, str(tmp_path / "b"), progress=False, stop_after=2)
+    resumed, _ = train_feature(start, corpus, cfg, tc, str(tmp_path / "b"), progress=False)
+    chex.assert_trees_all_equal(resumed, straight)
+    with pytest.raises(InputError, match="another recipe"):
+        train_feature(start, corpus, cfg, dataclasses.replace(tc, reg_weight=0.1), str(tmp_path / "b"), progress=False)
+
+
+# -- drafting-time features are the training-time features --------------------------------------------------
+
+
+def test_draft_features_equal_the_unrolled_training_features(llama, trained, corpus):
+    """Depth k of a draft (the drafter fed its own features, tree attention over its cache and the
+    path) computes exactly what training step k + 1 computes for the same tokens."""
+    cfg, _, params, _ = trained
+    ids, _, _, prompt_len = corpus.sequence(3)
+    window, steps = 48, 3
+    batch = make_batch(corpus, np.array([3]), window)
+    feats = unrolled(params, {k: jnp.asarray(v) for k, v in batch.items()}, cfg, steps, window)
+    # the drafter: commit pairs 0..P (the root is token P), then a chain P+1, P+2 through the tree path
+    P = prompt_len + 5
+    tokens = jnp.asarray([ids[:P]])
+    llm_cache = init_cache(llama.config, 1, P + 8)
+    _, _, hidden = prefill(llama.params, tokens, jnp.asarray([P]), llm_cache, llama.config,
+                           hidden=(llama.config.num_layers,))
+    g = llm_features(params, hidden[:, :, 0], cfg)
+    prev = jnp.pad(g, ((0, 0), (1, 0), (0, 0)))
+    pair_tokens = jnp.asarray([ids[:P + 1]])
+    cache = init_feature_cache(cfg, 1, P + 16)
+    f, cache = feature_forward(params, pair_tokens, prev, jnp.arange(P + 1)[None], cache,
+                               causal_meta(jnp.zeros((1,), jnp.int32)), cfg)
+    cache = cache.replace(length=jnp.asarray([P + 1]))
+    col = lambda p: window - (len(ids) - p)  # noqa: E731  window column of position p
+    np.testing.assert_allclose(f[0, P], feats[0][0, col(P)], atol=2e-4, rtol=2e-4)
+    feat, bits = f[:, P], np.zeros((1, 1, 1), np.uint32)
+    for depth in (1, 2):
+        bits = np.concatenate([bits, bits[:, -1:]], axis=1) if depth > 1 else bits
+        bits[0, -1, 0] |= np.uint32(1 << (depth - 1))
+        meta = AttentionMeta(lengths=cache.length, ancestor=jnp.asarray(bits[:, -1:]),
+                             slots=jnp.asarray([[depth - 1]]), region=2, impl="xla")
+        feat_next, cache = feature_forward(params, jnp.asarray([[ids[P + depth]]]), feat[:, None],
+                                           jnp.asarray([[P + depth]]), cache, meta, cfg)
+        feat = feat_next[:, 0]
+        np.testing.assert_allclose(feat[0], feats[depth][0, col(P + depth)], atol=2e-4, rtol=2e-4)
+
+
+# -- the dynamic tree ------------------------------------------------------------------------------------------
+
+
+class TestDynamicTree(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_best_first_closed_and_within_the_beam(self):
+        cfg, params = toy_model(12, 0, layers=2)
+        fcfg = FeatureConfig(cfg, tuple(range(1, 12)))  # token 0 can never be drafted
+        fp = bind(init_trained(params, fcfg, jax.random.key(3)), params, fcfg)
+        d = FeatureDrafter(fcfg, depth=4, beam=3, nodes=12, ladder=(0, 4, 12))
+        batch, width = 3, 8
+        prompts = jnp.asarray(np.random.RandomState(0).randint(0, 12, (batch, width)), jnp.int32)
+        lens = jnp.asarray([8, 5, 2], jnp.int32)
+        _, _, hidden = prefill(params, prompts, lens, init_cache(cfg, batch, 32), cfg, hidden=(cfg.num_layers,))
+        first = jnp.asarray([4, 0, 7], jnp.int32)
+        state = d.init(fp, prompts, lens, cache_len=32, hidden=hidden, first=first)
+        history = jnp.zeros((batch, 32), jnp.int32).at[:, :width].set(prompts).at[jnp.arange(batch), lens].set(first)
+        ctx = DraftContext(history=history, length=lens, sampling=sampling_arrays(batch, 0.0), impl="xla")
+        proposal, new = self.variant(lambda s: d.propose(fp, s, ctx))(state)
+        tokens, parent, ok = (np.asarray(x) for x in (proposal.tokens, proposal.parent, proposal.ok))
+        score = np.asarray(new["score"])
+        depth = np.asarray(node_depths(proposal.parent))
+        assert (tokens[:, 0] == np.asarray(first)).all() and (parent[:, 0] == -1).all()
+        for b in range(batch):
+            assert (np.diff(score[b]) <= 0).all()  # best first
+            for i in range(1, d.nodes + 1):
+                assert 0 <= parent[b, i] < i  # parents first: every prefix is a tree
+                assert ok[b, i] and ok[b, parent[b, i]] and score[b, i - 1] < (score[b, parent[b, i] - 1]
+                                                                                if parent[b, i] else 0)
+                assert 1 <= depth[b, i] <= d.depth and tokens[b, i] != 0
+            for i in range(d.nodes + 1):
+                kids = tokens[b, 1:][parent[b, 1:] == i]
+                assert len(kids) <= d.beam and len(set(kids.tolist())) == len(kids)
+        expected = np.asarray(d.expected_accepted(fp, new, (0, 4, 12)))
+        assert (expected[:, 0] == 0).all() and (np.diff(expected, axis=1) >= 0).all()
+
+
+def test_feature_drafter_refuses_bad_settings(llama):
+    cfg = FeatureConfig(llama.config, (1, 2, 3))
+    with pytest.raises(InputError, match="beam 4 exceeds the draft vocabulary"):
+        FeatureDrafter(cfg)
+    big = FeatureConfig(llama.config, tuple(range(64)))
+    with pytest.raises(InputError, match="grows only 6 candidates"):
+        FeatureDrafter(big, depth=2, beam=2, nodes=7, ladder=(0, 7))
+    with pytest.raises(InputError, match="ladder must be increasing"):
+        FeatureDrafter(big, ladder=(0, 20))
+    with pytest.raises(InputError, match="distinct token ids"):
+        FeatureConfig(llama.config, (1, 1))
+    with pytest.raises(InputError, match="LLaMA-family"):
+        FeatureConfig(toy_opt_config(), (1,))
+
+
+def toy_opt_config():
+    from specjax.config import ModelConfig
+
+    return ModelConfig(family="opt", vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                       num_kv_heads=2, head_dim=8, max_position_embeddings=32)
+
+
+# -- lossless speculation ------------------------------------------------------------------------------------
+
+
+def _prompts(vocab):
+    """Three of the training prompts (the corpus fixture's), where the trained drafter is right."""
+    rng = np.random.RandomState(0)
+    prompts = [random_ids(rng, vocab, int(rng.randint(4, 12))) for _ in range(24)]
+    return [prompts[1], prompts[4], prompts[9]]
+
+
+def test_feature_speculation_equals_incremental_greedy_and_seeded(llama, trained):
+    cfg, _, params, _ = trained
+    prompts = _prompts(llama.config.vocab_size)
+    d = FeatureDrafter(cfg, depth=4, beam=3, nodes=8, ladder=(0, 1, 3, 8))
+    want = specjax.generate(llama, prompts, max_new_tokens=30, ignore_eos=True)
+    got = specjax.generate(llama, prompts, max_new_tokens=30, ignore_eos=True, drafters=[specjax.Bound(d, params)])
+    assert got.token_ids == want.token_ids
+    assert got.stats["mean_tokens_per_pass"] > 1.5  # the trained drafter's tokens are really accepted
+    budget = Budget(default_levels((d,)), costs=(1.0, 1.1, 1.3, 1.6))
+    got = specjax.generate(llama, prompts, max_new_tokens=30, ignore_eos=True, drafters=[specjax.Bound(d, params)],
+                           budget=budget)
+    assert got.token_ids == want.token_ids
+    assert (np.asarray(got.stats["budget"]["passes_at_level"]) > 0).sum() >= 2  # levels switched within the run
+    merged = specjax.generate(llama, prompts, max_new_tokens=30, ignore_eos=True,
+                              drafters=[specjax.Bound(d, params), specjax.Bound(LookupDrafter(depth=5))])
+    assert merged.token_ids == want.token_ids
+    seeded = specjax.SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+    inc = specjax.generate(llama, prompts, max_new_tokens=30, ignore_eos=True, sampling=seeded)
+    spec = specjax.generate(llama, prompts, max_new_tokens=30, ignore_eos=True, sampling=seeded, verifier="seeded",
+                            drafters=[specjax.Bound(d, params)])
+    assert spec.token_ids == inc.token_ids
+    assert spec.stats["mean_tokens_per_pass"] > 1.2  # coupled drafts are accepted at T > 0 too
+
+
+def test_feature_drafter_in_the_engine_mid_batch_insert(llama, trained):
+    from specjax.engine import Engine
+
+    cfg, _, params, _ = trained
+    d = FeatureDrafter(cfg, depth=3, beam=2, nodes=5, ladder=(0, 5))
+    prompts = _prompts(llama.config.vocab_size)
+    want = specjax.generate(llama, prompts, max_new_tokens=20, ignore_eos=True).token_ids
+    engine = Engine(llama, slots=2, max_prompt_tokens=16, max_new_tokens=20, drafters=[specjax.Bound(d, params)])
+    state = engine.insert(engine.init(), engine.prefill(prompts[0]), slot=1)
+    for _ in range(3):
+        state = engine.step(state)
+    state = engine.insert(state, engine.prefill(prompts[2]), slot=0)  # joins a running batch
+    while not engine.read(state).done.all():
+        state = engine.step(state)
+    view = engine.read(state)
+    assert view.tokens[1, :view.num_generated[1]].tolist() == want[0]
+    assert view.tokens[0, :view.num_generated[0]].tolist() == want[2]
+
+
+VOCAB, PROMPT, NUM_TOKENS = 6, [3, 2, 4, 2, 3, 2, 4], 3
+
+
+def _law_samples(verifier, fault=None, n=60_000):
+    cfg, params = toy_model(VOCAB, 0, sharpness=1.5)
+    fcfg = FeatureConfig(cfg, tuple(range(VOCAB)))
+    fp = bind(init_trained(params, fcfg, jax.random.key(7)), params, fcfg)
+    d = FeatureDrafter(fcfg, depth=2, beam=2, nodes=4, ladder=(0, 4))
+    spec = SpecConfig((d,), impl="xla", verifier=verifier, fault=fault)
+    width = len(PROMPT) + 1
+    prompts = np.zeros((n, width), np.int32)
+    prompts[:, :len(PROMPT)] = PROMPT
+    out = generate_speculative_jit(params, (fp,), jnp.asarray(prompts), jnp.full((n,), len(PROMPT), jnp.int32),
+                                   jnp.full((n,), NUM_TOKENS, jnp.int32), sampling_arrays(n, 1.0, seeds=np.arange(n) + 3),
+                                   cfg=cfg, spec=spec, cache_len=width + NUM_TOKENS + spec.num_nodes + 2,
+                                   max_out=NUM_TOKENS)
+    assert not np.asarray(out.failed).any()
+    assert np.asarray(out.tokens_per_pass)[:, 2:].sum() > 1000  # drafts were accepted
+    law = exact_sequence_law(cfg, params, PROMPT, NUM_TOKENS, 1.0)
+    return list(map(tuple, np.asarray(out.tokens).tolist())), law
+
+
+@pytest.mark.parametrize("verifier", ["mss", "rrs", "naive"])
+def test_feature_drafts_sample_the_exact_law(verifier):
+    samples, law = _law_samples(verifier)
+    assert_fits(samples, law, f"feature + {verifier}")
+
+
+def test_the_law_test_catches_ranked_entries_declaring_the_drafters_q():
+    """The paper's rule on this drafter (top-k ranked entries verified by MSS as if drawn from q) is
+    biased, and the same chi-square test sees it."""
+    samples, law = _law_samples("mss", fault="allow_mss_on_topk")
+    assert not fits(samples, law)

@@ -111,8 +111,8 @@ def smollm2():
 # order: longest first keeps one worker from starting a 10-minute module while the other runs out of
 # work. Modules not listed follow in their usual order.
 LONGEST_FIRST = ("test_readme.py", "test_smollm2.py", "test_serve.py", "test_speculative_sampling.py",
-                 "test_multihost.py", "test_speculative.py", "test_tree_forward.py", "test_lookup.py",
-                 "test_boost_tune.py", "test_cli.py", "test_seeded.py", "test_sharding.py")
+                 "test_multihost.py", "test_speculative.py", "test_feature.py", "test_tree_forward.py",
+                 "test_lookup.py", "test_boost_tune.py", "test_cli.py", "test_seeded.py", "test_sharding.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from specjax.cli import build_parser, main
+from specjax.errors import InputError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,7 +30,7 @@ def _subparsers():
 
 def test_help_of_every_subcommand_shows_every_option_with_help_and_default():
     parser, subs = _subparsers()
-    assert set(subs) == {"generate", "serve", "launch", "convert", "boost-tune", "tree-cost"}
+    assert set(subs) == {"generate", "serve", "launch", "convert", "boost-tune", "feature-tune", "tree-cost"}
     assert "`" not in parser.description  # plain text
     for name, sub in subs.items():
         text = sub.format_help()
@@ -77,7 +78,7 @@ def test_drafter_flag_builds_registered_drafters(tiny_llama_dir, tmp_path):
     a, b = json.loads(via_flag.stdout), json.loads(via_ssm.stdout)
     assert a["token_ids"] == b["token_ids"] and a["llm_passes"] == b["llm_passes"]
     bad = cli(*common, "--drafter", "nope:1")
-    assert bad.returncode == 2 and "expected NAME:ARG with NAME one of ['lookup', 'ssm']" in bad.stderr
+    assert bad.returncode == 2 and "expected NAME:ARG with NAME one of ['feature', 'lookup', 'ssm']" in bad.stderr
     lookup = cli("generate", "--model", tiny_llama_dir, "--prompts-file", str(prompts), "--max-new-tokens", "8",
                  "--drafter", "lookup:depth=2,branches=1", "--json", env={"SPECJAX_CACHE_DIR": str(tmp_path)})
     assert lookup.returncode == 0, lookup.stderr
@@ -262,3 +263,31 @@ def test_bad_boost_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, arg
             *members, *args)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert not (tmp_path / "c").exists() and not (tmp_path / "o").exists()  # refused before any work
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--held-out", "0.7"], "--held-out must be in (0, 0.5)"),
+    (["--draft-vocab", "0"], "--draft-vocab must be >= 1"),
+    (["--draft-vocab", "999999"], "exceeds the LLM's vocabulary (128)"),
+    (["--epochs", "0"], "must be positive"),
+    (["--nodes", "0"], "nodes must be a positive int, got 0"),
+    (["--exclude-prompts", "/nonexistent.jsonl"], "prompts file not found"),
+    (["--stop-after", "-1"], "--stop-after must be >= 0 steps"),
+])
+def test_bad_feature_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, args, message):
+    """Checked in-process (what the command runs before loading the LLM); one run through the CLI below."""
+    from specjax.cli.feature import check_args
+
+    parsed = build_parser().parse_args(["feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"),
+                                        "--out", str(tmp_path / "o"), "--draft-vocab", "64", *args])
+    with pytest.raises(InputError) as err:
+        check_args(parsed)
+    assert message in str(err.value)
+    assert not (tmp_path / "c").exists() and not (tmp_path / "o").exists()
+
+
+def test_feature_tune_refuses_bad_flags_with_exit_2(tiny_llama_dir, tmp_path):
+    r = cli("feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "o"),
+            "--held-out", "0.7")
+    assert r.returncode == 2 and "--held-out must be in (0, 0.5)" in r.stderr, r.stderr
+    assert not (tmp_path / "c").exists()

@@ -18,9 +18,17 @@ from specjax.attention.meta import AttentionMeta, causal_meta
 from specjax.boost.feature_data import FeatureSet, draft_vocabulary, split_held_out, teacher_features
 from specjax.boost.feature_train import FeatureTrainConfig, depth_agreement, make_batch, train_feature, unrolled
 from specjax.decoding.incremental import prefill
-from specjax.errors import InputError
+from specjax.errors import CheckpointError, InputError
 from specjax.models.cache import init_cache
-from specjax.models.feature import FeatureConfig, bind, feature_forward, init_feature_cache, init_trained, llm_features
+from specjax.models.feature import (
+    FeatureConfig,
+    bind,
+    feature_forward,
+    final_features,
+    init_feature_cache,
+    init_trained,
+    llm_features,
+)
 from specjax.speculation.budget import Budget, default_levels
 from specjax.speculation.drafters.base import DraftContext
 from specjax.speculation.drafters.feature import FeatureDrafter, node_depths
@@ -38,9 +46,12 @@ def llama(tiny_llama_dir):
 
 
 def _feature_set(model: Model, sequences) -> FeatureSet:
-    feats = teacher_features(model, sequences)
+    """Greedy continuations: the next token of every continuation position is the LLM's greedy token."""
+    greedy = [np.asarray(s[1:] + [-1], np.int32) for s, _ in sequences]
+    for g, (s, p) in zip(greedy, sequences):
+        g[:p - 1] = -1
     return FeatureSet(np.concatenate([np.asarray(s, np.int32) for s, _ in sequences]),
-                      np.concatenate([g for g, _ in feats]), np.concatenate([t for _, t in feats]),
+                      np.concatenate(teacher_features(model, sequences)), np.concatenate(greedy),
                       np.cumsum([0] + [len(s) for s, _ in sequences]).astype(np.int64),
                       np.asarray([p for _, p in sequences], np.int32), np.zeros(len(sequences), np.int32), ("toy",))
 
@@ -76,19 +87,42 @@ def trained(llama, corpus, tmp_path_factory):
 
 
 def test_teacher_features_are_the_llms_post_norm_hidden_states(llama):
-    from specjax.decoding.incremental import full_logits
     from specjax.models import forward
 
     seqs = [([3, 9, 4, 1, 7], 2), ([5, 5, 6], 1)]
     got = teacher_features(llama, seqs)
-    for (ids, _), (g, top) in zip(seqs, got):
+    for (ids, _), g in zip(seqs, got):
         tokens = jnp.asarray([ids])
         out = forward(llama.params, tokens, jnp.arange(len(ids))[None], init_cache(llama.config, 1, len(ids)),
                       causal_meta(jnp.zeros((1,), jnp.int32)), llama.config, hidden=(llama.config.num_layers,))
         cfg = FeatureConfig(llama.config, (0, 1))
-        want = llm_features({"final_norm": llama.params["final_norm"]}, out.hidden[0, :, 0], cfg)
+        want = llm_features({"final_norm": llama.params["final_norm"]}, out.hidden[0], cfg)
         chex.assert_trees_all_close(g.astype(np.float32), np.asarray(want), atol=1e-2, rtol=1e-2)  # stored float16
-        assert (top == np.asarray(jnp.argmax(full_logits(llama.params, tokens, llama.config)[0], -1))).all()
+
+
+def test_feature_shards_resume_and_load_with_greedy_targets(llama, tmp_path):
+    import os
+
+    from specjax.boost.corpus import generate_corpus
+    from specjax.boost.feature_data import feature_shards, load_feature_set
+
+    shards = generate_corpus(llama, [[1, 2, 3], [4, 5]], str(tmp_path / "corpus"), max_new_tokens=6, batch_size=2,
+                             temperatures=(0.0, 1.0), chat_template=False, progress=False)
+    files = feature_shards(llama, shards, str(tmp_path / "features"), progress=False)
+    stamps = [os.stat(f).st_mtime_ns for f in files]
+    assert feature_shards(llama, shards, str(tmp_path / "features"), progress=False) == files
+    assert [os.stat(f).st_mtime_ns for f in files] == stamps  # resumed: nothing recomputed
+    data = load_feature_set({"mixed": (shards, files)})
+    assert len(data) == 4 and data.features.shape == (len(data.tokens), llama.config.hidden_size)
+    for i in range(4):
+        ids, f, greedy, prompt_len = data.sequence(i)
+        if i < 2:  # the greedy shard: every continuation position knows the LLM's greedy next token
+            assert (greedy[prompt_len - 1:-1] == ids[prompt_len:]).all()
+            assert (greedy[:prompt_len - 1] == -1).all() and greedy[-1] == -1
+        else:  # sampled continuations say nothing about the greedy token
+            assert (greedy == -1).all()
+    with pytest.raises(InputError, match="exceeds max_len"):
+        load_feature_set({"mixed": (shards, files)}, max_len=4)
 
 
 def test_make_batch_left_pads_so_continuations_end_together(corpus):
@@ -137,39 +171,82 @@ def test_training_resumes_bit_exactly(llama, corpus, tmp_path):
 # -- drafting-time features are the training-time features --------------------------------------------------
 
 
-def test_draft_features_equal_the_unrolled_training_features(llama, trained, corpus):
-    """Depth k of a draft (the drafter fed its own features, tree attention over its cache and the
-    path) computes exactly what training step k + 1 computes for the same tokens."""
-    cfg, _, params, _ = trained
-    ids, _, _, prompt_len = corpus.sequence(3)
-    window, steps = 48, 3
-    batch = make_batch(corpus, np.array([3]), window)
-    feats = unrolled(params, {k: jnp.asarray(v) for k, v in batch.items()}, cfg, steps, window)
-    # the drafter: commit pairs 0..P (the root is token P), then a chain P+1, P+2 through the tree path
-    P = prompt_len + 5
+def _draft_route(llm_params, params, cfg, llm_cfg, ids, P, skip_ancestor=False):
+    """The drafter's own route to f_P (the root's pair), f_{P+1} and f_{P+2} (a chain below it through
+    tree attention over its cache and the path): init-style prefill of pairs 0..P, then two frontier passes."""
     tokens = jnp.asarray([ids[:P]])
-    llm_cache = init_cache(llama.config, 1, P + 8)
-    _, _, hidden = prefill(llama.params, tokens, jnp.asarray([P]), llm_cache, llama.config,
-                           hidden=(llama.config.num_layers,))
-    g = llm_features(params, hidden[:, :, 0], cfg)
-    prev = jnp.pad(g, ((0, 0), (1, 0), (0, 0)))
-    pair_tokens = jnp.asarray([ids[:P + 1]])
-    cache = init_feature_cache(cfg, 1, P + 16)
-    f, cache = feature_forward(params, pair_tokens, prev, jnp.arange(P + 1)[None], cache,
+    _, _, hidden = prefill(llm_params, tokens, jnp.asarray([P]), init_cache(llm_cfg, 1, P + 8,
+                                                                            jax.tree.leaves(llm_params)[0].dtype),
+                           llm_cfg, hidden=cfg.hidden_layers)
+    prev = jnp.pad(llm_features(params, hidden, cfg), ((0, 0), (1, 0), (0, 0)))
+    cache = init_feature_cache(cfg, 1, P + 16, prev.dtype)
+    f, cache = feature_forward(params, jnp.asarray([ids[:P + 1]]), prev, jnp.arange(P + 1)[None], cache,
                                causal_meta(jnp.zeros((1,), jnp.int32)), cfg)
     cache = cache.replace(length=jnp.asarray([P + 1]))
-    col = lambda p: window - (len(ids) - p)  # noqa: E731  window column of position p
-    np.testing.assert_allclose(f[0, P], feats[0][0, col(P)], atol=2e-4, rtol=2e-4)
-    feat, bits = f[:, P], np.zeros((1, 1, 1), np.uint32)
-    for depth in (1, 2):
-        bits = np.concatenate([bits, bits[:, -1:]], axis=1) if depth > 1 else bits
-        bits[0, -1, 0] |= np.uint32(1 << (depth - 1))
-        meta = AttentionMeta(lengths=cache.length, ancestor=jnp.asarray(bits[:, -1:]),
+    out, feat = [f[0, P]], f[:, P]
+    for depth, bits in ((1, 0b01), (2, 0b10 if skip_ancestor else 0b11)):  # slot 0: depth 1, slot 1: depth 2
+        meta = AttentionMeta(lengths=cache.length, ancestor=jnp.asarray([[[bits]]], jnp.uint32),
                              slots=jnp.asarray([[depth - 1]]), region=2, impl="xla")
-        feat_next, cache = feature_forward(params, jnp.asarray([[ids[P + depth]]]), feat[:, None],
-                                           jnp.asarray([[P + depth]]), cache, meta, cfg)
-        feat = feat_next[:, 0]
-        np.testing.assert_allclose(feat[0], feats[depth][0, col(P + depth)], atol=2e-4, rtol=2e-4)
+        feat, cache = feature_forward(params, jnp.asarray([[ids[P + depth]]]), feat[:, None],
+                                      jnp.asarray([[P + depth]]), cache, meta, cfg)
+        feat = feat[:, 0]
+        out.append(feat[0])
+    return np.stack([np.asarray(x) for x in out])
+
+
+def _check_draft_route(llama, cfg, params, data):
+    """Depth k of a draft (the drafter fed its own features, tree attention over its cache and the
+    path) computes what training step k + 1 computes for the same tokens: within the float32 error
+    of the drafting route itself (both against the drafting route in float64); dropping the depth-1
+    node from the depth-2 node's ancestors lands far outside."""
+    from specjax.models import forward
+    from tests.precision import assert_within, error, float64, params64
+
+    ids, _, greedy, prompt_len = data.sequence(3)
+    window = 48
+    P = prompt_len + 5
+    # the sequence's LLM features in float32 (the stored ones are float16: not the drafting route's inputs)
+    out = forward(llama.params, jnp.asarray([ids]), jnp.arange(len(ids))[None], init_cache(llama.config, 1, len(ids)),
+                  causal_meta(jnp.zeros((1,), jnp.int32)), llama.config, hidden=cfg.fused + (llama.config.num_layers,))
+    g = np.asarray(final_features(llama.params, out.hidden[0, :, -1], cfg))
+    one = FeatureSet(np.asarray(ids), g, greedy, np.asarray([0, len(ids)]), np.asarray([prompt_len]),
+                     np.zeros(1, np.int32), ("one",), np.asarray(out.hidden[0, :, :-1]) if cfg.fused else None)
+    batch = make_batch(one, np.array([0]), window)
+    feats = unrolled(params, {k: jnp.asarray(v) for k, v in batch.items()}, cfg, 3, window)
+    col = [window - (len(ids) - p) for p in (P, P + 1, P + 2)]
+    trained_route = np.stack([np.asarray(feats[k][0, col[k]]) for k in range(3)])
+    with float64():
+        ref = _draft_route(params64(llama.params), params64(params), cfg, llama.config, ids, P)
+    f32 = _draft_route(llama.params, params, cfg, llama.config, ids, P)
+    floor = error(f32, ref)
+    assert_within(trained_route, ref, floor, what="unrolled training vs drafting")
+    wrong = _draft_route(llama.params, params, cfg, llama.config, ids, P, skip_ancestor=True)
+    with pytest.raises(AssertionError):
+        assert_within(wrong, ref, floor, what="mutation: the depth-2 node does not see its parent")
+
+
+def test_draft_features_equal_the_unrolled_training_features(llama, trained, corpus):
+    cfg, _, params, _ = trained
+    _check_draft_route(llama, cfg, params, corpus)
+
+
+def test_fused_draft_features_equal_the_unrolled_training_features(llama, corpus):
+    """The EAGLE-3 input (the fusion of several LLM layers' hidden states) on both routes."""
+    layers = (0, 1)
+    cfg = FeatureConfig(llama.config, tuple(range(llama.config.vocab_size)), fused=layers)
+    start = init_trained(llama.params, cfg, jax.random.key(4))
+    # the zero-initialised output projections would make the layer's attention invisible (and the
+    # ancestor mutation below harmless): give it the LLM's last layer's, as a trained drafter has some
+    start["layers"] = {**start["layers"], "wo": llama.params["layers"]["wo"][-1:],
+                       "w_down": llama.params["layers"]["w_down"][-1:]}
+    params = bind(start, llama.params, cfg)
+    seqs = [(corpus.sequence(i)[0].tolist(), corpus.sequence(i)[3]) for i in range(4)]
+    stacked = teacher_features(llama, seqs, layers=layers)
+    assert stacked[0].shape == (len(seqs[0][0]), len(layers) + 1, llama.config.hidden_size)
+    for x, (ids, _) in zip(stacked, seqs):  # the last entry is the final feature, as without fused layers
+        np.testing.assert_allclose(x[:, -1].astype(np.float32),  # float16 storage: a few of its ulps
+                                   teacher_features(llama, [(ids, 1)])[0].astype(np.float32), rtol=4e-3, atol=4e-3)
+    _check_draft_route(llama, cfg, params, corpus)
 
 
 # -- the dynamic tree ------------------------------------------------------------------------------------------
@@ -297,7 +374,8 @@ def _law_samples(verifier, fault=None, n=60_000):
     prompts = np.zeros((n, width), np.int32)
     prompts[:, :len(PROMPT)] = PROMPT
     out = generate_speculative_jit(params, (fp,), jnp.asarray(prompts), jnp.full((n,), len(PROMPT), jnp.int32),
-                                   jnp.full((n,), NUM_TOKENS, jnp.int32), sampling_arrays(n, 1.0, seeds=np.arange(n) + 3),
+                                   jnp.full((n,), NUM_TOKENS, jnp.int32),
+                                   sampling_arrays(n, 1.0, seeds=np.arange(n) + 3),
                                    cfg=cfg, spec=spec, cache_len=width + NUM_TOKENS + spec.num_nodes + 2,
                                    max_out=NUM_TOKENS)
     assert not np.asarray(out.failed).any()
@@ -317,3 +395,40 @@ def test_the_law_test_catches_ranked_entries_declaring_the_drafters_q():
     biased, and the same chi-square test sees it."""
     samples, law = _law_samples("mss", fault="allow_mss_on_topk")
     assert not fits(samples, law)
+
+
+# -- shipping: checkpoints, names, the command line ------------------------------------------------------
+
+
+def test_checkpoint_round_trip_and_loading_by_path(llama, trained, tmp_path):
+    from specjax.boost.feature_train import split_params
+    from specjax.io.feature_checkpoint import read_feature_meta, save_feature_drafter
+    from specjax.speculation.drafters.feature import from_arg, load_feature_drafter
+
+    cfg, _, params, _ = trained
+    drafting = {"depth": 4, "beam": 3, "nodes": 8, "ladder": (0, 1, 3, 8)}
+    trained_part, _ = split_params(params, cfg)
+    save_feature_drafter(str(tmp_path / "d"), cfg, trained_part, drafting, dtype="float32", extra={"note": "test"})
+    got_cfg, got_drafting, meta = read_feature_meta(str(tmp_path / "d"))
+    assert got_cfg == cfg and got_drafting == drafting and meta["note"] == "test"
+    bound = load_feature_drafter(str(tmp_path / "d"), llama)
+    assert bound.drafter == FeatureDrafter(cfg, **drafting)
+    chex.assert_trees_all_equal(bound.params, params)  # float32 storage: exact
+    light = from_arg(f"{tmp_path / 'd'},nodes=5", llama, load=False, expansion=None, draft="topk")
+    assert light.params is None and light.drafter.nodes == 5 and light.drafter.ladder == (0, 1, 3, 5)
+    with pytest.raises(InputError, match="expected feature:NAME"):
+        from_arg(f"{tmp_path / 'd'},width=3", llama, load=False, expansion=None, draft="topk")
+    with pytest.raises(InputError, match="not a registered name"):
+        load_feature_drafter(str(tmp_path / "nothing"), llama)
+    other = Model(dataclasses.replace(llama.config, norm_eps=1e-3), llama.params, None)
+    with pytest.raises(InputError, match=r"trained for another LLM \(config differs in \['norm_eps'\]\)"):
+        load_feature_drafter(str(tmp_path / "d"), other)
+    with pytest.raises(CheckpointError, match="not empty"):
+        save_feature_drafter(str(tmp_path / "d"), cfg, trained_part, drafting)
+
+
+def test_merged_drafters_climb_their_ladders_together(llama, trained):
+    cfg, _, _, _ = trained
+    feature = FeatureDrafter(cfg, depth=4, beam=3, nodes=8, ladder=(0, 1, 3, 8))
+    lookup = LookupDrafter(depth=4, branches=2)  # ladder (0, 1, 2, 4, 8)
+    assert default_levels((feature, lookup)) == ((0, 0), (1, 1), (3, 2), (8, 4), (8, 8))

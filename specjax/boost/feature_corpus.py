@@ -48,6 +48,13 @@ class CorpusPlan:
 PARTS = ("passages", "grounded-greedy", "grounded-sampled", "tasks-greedy", "tasks-sampled")
 
 
+def part_recipe(plan: CorpusPlan, part: str) -> dict:
+    """What a part's prompts depend on (its manifest guard): changing another part's size leaves it valid."""
+    fields = {"passages": ("passages",), "grounded": ("passages", "grounded", "sampled_fraction"),
+              "tasks": ("tasks", "sampled_fraction")}[part.split("-")[0]]
+    return {"part": part, "plan": {k: getattr(plan, k) for k in fields}}
+
+
 def part_dirs(out_dir: str) -> dict[str, str]:
     return {name: os.path.join(out_dir, name) for name in PARTS}
 
@@ -66,7 +73,7 @@ def build_feature_corpus(model, out_dir: str, plan: CorpusPlan = CorpusPlan(), e
         started = time.perf_counter()
         paths = generate_corpus(model, by_length(prompts), dirs[name], max_new_tokens=max_new,
                                 batch_size=plan.batch_size, temperatures=(temperature,), seed=plan.seed,
-                                progress=progress, recipe={"part": name, "plan": dataclasses.asdict(plan)})
+                                progress=progress, recipe=part_recipe(plan, name))
         _record(out_dir, name, len(prompts), temperature, time.perf_counter() - started)
         return paths
 

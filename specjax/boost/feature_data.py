@@ -1,8 +1,7 @@
 """Training data of the feature drafter: the LLM's features at every position of the corpus sequences.
 
 One teacher-forced LLM pass per sequence (prefill cost, far cheaper than generating) gives, at every
-position p, the post-norm final hidden state g_p (what the LM head reads; stored as float16) and the
-LLM's own next-token argmax over the full vocabulary (int32; the agreement metric's reference). One
+position p, the post-norm final hidden state g_p (what the LM head reads; stored as float16). One
 ``features-XXXXX.npz`` per corpus shard, written atomically and fingerprinted by the shard's bytes and
 the model config, so an interrupted run resumes where it stopped and a changed corpus is recomputed.
 """
@@ -22,7 +21,7 @@ from specjax.errors import InputError
 WIDTH_MULTIPLE = 64  # teacher batches are padded to a multiple of this: few shapes, few compiles
 
 
-def _teacher_fn(model):
+def _teacher_fn(model, layers: tuple[int, ...] = ()):
     import jax
     import jax.numpy as jnp
 
@@ -38,20 +37,26 @@ def _teacher_fn(model):
         batch, width = tokens.shape
         cache = init_cache(cfg, batch, width, jnp.float32)
         positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+        # the head for one position only: its full-vocabulary logits at every position would cost a fifth
+        # of the pass and are not needed (the training targets come from the features through the head)
         out = forward(params, tokens, positions, cache, causal_meta(jnp.zeros((batch,), jnp.int32)), cfg,
-                      hidden=(cfg.num_layers,))
-        g = rms_norm(out.hidden[:, :, 0], params["final_norm"], cfg.norm_eps)
-        return g.astype(jnp.float16), jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+                      logits_indices=jnp.zeros((batch, 1), jnp.int32), hidden=tuple(layers) + (cfg.num_layers,),
+                      all_hidden=True)
+        g = rms_norm(out.hidden[:, :, -1], params["final_norm"], cfg.norm_eps)
+        if not layers:
+            return g.astype(jnp.float16)
+        return jnp.concatenate([out.hidden[:, :, :-1], g[:, :, None]], axis=2).astype(jnp.float16)
 
     return run
 
 
-def teacher_features(model, sequences, batch_size: int = 8, run=None):
-    """[(features [T, D] float16, argmax [T] int32), ...] for sequences [(ids, prompt_len), ...]."""
+def teacher_features(model, sequences, batch_size: int = 8, run=None, layers: tuple[int, ...] = ()) -> list:
+    """[features [T, D] float16, ...]: the LLM's post-norm final hidden state at every position of
+    every sequence [(ids, prompt_len), ...]; with ``layers``, [T, len(layers) + 1, D]: the input
+    hidden states of those layers (raw), then the post-norm final one."""
     import jax.numpy as jnp
 
-    run = run or _teacher_fn(model)
-    out = []
+    run = run or _teacher_fn(model, layers)
     order = np.argsort([len(s) for s, _ in sequences], kind="stable")
     results = [None] * len(sequences)
     for start in range(0, len(order), batch_size):
@@ -61,25 +66,23 @@ def teacher_features(model, sequences, batch_size: int = 8, run=None):
         padded = np.zeros((len(index), width), np.int32)
         for row, i in enumerate(index):
             padded[row, :len(sequences[i][0])] = sequences[i][0]
-        g, top = run(model.params, jnp.asarray(padded))
-        g, top = np.asarray(g), np.asarray(top)
+        g = np.asarray(run(model.params, jnp.asarray(padded)))
         for row, i in enumerate(index):
-            n = len(sequences[i][0])
-            results[i] = (g[row, :n], top[row, :n])
-    out.extend(results)
-    return out
+            results[i] = g[row, :len(sequences[i][0])]
+    return results
 
 
-def _fingerprint(shard_path: str, model) -> str:
-    digest = hashlib.sha256(json.dumps(model.config.to_dict()).encode())
+def _fingerprint(shard_path: str, model, layers) -> str:
+    digest = hashlib.sha256(json.dumps([model.config.to_dict(), list(layers)]).encode())
     with open(shard_path, "rb") as f:
         digest.update(f.read())
     return digest.hexdigest()
 
 
 def feature_shards(model, shard_paths, out_dir: str, batch_size: int = 8, progress: bool = True,
-                   log=print) -> list[str]:
-    """The features of every corpus shard (``out_dir/features-XXXXX.npz``, resumable); returns their paths."""
+                   log=print, layers: tuple[int, ...] = ()) -> list[str]:
+    """The features of every corpus shard (``out_dir/features-XXXXX.npz``, resumable; ``layers`` as in
+    ``teacher_features``); returns their paths."""
     from tqdm import tqdm
 
     os.makedirs(out_dir, exist_ok=True)
@@ -88,18 +91,17 @@ def feature_shards(model, shard_paths, out_dir: str, batch_size: int = 8, progre
     for index, shard in enumerate(tqdm(shard_paths, desc="LLM features", disable=not progress)):
         path = os.path.join(out_dir, f"features-{index:05d}.npz")
         paths.append(path)
-        fingerprint = _fingerprint(shard, model)
+        fingerprint = _fingerprint(shard, model, layers)
         if os.path.exists(path):
             with np.load(path) as z:
                 if str(z["fingerprint"]) == fingerprint:
                     continue
             log(f"{path}: made from another shard or model; recomputing")
-        run = run or _teacher_fn(model)
+        run = run or _teacher_fn(model, layers)
         sequences = read_shard(shard)
         results = teacher_features(model, sequences, batch_size, run)
         tmp = path + ".tmp.npz"
-        np.savez(tmp, features=np.concatenate([g for g, _ in results]),
-                 argmax=np.concatenate([t for _, t in results]),
+        np.savez(tmp, features=np.concatenate(results),
                  offsets=np.cumsum([0] + [len(s) for s, _ in sequences]).astype(np.int64),
                  fingerprint=np.str_(fingerprint), shard=np.str_(os.path.abspath(shard)))
         os.replace(tmp, path)
@@ -110,16 +112,20 @@ def feature_shards(model, shard_paths, out_dir: str, batch_size: int = 8, progre
 class FeatureSet:
     """Sequences with their LLM features, flat: sequence i is rows offsets[i]:offsets[i+1].
 
-    tokens [N] int32; features [N, D] float16 (post-norm LLM features g); argmax [N] int32 (the LLM's
-    next token after each position); prompt_lens [S]; parts [S] (index into ``part_names``)."""
+    tokens [N] int32; features [N, D] float16 (post-norm LLM features g); inputs None or [N, n, D] float16
+    (the input hidden states of the layers a fused drafter reads); greedy [N] int32: the LLM's
+    greedy next token after each position where the corpus shows it (the continuation positions of
+    greedy continuations; the agreement metric's reference), -1 elsewhere; prompt_lens [S]; parts [S]
+    (index into ``part_names``)."""
 
     tokens: np.ndarray
     features: np.ndarray
-    argmax: np.ndarray
+    greedy: np.ndarray
     offsets: np.ndarray
     prompt_lens: np.ndarray
     parts: np.ndarray
     part_names: tuple[str, ...]
+    inputs: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
@@ -130,15 +136,18 @@ class FeatureSet:
 
     def sequence(self, i: int):
         a, b = self.offsets[i], self.offsets[i + 1]
-        return self.tokens[a:b], self.features[a:b], self.argmax[a:b], int(self.prompt_lens[i])
+        return self.tokens[a:b], self.features[a:b], self.greedy[a:b], int(self.prompt_lens[i])
+
+    def sequence_inputs(self, i: int) -> np.ndarray:
+        return self.inputs[self.offsets[i]:self.offsets[i + 1]]
 
     def subset(self, index: np.ndarray) -> "FeatureSet":
         index = np.asarray(index)
         rows = [np.arange(self.offsets[i], self.offsets[i + 1]) for i in index]
         flat = np.concatenate(rows) if rows else np.zeros((0,), np.int64)
-        return FeatureSet(self.tokens[flat], self.features[flat], self.argmax[flat],
+        return FeatureSet(self.tokens[flat], self.features[flat], self.greedy[flat],
                           np.cumsum([0] + [len(r) for r in rows]).astype(np.int64), self.prompt_lens[index],
-                          self.parts[index], self.part_names)
+                          self.parts[index], self.part_names, None if self.inputs is None else self.inputs[flat])
 
     def continuation_tokens(self) -> int:
         return int(np.sum(self.lengths - self.prompt_lens))
@@ -147,7 +156,7 @@ class FeatureSet:
 def load_feature_set(parts: dict[str, tuple[list[str], list[str]]], max_len: int | None = None) -> FeatureSet:
     """parts: {name: (corpus shard paths, feature shard paths)}. Sequences longer than ``max_len`` are
     cut from the left of their prompt (the continuation is kept whole; positions restart at 0)."""
-    tokens, feats, tops, lens, offs, part_ids = [], [], [], [], [0], []
+    tokens, feats, inputs, greedy, lens, offs, part_ids = [], [], [], [], [], [0], []
     names = tuple(parts)
     for pi, name in enumerate(names):
         shards, features = parts[name]
@@ -155,25 +164,37 @@ def load_feature_set(parts: dict[str, tuple[list[str], list[str]]], max_len: int
             raise InputError(f"part {name}: {len(shards)} corpus shards but {len(features)} feature files")
         for shard, fpath in zip(shards, features):
             sequences = read_shard(shard)
+            with np.load(shard) as z:
+                is_greedy = float(z["temperature"]) == 0.0
             with np.load(fpath) as z:
-                f, top, o = z["features"], z["argmax"], z["offsets"]
-            if len(o) != len(sequences) + 1:
+                f, o = z["features"], z["offsets"]
+            if len(o) != len(sequences) + 1 or len(f) != o[-1]:
                 raise InputError(f"{fpath}: {len(o) - 1} sequences, its shard {shard} has {len(sequences)}")
             for i, (ids, prompt_len) in enumerate(sequences):
                 cut = 0 if max_len is None else max(0, len(ids) - max_len)
                 if cut >= prompt_len:
                     raise InputError(f"{shard}: a continuation of {len(ids) - prompt_len} tokens exceeds max_len "
                                      f"{max_len}")
-                tokens.append(np.asarray(ids[cut:], np.int32))
-                feats.append(f[o[i] + cut:o[i + 1]])
-                tops.append(top[o[i] + cut:o[i + 1]])
+                ids = np.asarray(ids, np.int32)
+                nxt = np.full(len(ids), -1, np.int32)
+                if is_greedy:  # position p's greedy next token is the continuation's token p + 1
+                    nxt[prompt_len - 1:-1] = ids[prompt_len:]
+                tokens.append(ids[cut:])
+                rows = f[o[i] + cut:o[i + 1]]
+                feats.append(rows if rows.ndim == 2 else rows[:, -1])  # [T, n + 1, D]: the inputs, then g
+                if rows.ndim == 3:
+                    inputs.append(rows[:, :-1])
+                greedy.append(nxt[cut:])
                 lens.append(prompt_len - cut)
                 offs.append(offs[-1] + len(ids) - cut)
                 part_ids.append(pi)
     if not tokens:
         raise InputError("no feature data: the corpus parts are empty")
-    return FeatureSet(np.concatenate(tokens), np.concatenate(feats), np.concatenate(tops), np.asarray(offs, np.int64),
-                      np.asarray(lens, np.int32), np.asarray(part_ids, np.int32), names)
+    if inputs and len(inputs) != len(tokens):
+        raise InputError("feature files disagree: some hold fused-layer inputs, some do not")
+    return FeatureSet(np.concatenate(tokens), np.concatenate(feats), np.concatenate(greedy), np.asarray(offs, np.int64),
+                      np.asarray(lens, np.int32), np.asarray(part_ids, np.int32), names,
+                      np.concatenate(inputs) if inputs else None)
 
 
 def split_held_out(data: FeatureSet, fraction: float, seed: int = 0) -> tuple[FeatureSet, FeatureSet]:

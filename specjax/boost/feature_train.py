@@ -17,14 +17,15 @@ column: steps k > 1 and the loss run only on the last ``window`` columns (the co
 positions before it), the true pairs of step 1 on all columns (they are the keys every step reads).
 
 Held-out agreement by depth (``depth_agreement``) is the same unrolled computation without noise: the
-share of positions where the drafter's top-1 at step k is the LLM's own next token (full-vocabulary
-argmax), i.e. the acceptance of depth k given the draft so far was right, features its own.
+share of positions where the drafter's top-1 at step k is the LLM's own greedy next token (greedy
+continuations), i.e. the acceptance of depth k given the draft so far was right, features its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 
 import jax
@@ -35,7 +36,7 @@ from specjax.boost.distill import RunDir, batches_per_epoch, epoch_batches, make
 from specjax.boost.feature_data import FeatureSet
 from specjax.errors import InputError
 from specjax.models.common import project_qkv, rms_norm, rope_inv_freq
-from specjax.models.feature import TRAINED, FeatureConfig, logits_of, pair_inputs
+from specjax.models.feature import FeatureConfig, llm_features, logits_of, output_features, pair_inputs
 from specjax.models.llama import mlp
 
 WIDTH_MULTIPLE = 64
@@ -71,16 +72,18 @@ class FeatureTrainConfig:
 def make_batch(data: FeatureSet, index: np.ndarray, window: int) -> dict[str, np.ndarray]:
     """Left-padded arrays of sequences ``index``: every sequence ends at the last column.
 
-    tokens/positions/top [B, W] int32 (top: the LLM's next token after each position), features
+    tokens/positions/top [B, W] int32 (top: the LLM's greedy next token after each position, -1 where
+    unknown: ``FeatureSet.greedy``), features
     [B, W, D] float32 (0 at padding), start [B] (first real column), loss [B, W] float32 (1 where the
     next token is a continuation token)."""
     lengths = data.lengths[index]
     width = max(-(-int(lengths.max()) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE, window + WIDTH_MULTIPLE)
     batch, dim = len(index), data.features.shape[1]
     tokens = np.zeros((batch, width), np.int32)
-    top = np.zeros((batch, width), np.int32)
+    top = np.full((batch, width), -1, np.int32)
     positions = np.zeros((batch, width), np.int32)
     feats = np.zeros((batch, width, dim), np.float32)
+    inputs = None if data.inputs is None else np.zeros((batch, width) + data.inputs.shape[1:], np.float32)
     loss = np.zeros((batch, width), np.float32)
     start = np.zeros((batch,), np.int32)
     for row, i in enumerate(index):
@@ -90,10 +93,13 @@ def make_batch(data: FeatureSet, index: np.ndarray, window: int) -> dict[str, np
             raise InputError(f"sequence {i}: a continuation of {len(ids) - prompt_len} tokens does not fit the "
                              f"training window of {window} columns")
         tokens[row, s:], top[row, s:], feats[row, s:] = ids, t, f
+        if inputs is not None:
+            inputs[row, s:] = data.sequence_inputs(int(i))
         positions[row, s:] = np.arange(len(ids))
         loss[row, s + prompt_len - 1:width - 1] = 1.0  # position p predicts token p + 1
         start[row] = s
-    return {"tokens": tokens, "positions": positions, "features": feats, "top": top, "loss": loss, "start": start}
+    out = {"tokens": tokens, "positions": positions, "features": feats, "top": top, "loss": loss, "start": start}
+    return out if inputs is None else {**out, "inputs": inputs}
 
 
 def _block(lp, x, positions, attention, cfg, inv_freq):
@@ -134,13 +140,16 @@ def unrolled(params: dict, batch: dict, cfg: FeatureConfig, steps: int, window: 
     w0 = width - window
     col = jnp.arange(width)
     real = col[None, :] >= start[:, None]  # [B, W]
-    prev = jnp.pad(g, ((0, 0), (1, 0), (0, 0)))[:, :width]  # g_{p-1}; 0 before the first position
+    first = llm_features(params, batch["inputs"], cfg) if cfg.fused else g  # step 1's true input features
+    first = jnp.where(real[..., None], first, 0.0)
+    prev = jnp.pad(first, ((0, 0), (1, 0), (0, 0)))[:, :width]  # feature of p - 1; 0 before the first position
     if noise_key is not None and noise > 0:
         prev = prev + jax.random.uniform(noise_key, prev.shape, prev.dtype, -noise, noise) * real[..., None]
     # Step 1: true pairs, causal (a padding query sees itself only, so no row is empty).
     causal = (col[None, None, :] <= col[None, :, None]) & real[:, None, :] | (col[None, None, :] == col[None, :, None])
     f1, k1, v1 = _block(lp, pair_inputs(params, tokens, prev), positions,
                         lambda q, k, v: _attend(q, k, v, causal, []), lcfg, inv)
+    f1 = output_features(params, f1, cfg)
     outs = [f1[:, w0:]]
     path = []  # (k, v) of steps 2.. on the window columns
     wcol = col[w0:]
@@ -160,7 +169,7 @@ def unrolled(params: dict, batch: dict, cfg: FeatureConfig, steps: int, window: 
 
         f, k, v = _block(lp, pair_inputs(params, tokens[:, w0:], prev_f), positions[:, w0:], attention, lcfg, inv)
         path.append((k, v))
-        outs.append(f)
+        outs.append(output_features(params, f, cfg))
     return outs
 
 
@@ -191,21 +200,24 @@ def losses(trained: dict, frozen: dict, batch: dict, cfg: FeatureConfig, tc: Fea
         reg = jnp.mean(jnp.where(diff < 1.0, 0.5 * diff * diff, diff - 0.5), axis=-1)
         n = jnp.maximum(jnp.sum(mask), 1.0)
         ce_k, reg_k = jnp.sum(ce * mask) / n, jnp.sum(reg * mask) / n
-        agree = jnp.sum((vocab[jnp.argmax(logq, axis=-1)] == top) * mask) / n
+        known = mask * (top >= 0)
+        agree = jnp.sum((vocab[jnp.argmax(logq, axis=-1)] == top) * known) / jnp.maximum(jnp.sum(known), 1.0)
         total = total + tc.step_decay ** k * (ce_k + tc.reg_weight * reg_k)
         stats.append(jnp.stack([ce_k, reg_k, agree]))
     return total, jnp.stack(stats)
 
 
-def split_params(params: dict) -> tuple[dict, dict]:
+def split_params(params: dict, cfg: FeatureConfig) -> tuple[dict, dict]:
     """(trained, frozen) halves of bound drafter params."""
-    return {k: params[k] for k in TRAINED}, {k: v for k, v in params.items() if k not in TRAINED}
+    keys = cfg.trained_keys
+    return {k: params[k] for k in keys}, {k: v for k, v in params.items() if k not in keys}
 
 
 def depth_agreement(params: dict, data: FeatureSet, cfg: FeatureConfig, steps: int = 6, window: int = 176,
                     batch_size: int = 8) -> dict:
-    """Held-out top-1 agreement with the LLM at draft depths 1..steps (the drafter fed its own features,
-    no noise), overall and per corpus part: {"all": [steps], part: [steps], "positions": n}."""
+    """Held-out top-1 agreement with the LLM's greedy token at draft depths 1..steps (the drafter fed its
+    own features, no noise; positions of greedy continuations), overall and per corpus part:
+    {"all": [steps], part: [steps], "positions": n}."""
     fn = _agreement_fn(cfg, steps, window)
     hits = np.zeros((len(data.part_names), steps))
     counts = np.zeros((len(data.part_names), steps))
@@ -233,6 +245,7 @@ def _agreement_fn(cfg: FeatureConfig, steps: int, window: int):
         top = batch["top"][:, -window:]
         hits, counts = [], []
         for f, mask in zip(feats, _step_masks(batch, steps, window)):
+            mask = mask * (top >= 0)  # positions whose greedy next token the corpus shows
             right = vocab[jnp.argmax(logits_of(params, f), axis=-1)] == top
             hits.append(jnp.sum(right * mask, axis=1))
             counts.append(jnp.sum(mask, axis=1))
@@ -256,11 +269,12 @@ def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: Featur
     if total <= tc.warmup_steps:
         raise InputError(f"{len(data)} sequences at batch size {tc.batch_size} for {tc.epochs:g} epochs give {total} "
                          f"steps, not more than the {tc.warmup_steps} warm-up steps")
-    trained, frozen = split_params(params)
+    trained, frozen = split_params(params, cfg)
     opt = make_optimizer(tc, total)
     opt_state = opt.init(trained)
+    vocab_id = hashlib.sha256(np.asarray(cfg.draft_vocab, np.int64).tobytes()).hexdigest()[:16]
     recipe = {"train": dataclasses.asdict(tc), "sequences": len(data), "tokens": int(data.lengths.sum()),
-              "draft_vocab": len(cfg.draft_vocab)}
+              "draft_vocab": [len(cfg.draft_vocab), vocab_id]}
     run = RunDir(run_dir, recipe)
     step, trained, opt_state, history = run.resume(trained, opt_state)
     if step:

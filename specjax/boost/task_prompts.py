@@ -146,6 +146,7 @@ CODE_EXPLAIN = ["def f(xs): return [x * x for x in xs if x > 0]", "def g(s): ret
                 "const f = (arr) => arr.filter((x, i) => arr.indexOf(x) === i);",
                 "for i in range(1, 16):\n    print('Fizz' * (i % 3 == 0) + 'Buzz' * (i % 5 == 0) or i)"]
 
+MATH_PROBLEMS = 1066  # seeded word problems in the stage-1 pool (its size must not depend on how many are asked)
 NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jo", "Kofi", "Lena", "Mateo", "Nia"]
 ITEMS = [("apples", "baskets"), ("books", "shelves"), ("cookies", "boxes"), ("pencils", "packs"),
          ("stickers", "sheets"), ("eggs", "cartons"), ("marbles", "bags"), ("flowers", "vases")]
@@ -165,7 +166,8 @@ def _math_problem(rng: np.random.RandomState) -> str:
     if shape == 1:
         return f"There are {a} {holder} with {b} {thing} in each. How many {thing} are there in total?{ask}"
     if shape == 2:
-        return f"A car travels at {speed} km/h for {hours} hours. How far does it go? How long would {speed * hours * 2} " \
+        return f"A car travels at {speed} km/h for {hours} hours. How far does it go? How long would " \
+               f"{speed * hours * 2} " \
                f"km take at the same speed?{ask}"
     if shape == 3:
         return f"{thing.capitalize()} cost {price} dollars each. {name} has {price * a + b} dollars. How many can " \
@@ -196,7 +198,7 @@ def stage1_prompts(n: int, seed: int = 0, exclude=()) -> list[tuple[str, str]]:
         for ask in ("Explain what this code does:", "What does this function return? Explain:",
                     "Find any bug in this code and explain:"):
             pool.append(("code", f"{ask}\n{snippet}"))
-    pool += [("math", _math_problem(rng)) for _ in range(max(n // 6, 200))]
+    pool += [("math", _math_problem(rng)) for _ in range(MATH_PROBLEMS)]  # a pool independent of n
     return _pick(pool, n, rng, exclude)
 
 

@@ -1,4 +1,4 @@
-"""The ``specjax`` command: generate, serve, convert, launch, boost-tune, tree-cost.
+"""The ``specjax`` command: generate, serve, convert, launch, boost-tune, feature-tune, tree-cost.
 
 Every argument is checked before any expensive work (model load, compilation, corpus generation);
 a refused input prints ``specjax: error: ...`` and exits with status 2, never a traceback.
@@ -93,13 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ssm", action="append", default=None,
                    help="SSM: a registered name (smollm2-ssm-a, smollm2-ssm-b), 'derived:K' (the LLM's first K "
                         "layers), 'derived:i,j,..', 'derived:auto' or a model path; repeat for a merged pool "
-                        f"(default: none, the lookup drafter speculates; --mode sequence: "
+                        f"(default: none, the default drafters speculate; --mode sequence: "
                         f"{','.join(registry.DEFAULT_SSMS)} for the default LLM, derived:auto for others)")
     g.add_argument("--drafter", action="append", default=None, metavar="NAME:ARG",
-                   help="a registered drafter: lookup:auto, lookup:D or lookup:depth=D,branches=K,ngram=N (copies "
-                        "continuations of the request's own text, no weights), ssm:derived:4 or ssm:PATH (drafts "
-                        "--expansion); repeat to merge several "
-                        f"(default: {','.join(registry.DEFAULT_DRAFTERS)} when neither --ssm nor --drafter is given)")
+                   help="a registered drafter: feature:auto, feature:NAME or feature:PATH[,depth=D,beam=K,nodes=N] "
+                        "(reads the LLM's hidden states, dynamic tree), lookup:auto, lookup:D or "
+                        "lookup:depth=D,branches=K,ngram=N (copies continuations of the request's own text, no "
+                        "weights), ssm:derived:4 or ssm:PATH (drafts --expansion); repeat to merge several (default "
+                        f"when neither --ssm nor --drafter is given: {registry.describe_default_drafters()})")
     g.add_argument("--budget", default=None, choices=["auto", "off"],
                    help="auto: each step verifies as much of the drafted tree as pays, from this machine's measured "
                         "pass cost per tree size (measured once, cached; see `specjax tree-cost`) and the drafts' "
@@ -153,8 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="stored dtype")
     c.set_defaults(func=_cmd_convert)
     from specjax.cli.boost import add_parser as add_boost_tune
+    from specjax.cli.feature import add_parser as add_feature_tune
 
     add_boost_tune(sub, fmt)
+    add_feature_tune(sub, fmt)
     add_tree_cost(sub, fmt)
     add_serve(sub, fmt, _default_compile_cache())
     return p

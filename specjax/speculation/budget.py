@@ -76,10 +76,10 @@ class Budget:
 
 
 def default_levels(drafters) -> tuple[tuple[int, ...], ...]:
-    """One drafter: its own ladder (``Drafter.budget_ladder``). Several: none, or every proposal whole."""
-    if len(drafters) == 1:
-        return tuple((m,) for m in drafters[0].budget_ladder())
-    return (tuple(0 for _ in drafters), tuple(d.num_nodes for d in drafters))
+    """Level i keeps rung i of every drafter's own ladder (``Drafter.budget_ladder``; a shorter ladder
+    stays on its top rung): one drafter climbs its ladder, several grow their merged tree together."""
+    ladders = [d.budget_ladder() for d in drafters]
+    return tuple(tuple(lad[min(i, len(lad) - 1)] for lad in ladders) for i in range(max(map(len, ladders))))
 
 
 def expected_by_level(drafters, drafter_params, drafter_states, budget: Budget) -> jax.Array:

@@ -40,7 +40,8 @@ from specjax.decoding.sampling import gumbel_noise, warp_logits
 from specjax.errors import InputError
 from specjax.models.cache import KVCache
 from specjax.models.feature import FeatureConfig, feature_forward, init_feature_cache, llm_features, logits_of
-from specjax.speculation.drafters.base import Accepted, DraftContext, Drafter, Proposal
+from specjax.speculation.drafters.base import Accepted, Bound, DraftContext, Drafter, Proposal
+from specjax.types import Model
 
 DECAY = 0.9  # per step: the calibration follows the request's recent agreement
 PRIOR = 2.0  # pseudo-tokens of (matched, predicted) before a request is observed: ratio 1
@@ -93,7 +94,7 @@ class FeatureDrafter(Drafter):
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
-        return (self.config.hidden_layer,)
+        return self.config.hidden_layers
 
     def describe(self) -> str:
         return f"feature(depth {self.depth}, beam {self.beam}, nodes {self.nodes})"
@@ -109,11 +110,11 @@ class FeatureDrafter(Drafter):
 
     def init(self, params, prompt_tokens, prompt_lens, *, cache_len: int, parallel=None, hidden=None, first=None):
         """The pairs of the prompt and of its first generated token (the first root), from the LLM's
-        prefill features ``hidden`` [B, T, 1, D] (the final hidden state at every prompt position)."""
+        prefill hidden states ``hidden`` [B, T, n, D] at ``config.hidden_layers`` (every prompt position)."""
         if hidden is None or first is None:
             raise InputError("the feature drafter needs the LLM's prefill hidden states and first token")
         batch, width = prompt_tokens.shape
-        g = llm_features(params, hidden[:, :, 0], self.config)
+        g = llm_features(params, hidden, self.config)
         prev = jnp.pad(g, ((0, 0), (1, 0), (0, 0)))  # [B, T + 1, D]: g_{p-1}, zero before position 0
         tokens = jnp.pad(prompt_tokens, ((0, 0), (0, 1))).at[jnp.arange(batch), prompt_lens].set(first)
         positions = jnp.broadcast_to(jnp.arange(width + 1, dtype=jnp.int32), (batch, width + 1))
@@ -152,7 +153,7 @@ class FeatureDrafter(Drafter):
         cache = state["cache"]
         batch, width = accepted.emitted.shape
         moved = accepted.num_emitted > 0
-        g = llm_features(params, accepted.hidden[:, :, 0], self.config)  # [B, D + 1, D]
+        g = llm_features(params, accepted.hidden, self.config)  # [B, D + 1, D]
         old = cache.length  # the old root's pair is committed: old = old root position + 1
         positions = old[:, None] + jnp.arange(width)[None, :]
         f, cache = feature_forward(params, accepted.emitted, g, positions, cache, causal_meta(old), self.config)
@@ -238,7 +239,6 @@ def grow_tree(params, cfg: FeatureConfig, state: dict, ctx: DraftContext, depth:
     frontier_ids = jnp.broadcast_to(jnp.arange(beam, dtype=jnp.int32), (batch, beam))  # candidate ids
     frontier_feat = jnp.broadcast_to(state["feat"][:, None, :], (batch, beam, state["feat"].shape[-1]))
     frontier_slot_parent = jnp.full((batch, beam), -1, jnp.int32)  # scratch slot of each frontier node's parent
-    ancestors = jnp.zeros((batch, 0, 0), bool)  # [B, processed, processed]
     offset = beam
     words = -(-scratch // 32)
     bits_rows = jnp.zeros((batch, 0, scratch), bool)
@@ -310,3 +310,51 @@ def _pack(bits: jax.Array, words: int) -> jax.Array:
     pad = words * 32 - bits.shape[-1]
     b = jnp.pad(bits, ((0, 0), (0, 0), (0, pad))).reshape(bits.shape[:2] + (words, 32)).astype(jnp.uint32)
     return jnp.sum(b << jnp.arange(32, dtype=jnp.uint32), axis=-1).astype(jnp.uint32)
+
+
+def load_feature_drafter(name_or_path: str, llm: Model, load: bool = True, **drafting) -> Bound:
+    """A trained feature drafter (registered name or checkpoint directory) bound to ``llm``'s params.
+    ``drafting`` overrides the shipped depth / beam / nodes / ladder. ``load=False``: the drafter only
+    (params None), for checks before any weights load."""
+    from specjax.io import registry
+    from specjax.io.feature_checkpoint import is_feature_checkpoint, read_feature_meta, restore_feature_drafter
+    from specjax.models.feature import bind
+
+    path = registry.resolve(name_or_path) if registry.is_feature_drafter(name_or_path) else name_or_path
+    if not is_feature_checkpoint(path):
+        raise InputError(f"feature drafter {name_or_path!r}: not a registered name "
+                         f"({registry.feature_drafter_names()}) nor a directory with a feature_drafter.json")
+    cfg, shipped, _ = read_feature_meta(path)
+    if cfg.llm != llm.config:
+        ours, theirs = llm.config.to_dict(), cfg.llm.to_dict()
+        diff = sorted(k for k in ours if ours[k] != theirs.get(k))
+        raise InputError(f"feature drafter {name_or_path!r} was trained for another LLM (config differs in {diff})")
+    unknown = set(drafting) - set(shipped)
+    if unknown:
+        raise InputError(f"feature drafter settings: unknown {sorted(unknown)}; choose from {sorted(shipped)}")
+    drafter = FeatureDrafter(cfg, **{**shipped, **drafting})
+    if not load:
+        return Bound(drafter, None)
+    _, trained, _ = restore_feature_drafter(path)
+    return Bound(drafter, bind(trained, llm.params, cfg))
+
+
+def from_arg(arg: str, llm: Model, *, load: bool, expansion, draft: str) -> Bound:
+    """``--drafter feature:auto`` (the registered drafter for the LLM), ``feature:NAME`` or ``feature:PATH``,
+    optionally followed by ``,depth=D,beam=K,nodes=N``."""
+    from specjax.io import registry
+
+    name, *items = arg.split(",")
+    settings = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in ("depth", "beam", "nodes") or not (value.isascii() and value.isdigit()):
+            raise InputError(f"--drafter feature:{arg}: expected feature:NAME[,depth=D][,beam=K][,nodes=N], got "
+                             f"{item!r}")
+        settings[key] = int(value)
+    if "nodes" in settings:  # a node budget of its own: the ladder spans it
+        n = settings["nodes"]
+        settings["ladder"] = tuple(sorted({0, 1, min(3, n), min(6, n), min(10, n), n}))
+    if name == "auto":
+        name = registry.default_feature_drafter(llm.config)
+    return load_feature_drafter(name, llm, load=load, **settings)

@@ -89,7 +89,8 @@ class LookupDrafter(Drafter):
     def describe(self) -> str:
         return f"lookup(depth {self.depth}, branches {self.branches}, n-grams {self.max_ngram}..{self.min_ngram})"
 
-    def init(self, params, prompt_tokens, prompt_lens, *, cache_len: int, parallel=None, hidden=None, first=None) -> dict:
+    def init(self, params, prompt_tokens, prompt_lens, *, cache_len: int, parallel=None, hidden=None,
+             first=None) -> dict:
         batch = prompt_tokens.shape[0]
         k, d = self.branches, self.depth
         return {"chains": jnp.zeros((batch, k, d), jnp.int32), "known": jnp.zeros((batch, k), jnp.int32),

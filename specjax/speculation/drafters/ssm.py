@@ -82,7 +82,8 @@ class SSMDrafter(Drafter):
     def place(self, params, parallel):
         return parallel.put_params(params, self.config, parallel.ssm_rules)
 
-    def init(self, params, prompt_tokens, prompt_lens, *, cache_len: int, parallel=None, hidden=None, first=None) -> KVCache:
+    def init(self, params, prompt_tokens, prompt_lens, *, cache_len: int, parallel=None, hidden=None,
+             first=None) -> KVCache:
         """The SSM's cache after the prompts (its own prefill)."""
         batch = prompt_tokens.shape[0]
         cache = init_cache(self.config, batch, cache_len, jax.tree.leaves(params)[0].dtype)

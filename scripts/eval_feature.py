@@ -1,0 +1,227 @@
+"""Evaluation of the feature drafter against the other drafters (issue 17, deliverable 6).
+
+Part ``kinds`` (batch 1, greedy, N new tokens, chat template, one prompt at a time): for every drafter
+configuration, tokens per LLM pass and tokens/s by task kind, acceptance by depth, the distribution of
+tokens per pass (CDF), and, at temperature 1 with seeded verification, tokens per pass. Every greedy
+output is checked against incremental decoding and every seeded one against seeded incremental
+sampling (identical tokens required; mismatches are printed and fail the script).
+Configurations at equal node budget: feature drafter (N nodes), lookup (N nodes), SSM (a chain of N
+nodes... capped at the SSM's expansion), merged feature + lookup (N/2 + N/2).
+
+Part ``budget``: tokens/s against the feature drafter's node budget at batch 1, 2, 4, 8 (whole tree
+every step, no tree budget), with incremental decoding at the same batch sizes as the reference.
+
+    python scripts/eval_feature.py --drafter feature:auto --max-new-tokens 128 --out bench_out/feature
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _bench_common as common  # noqa: E402
+
+TASKS = os.path.join(os.path.dirname(__file__), "data", "task_kinds.jsonl")
+
+
+def _configs(llm, feature_arg: str, nodes: int, ssm_name: str):
+    import specjax
+    from specjax.speculation.drafters.feature import from_arg
+    from specjax.speculation.drafters.lookup import LookupDrafter
+
+    half = max(1, nodes // 2)
+    feat = from_arg(f"{feature_arg},nodes={nodes}", llm, load=True, expansion=None, draft="topk")
+    feat_half = from_arg(f"{feature_arg},nodes={half}", llm, load=True, expansion=None, draft="topk")
+    ssm = specjax.load_model(ssm_name, progress=False)
+    return {
+        "incremental": {},
+        f"feature ({nodes} nodes)": {"drafters": [feat]},
+        f"lookup ({nodes} nodes)": {"drafters": [specjax.Bound(LookupDrafter(depth=half, branches=2))]},
+        f"SSM chain ({min(nodes, 8)} nodes)": {"ssms": [ssm], "expansion": (1,) * min(nodes, 8)},
+        f"feature + lookup ({half} + {half})": {"drafters": [feat_half,
+                                                             specjax.Bound(LookupDrafter(depth=half, branches=1))]},
+        "feature + budget": {"drafters": [feat], "budget": "auto"},
+    }
+
+
+def part_kinds(llm, records, configs, n: int, results: dict) -> None:
+    import specjax
+
+    prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in records])
+    kinds = [r.get("category", "?") for r in records]
+    seeded = specjax.SamplingParams(temperature=1.0, seed=17)
+    per = {name: collections.defaultdict(lambda: [0, 0.0, 0]) for name in configs}
+    depth_hits = {name: None for name in configs}
+    hist = {name: collections.Counter() for name in configs}
+    sampled = {name: [0, 0] for name in configs}
+    mismatches = collections.Counter()
+    for name, kw in configs.items():  # compile and measure cost tables before timing
+        specjax.generate(llm, [prompts[0]], max_new_tokens=8, **kw)
+    for ids, kind in zip(prompts, kinds):
+        reference = seeded_ref = None
+        for name, kw in configs.items():
+            res = specjax.generate(llm, [ids], max_new_tokens=n, on_tokens=lambda i, t: None, **kw)
+            toks = res.token_ids[0]
+            reference = toks if reference is None else reference
+            if toks != reference:
+                mismatches[name] += 1
+            cell = per[name][kind]
+            cell[0] += len(toks)
+            cell[1] += res.stats["seconds"]
+            cell[2] += res.stats["llm_passes"]
+            if name != "incremental":
+                acc = np.asarray(res.stats["accepted_at_depth"], float)
+                depth_hits[name] = acc if depth_hits[name] is None else _add(depth_hits[name], acc)
+                for k, c in enumerate(res.stats["tokens_per_pass_histogram"]):
+                    hist[name][k] += c
+            t = specjax.generate(llm, [ids], max_new_tokens=n, sampling=seeded,
+                                 **({"verifier": "seeded"} if kw else {}), **kw)
+            seeded_ref = t.token_ids[0] if seeded_ref is None else seeded_ref
+            if t.token_ids[0] != seeded_ref:
+                mismatches[name + " (seeded)"] += 1
+            sampled[name][0] += len(t.token_ids[0])
+            sampled[name][1] += t.stats["llm_passes"]
+        print(f"# done {kind}", flush=True)
+    kind_names = sorted(set(kinds))
+    out = {"kinds": kind_names, "tokens_per_pass": {}, "tokens_per_s": {}, "t1_tokens_per_pass": {},
+           "accepted_at_depth": {}, "histogram": {}, "mismatches": dict(mismatches)}
+    print(f"\n# tokens per LLM pass by task kind (batch 1, greedy, {n} new tokens, {len(records)} prompts)")
+    print(f"{'drafter':<30} " + " ".join(f"{k[:11]:>11}" for k in kind_names) + f" {'all':>6} {'tok/s':>7} "
+          f"{'vs inc':>7} {'T=1':>5}")
+    base = sum(c[0] for c in per["incremental"].values()) / sum(c[1] for c in per["incremental"].values())
+    for name in configs:
+        tpp = {k: per[name][k][0] / max(per[name][k][2], 1) for k in kind_names}
+        tokens = sum(c[0] for c in per[name].values())
+        passes = sum(c[2] for c in per[name].values())
+        rate = tokens / sum(c[1] for c in per[name].values())
+        t1 = sampled[name][0] / max(sampled[name][1], 1)
+        out["tokens_per_pass"][name] = {**tpp, "all": tokens / passes}
+        out["tokens_per_s"][name] = rate
+        out["t1_tokens_per_pass"][name] = t1
+        if depth_hits[name] is not None:
+            out["accepted_at_depth"][name] = (depth_hits[name] / passes).tolist()
+            out["histogram"][name] = [hist[name][k] for k in range(max(hist[name]) + 1)]
+        print(f"{name:<30} " + " ".join(f"{tpp[k]:>11.2f}" for k in kind_names)
+              + f" {tokens / passes:>6.2f} {rate:>7.2f} {rate / base:>6.2f}x {t1:>5.2f}")
+    print(f"# outputs different from incremental decoding (greedy / seeded): {dict(mismatches) or 'none'}")
+    results["kinds"] = out
+
+
+def _add(a, b):
+    n = max(len(a), len(b))
+    return np.pad(a, (0, n - len(a))) + np.pad(b, (0, n - len(b)))
+
+
+def part_budget(llm, records, feature_arg: str, n: int, batches, node_counts, results: dict) -> None:
+    import specjax
+    from specjax.speculation.drafters.feature import from_arg
+
+    prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in records])
+    rows = {}
+    print(f"\n# tokens/s vs node budget (whole tree every step), {len(prompts)} prompts, {n} new tokens")
+    for b in batches:
+        groups = [prompts[i:i + b] for i in range(0, len(prompts), b)]
+        row = {}
+        for nodes in [0] + list(node_counts):
+            kw = {} if nodes == 0 else {"drafters": [from_arg(f"{feature_arg},nodes={nodes}", llm, load=True,
+                                                              expansion=None, draft="topk")]}
+            specjax.generate(llm, groups[0], max_new_tokens=8, **kw)
+            tokens, seconds = 0, 0.0
+            for g in groups:
+                res = specjax.generate(llm, g, max_new_tokens=n, on_tokens=lambda i, t: None, **kw)
+                tokens += sum(len(t) for t in res.token_ids)
+                seconds += res.stats["seconds"]
+            row[nodes] = tokens / seconds
+        rows[b] = row
+        print(f"batch {b}: " + ", ".join(f"{k} nodes {v:.1f}" for k, v in row.items()) + " tok/s", flush=True)
+    results["budget"] = rows
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [p for p in ("kinds", "depth", "cdf", "budget") if p in results or (p in ("depth", "cdf")
+                                                                                    and "kinds" in results)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        if panel == "kinds":
+            r = results["kinds"]
+            names = [k for k in r["tokens_per_pass"] if k != "incremental"]
+            w = 0.8 / len(names)
+            for i, name in enumerate(names):
+                ax.bar(np.arange(len(r["kinds"])) + i * w, [r["tokens_per_pass"][name][k] for k in r["kinds"]], w,
+                       label=name)
+            ax.set_xticks(np.arange(len(r["kinds"])) + 0.4 - w / 2, r["kinds"], rotation=30, fontsize=7)
+            ax.set_ylabel("tokens per LLM pass (greedy)")
+            ax.legend(fontsize=6)
+        elif panel == "depth":
+            for name, acc in results["kinds"]["accepted_at_depth"].items():
+                ax.plot(range(1, len(acc) + 1), acc, marker="o", label=name)
+            ax.set_xlabel("depth")
+            ax.set_ylabel("share of passes accepting a token at this depth")
+            ax.legend(fontsize=6)
+        elif panel == "cdf":
+            for name, h in results["kinds"]["histogram"].items():
+                h = np.asarray(h, float)
+                ax.step(np.arange(len(h)), np.cumsum(h) / h.sum(), where="post", label=name)
+            ax.set_xlabel("tokens per LLM pass")
+            ax.set_ylabel("CDF over passes")
+            ax.legend(fontsize=6)
+        else:
+            for b, row in results["budget"].items():
+                ax.plot([int(k) for k in row], list(row.values()), marker="o", label=f"batch {b}")
+            ax.set_xlabel("feature drafter node budget (0 = incremental)")
+            ax.set_ylabel("tokens/s")
+            ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"SmolLM2-135M-Instruct, float32, {common.machine().split(';')[0]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts-file", default=TASKS)
+    ap.add_argument("--drafter", default="feature:auto", help="feature:NAME or feature:PATH")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--nodes", type=int, default=16, help="node budget of the equal-budget comparison")
+    ap.add_argument("--ssm", default="smollm2-ssm-a")
+    ap.add_argument("--parts", default="kinds,budget")
+    ap.add_argument("--batch-sizes", default="1,2,4,8")
+    ap.add_argument("--budget-nodes", default="2,4,8,16,24")
+    ap.add_argument("--budget-tokens", type=int, default=64)
+    ap.add_argument("--out", default="bench_out/feature")
+    args = ap.parse_args()
+    import specjax
+
+    common.print_header("feature drafter evaluation (SmolLM2-135M-Instruct, float32)")
+    llm = specjax.load_model("smollm2-135m-instruct", progress=False)
+    records = common.load_prompts(args.prompts_file, None)
+    arg = args.drafter.split(":", 1)[1] if args.drafter.startswith("feature:") else args.drafter
+    results = {"machine": common.machine(), "command": sys.argv}
+    parts = set(args.parts.split(","))
+    if "kinds" in parts:
+        part_kinds(llm, records, _configs(llm, arg, args.nodes, args.ssm), args.max_new_tokens, results)
+    if "budget" in parts:
+        part_budget(llm, records, arg, args.budget_tokens, [int(b) for b in args.batch_sizes.split(",")],
+                    [int(x) for x in args.budget_nodes.split(",")], results)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    plot(results, args.out + ".png")
+    print(f"# results: {args.out}.json, plot: {args.out}.png")
+    if results.get("kinds", {}).get("mismatches"):
+        sys.exit("outputs differ from incremental decoding")
+
+
+if __name__ == "__main__":
+    main()

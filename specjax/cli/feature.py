@@ -1,0 +1,120 @@
+"""``specjax feature-tune``: the feature drafter from scratch, every stage resumable: the corpus of the
+LLM's own continuations (several task kinds), the LLM's features at every position, unrolled
+training, held-out agreement by depth, and the exported drafter. Kept apart from the training code so
+the CLI parser imports no JAX; every argument is checked before the corpus (hours) starts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import time
+
+from specjax.errors import InputError
+
+
+def add_parser(sub, formatter_class) -> None:
+    f = sub.add_parser("feature-tune", formatter_class=formatter_class,
+                       help="train a feature drafter (EAGLE-style) on the LLM's own continuations",
+                       description="Generate (or resume) a corpus of the LLM's continuations of prompts of several "
+                                   "task kinds, compute the LLM's features at every position, train the feature "
+                                   "drafter with unrolled multi-step drafting, report held-out agreement by depth and "
+                                   "export the drafter (load it with --drafter feature:PATH). Rerun the same command "
+                                   "to resume after an interruption.")
+    f.add_argument("--model", default="smollm2-135m-instruct", help="the LLM")
+    f.add_argument("--corpus", required=True, help="corpus directory, created or resumed (required)")
+    f.add_argument("--out", required=True, help="training run directory: checkpoints, history, summary (required)")
+    f.add_argument("--export", help="write the trained drafter here, a new or empty directory (default: none, "
+                                     "the drafter stays in --out's checkpoints)")
+    f.add_argument("--exclude-prompts", action="append", default=[],
+                   help="prompt file held out of training (.jsonl with 'prompt', or text lines); repeatable "
+                        "(default: none)")
+    f.add_argument("--passages", type=int, default=1200, help="stage-1 passages the grounded prompts quote")
+    f.add_argument("--tasks", type=int, default=6400, help="chat/explain/QA/creative/math/code prompts")
+    f.add_argument("--grounded", type=int, default=2400,
+                   help="summarise/passage-QA/retrieval/rewrite/translate/extract prompts quoting the passages")
+    f.add_argument("--sampled-fraction", type=float, default=0.25,
+                   help="share of task and grounded prompts continued at temperature 1 (seeded)")
+    f.add_argument("--corpus-batch", type=int, default=128, help="prompts per generation batch")
+    f.add_argument("--draft-vocab", type=int, default=8192, help="tokens the drafter can name (most frequent)")
+    f.add_argument("--held-out", type=float, default=0.02, help="share of sequences held out for evaluation")
+    f.add_argument("--max-eval", type=int, default=400, help="held-out sequences evaluated during training")
+    f.add_argument("--epochs", type=float, default=1.0, help="passes over the training sequences")
+    f.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step")
+    f.add_argument("--learning-rate", type=float, default=5e-4, help="peak AdamW learning rate")
+    f.add_argument("--unrolled-steps", type=int, default=4, help="drafting steps unrolled in training")
+    f.add_argument("--depth", type=int, default=6, help="shipped drafting depth")
+    f.add_argument("--beam", type=int, default=4, help="shipped beam (children per expanded node)")
+    f.add_argument("--nodes", type=int, default=16, help="shipped node budget (best nodes kept)")
+    f.add_argument("--stop-after", type=int, default=None,
+                   help="train at most this many steps in this run (0: none), then evaluate and export what there is; "
+                        "running again resumes (default: none, train to the end)")
+    f.add_argument("--seed", type=int, default=0, help="seed of the prompts, sampling, split and training")
+    f.add_argument("--no-progress", action="store_true", help="no progress bars")
+    f.set_defaults(func=_cmd_feature_tune)
+
+
+def check_args(args):
+    """Everything checked before any work: (corpus plan, training config, drafting settings, held-out prompts)."""
+    from specjax.boost.feature_corpus import CorpusPlan
+    from specjax.boost.feature_train import FeatureTrainConfig
+    from specjax.cli.boost import _writable_dir
+    from specjax.io.checkpoint import check_destination
+    from specjax.io.loader import describe_model
+    from specjax.io.prompts import read_prompts_file
+    from specjax.models.feature import FeatureConfig
+    from specjax.speculation.drafters.feature import FeatureDrafter
+
+    if importlib.util.find_spec("optax") is None:
+        raise InputError("feature-tune trains with optax, which is not installed: pip install -e '.[train]'")
+    if not 0.0 < args.held_out < 0.5:
+        raise InputError(f"--held-out must be in (0, 0.5), got {args.held_out}")
+    for flag, value in (("--draft-vocab", args.draft_vocab), ("--max-eval", args.max_eval),
+                        ("--corpus-batch", args.corpus_batch)):
+        if value < 1:
+            raise InputError(f"{flag} must be >= 1, got {value}")
+    if args.stop_after is not None and args.stop_after < 0:
+        raise InputError(f"--stop-after must be >= 0 steps (0: evaluate and export the newest checkpoint), got "
+                         f"{args.stop_after}")
+    plan = CorpusPlan(passages=args.passages, tasks=args.tasks, grounded=args.grounded,
+                      sampled_fraction=args.sampled_fraction, batch_size=args.corpus_batch, seed=args.seed)
+    tc = FeatureTrainConfig(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
+                            unrolled_steps=args.unrolled_steps, seed=args.seed,
+                            window=max(plan.max_new_tokens, plan.passage_tokens) + args.unrolled_steps + 8)
+    llm_cfg = describe_model(args.model).config
+    if args.draft_vocab > llm_cfg.vocab_size:
+        raise InputError(f"--draft-vocab {args.draft_vocab} exceeds the LLM's vocabulary ({llm_cfg.vocab_size})")
+    cfg = FeatureConfig(llm_cfg, tuple(range(args.draft_vocab)))  # the real vocabulary comes from the corpus
+    drafting = {"depth": args.depth, "beam": args.beam, "nodes": args.nodes,
+                "ladder": tuple(sorted({0, 1, min(3, args.nodes), min(6, args.nodes), min(10, args.nodes),
+                                       args.nodes}))}
+    FeatureDrafter(cfg, **drafting)  # the shipped settings must make a valid drafter
+    held = [p for path in args.exclude_prompts
+            for p in read_prompts_file(path, flag="--exclude-prompts", allow_token_ids=False, plain_lines=True)]
+    _writable_dir(args.corpus, "--corpus")
+    _writable_dir(args.out, "--out")
+    if args.export:
+        check_destination(args.export)
+    return plan, tc, drafting, held
+
+
+def _cmd_feature_tune(args, out) -> int:
+    plan, tc, drafting, held = check_args(args)
+    from specjax.boost.feature_tune import feature_tune
+    from specjax.io.loader import load_model
+
+    started = time.perf_counter()
+    llm = load_model(args.model, progress=not args.no_progress)
+    summary = feature_tune(llm, args.corpus, args.out, plan, tc, drafting, draft_vocab=args.draft_vocab,
+                           held_out=args.held_out, max_eval=args.max_eval, exclude=held, export=args.export,
+                           model_name=args.model, stop_after=args.stop_after, progress=not args.no_progress)
+    depth = summary["held_out_agreement"]["all"]
+    out.write(f"feature-tune done in {time.perf_counter() - started:.0f} s (this run): held-out agreement by depth "
+              f"{', '.join(f'{a:.3f}' for a in depth)}" + (f"; drafter in {args.export}" if args.export else "") + "\n")
+    out.write(json.dumps({k: v for k, v in summary.items() if k != "history"}, default=_plain) + "\n")
+    return 0
+
+
+def _plain(x):
+    return float(x) if isinstance(x, float) and math.isfinite(x) else str(x)
+

@@ -1,0 +1,84 @@
+"""The feature-drafter recipe end to end on SmolLM2 at a tiny scale (``specjax feature-tune``'s stages):
+the task prompts keep held-out prompts out, the corpus and training resume instead of redoing work,
+a run stopped early exports what it has and says so, and the exported drafter speculates losslessly."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import specjax
+from specjax.boost.feature_corpus import CorpusPlan
+from specjax.boost.feature_train import FeatureTrainConfig
+from specjax.boost.task_prompts import passage_prompts, stage1_prompts
+from tests.conftest import requires_smollm2
+
+
+def test_stage1_prompts_are_seeded_distinct_and_keep_held_out_prompts_out():
+    first = stage1_prompts(300, seed=3)
+    assert first == stage1_prompts(300, seed=3) and len({p for _, p in first}) == 300
+    kinds = {k for k, _ in stage1_prompts(2000, seed=3)}
+    assert {"math", "code"} <= kinds and len(kinds) >= 6
+    held = [p for _, p in first[:50]]
+    again = stage1_prompts(300, seed=3, exclude=held)
+    assert not set(held) & {p for _, p in again}
+    passages = passage_prompts(40, seed=3, exclude=held)
+    assert len({t for t, _ in passages}) > 20 and len({p for _, p in passages}) == 40
+
+
+@requires_smollm2
+@pytest.mark.slow
+def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_path):
+    from specjax.boost.feature_tune import feature_tune
+    from specjax.speculation.drafters.feature import from_arg
+
+    plan = CorpusPlan(passages=2, tasks=4, grounded=4, sampled_fraction=0.5, max_new_tokens=6, passage_tokens=48,
+                      batch_size=4)
+    tc = FeatureTrainConfig(epochs=2, batch_size=2, window=64, warmup_steps=1, unrolled_steps=2, eval_every=1000,
+                            checkpoint_every=1)
+    drafting = {"depth": 3, "beam": 2, "nodes": 4, "ladder": (0, 1, 4)}
+    held = [p for _, p in stage1_prompts(2)]  # what the plan would otherwise pick first
+    corpus, run = str(tmp_path / "corpus"), str(tmp_path / "run")
+    kw = dict(draft_vocab=512, held_out=0.2, max_eval=4, exclude=held, model_name="smollm2-135m-instruct",
+              progress=False, log=lambda *a: None)
+    partial = feature_tune(smollm2, corpus, run, plan, tc, drafting, export=str(tmp_path / "early"), stop_after=1,
+                           **kw)
+    assert partial["steps"] == {"done": 1, "planned": partial["steps"]["planned"]} and partial["steps"]["planned"] > 1
+    assert set(partial["held_out_agreement"]) >= {"all"} and len(partial["held_out_agreement"]["all"]) == 6
+    with open(os.path.join(corpus, "provenance.json")) as f:
+        made = json.load(f)
+    assert set(made) == {"passages", "grounded-greedy", "grounded-sampled", "tasks-greedy", "tasks-sampled"}
+    for part in ("tasks-greedy", "tasks-sampled"):  # the held-out prompts are in no shard
+        text = "".join(smollm2.tokenizer.decode(ids) for ids in _shard_prompts(os.path.join(corpus, part)))
+        assert not any(p in text for p in held)
+
+    stamps = {p: os.path.getmtime(p) for p in _files(corpus) if not p.endswith("provenance.json")}
+    done = feature_tune(smollm2, corpus, run, plan, tc, drafting, export=str(tmp_path / "final"), **kw)
+    assert done["steps"] == {"done": done["steps"]["planned"], "planned": partial["steps"]["planned"]}
+    assert {p: os.path.getmtime(p) for p in stamps} == stamps  # shards and features reused, not redone
+    with open(os.path.join(corpus, "provenance.json")) as f:
+        again = json.load(f)
+    for part, entry in made.items():  # generation time accumulates over runs; a resumed part adds little
+        assert entry["seconds"] <= again[part]["seconds"] < entry["seconds"] + 5
+    with open(os.path.join(tmp_path / "final", "feature_drafter.json")) as f:
+        assert json.load(f)["trained"]["steps"] == done["steps"]
+
+    bound = from_arg(str(tmp_path / "final"), smollm2, load=True, expansion=None, draft="topk")
+    prompts = specjax.api.encode_prompts(smollm2, ["Name three rivers in Europe.", "Write a haiku about rain."])
+    ref = specjax.generate(smollm2, prompts, max_new_tokens=12)
+    got = specjax.generate(smollm2, prompts, max_new_tokens=12, drafters=[bound])
+    assert got.token_ids == ref.token_ids
+
+
+def _files(root):
+    return sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files)
+
+
+def _shard_prompts(part_dir):
+    from specjax.boost.corpus import read_shard
+
+    for path in sorted(p for p in _files(part_dir) if p.endswith(".npz")):
+        for ids, prompt_len in read_shard(path):
+            yield ids[:prompt_len]

@@ -46,11 +46,19 @@ def _configs(llm, feature_arg: str, nodes: int, ssm_name: str):
         f"SSM chain ({min(nodes, 8)} nodes)": {"ssms": [ssm], "expansion": (1,) * min(nodes, 8)},
         f"feature + lookup ({half} + {half})": {"drafters": [feat_half,
                                                              specjax.Bound(LookupDrafter(depth=half, branches=1))]},
-        "feature + budget": {"drafters": [feat], "budget": "auto"},
+        # the current default (lookup:auto under the tree budget) and the candidate default
+        "lookup + budget": {"drafters": [specjax.Bound(LookupDrafter())], "budget": "auto"},
+        "feature + lookup + budget": {"drafters": [feat, specjax.Bound(LookupDrafter())], "budget": "auto"},
     }
 
 
+# configurations also run at temperature 1 (seeded verification against seeded incremental sampling)
+SAMPLED = ("incremental", "feature", "feature + lookup + budget")
+
+
 def part_kinds(llm, records, configs, n: int, results: dict) -> None:
+    import jax
+
     import specjax
 
     prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in records])
@@ -61,15 +69,15 @@ def part_kinds(llm, records, configs, n: int, results: dict) -> None:
     hist = {name: collections.Counter() for name in configs}
     sampled = {name: [0, 0] for name in configs}
     mismatches = collections.Counter()
-    for name, kw in configs.items():  # compile and measure cost tables before timing
-        specjax.generate(llm, [prompts[0]], max_new_tokens=8, **kw)
-    for ids, kind in zip(prompts, kinds):
-        reference = seeded_ref = None
-        for name, kw in configs.items():
+    reference, seeded_ref = {}, {}
+    # one configuration at a time over every prompt, compiled programs dropped in between: XLA:CPU maps
+    # memory per executable and all configurations at once exceeded vm.max_map_count (65530 by default)
+    for name, kw in configs.items():
+        specjax.generate(llm, [prompts[0]], max_new_tokens=8, **kw)  # compile and measure cost tables first
+        for i, (ids, kind) in enumerate(zip(prompts, kinds)):
             res = specjax.generate(llm, [ids], max_new_tokens=n, on_tokens=lambda i, t: None, **kw)
             toks = res.token_ids[0]
-            reference = toks if reference is None else reference
-            if toks != reference:
+            if reference.setdefault(i, toks) != toks:
                 mismatches[name] += 1
             cell = per[name][kind]
             cell[0] += len(toks)
@@ -80,14 +88,18 @@ def part_kinds(llm, records, configs, n: int, results: dict) -> None:
                 depth_hits[name] = acc if depth_hits[name] is None else _add(depth_hits[name], acc)
                 for k, c in enumerate(res.stats["tokens_per_pass_histogram"]):
                     hist[name][k] += c
+            if not any(name.split(" (")[0] == s for s in SAMPLED):
+                continue
             t = specjax.generate(llm, [ids], max_new_tokens=n, sampling=seeded,
                                  **({"verifier": "seeded"} if kw else {}), **kw)
-            seeded_ref = t.token_ids[0] if seeded_ref is None else seeded_ref
-            if t.token_ids[0] != seeded_ref:
+            if seeded_ref.setdefault(i, t.token_ids[0]) != t.token_ids[0]:
                 mismatches[name + " (seeded)"] += 1
             sampled[name][0] += len(t.token_ids[0])
             sampled[name][1] += t.stats["llm_passes"]
-        print(f"# done {kind}", flush=True)
+        cells = [f"{k} {c[0] / max(c[2], 1):.2f}" for k, c in sorted(per[name].items())]
+        rate = sum(c[0] for c in per[name].values()) / sum(c[1] for c in per[name].values())
+        print(f"# {name}: tokens per pass " + ", ".join(cells) + f"; {rate:.2f} tok/s", flush=True)
+        jax.clear_caches()
     kind_names = sorted(set(kinds))
     out = {"kinds": kind_names, "tokens_per_pass": {}, "tokens_per_s": {}, "t1_tokens_per_pass": {},
            "accepted_at_depth": {}, "histogram": {}, "mismatches": dict(mismatches)}
@@ -100,7 +112,7 @@ def part_kinds(llm, records, configs, n: int, results: dict) -> None:
         tokens = sum(c[0] for c in per[name].values())
         passes = sum(c[2] for c in per[name].values())
         rate = tokens / sum(c[1] for c in per[name].values())
-        t1 = sampled[name][0] / max(sampled[name][1], 1)
+        t1 = sampled[name][0] / sampled[name][1] if sampled[name][1] else float("nan")
         out["tokens_per_pass"][name] = {**tpp, "all": tokens / passes}
         out["tokens_per_s"][name] = rate
         out["t1_tokens_per_pass"][name] = t1

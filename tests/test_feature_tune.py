@@ -82,3 +82,28 @@ def _shard_prompts(part_dir):
     for path in sorted(p for p in _files(part_dir) if p.endswith(".npz")):
         for ids, prompt_len in read_shard(path):
             yield ids[:prompt_len]
+
+
+@requires_smollm2
+@pytest.mark.slow
+def test_the_shipped_drafter_loads_by_name_drafts_accepted_tokens_and_is_lossless(smollm2):
+    from specjax.io import registry
+    from specjax.io.feature_checkpoint import read_feature_meta
+    from specjax.speculation.drafters.feature import from_arg
+
+    path = registry.resolve(registry.default_feature_drafter(smollm2.config))
+    _, drafting, meta = read_feature_meta(path)
+    assert meta["trained"]["steps"]["done"] == meta["trained"]["steps"]["planned"]  # a finished run ships
+    bound = from_arg("auto", smollm2, load=True, expansion=None, draft="topk")
+    assert bound.drafter.nodes == drafting["nodes"]
+    prompts = specjax.api.encode_prompts(smollm2, ["Summarise in one sentence: The river flooded the town after "
+                                                   "three days of rain, and the school closed for a week.",
+                                                   "Write a Python function that reverses a string."])
+    ref = specjax.generate(smollm2, prompts, max_new_tokens=24)
+    got = specjax.generate(smollm2, prompts, max_new_tokens=24, drafters=[bound])
+    assert got.token_ids == ref.token_ids
+    assert got.stats["llm_passes"] < ref.stats["llm_passes"]  # its drafts are accepted: fewer LLM passes
+    seeded = specjax.SamplingParams(temperature=1.0, seed=5)
+    assert specjax.generate(smollm2, prompts, max_new_tokens=16, sampling=seeded, drafters=[bound],
+                            verifier="seeded").token_ids == \
+        specjax.generate(smollm2, prompts, max_new_tokens=16, sampling=seeded).token_ids

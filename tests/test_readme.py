@@ -156,6 +156,27 @@ def test_boost_tune_commands_are_valid():
 
 
 @requires_smollm2
+def test_feature_tune_commands_are_valid():
+    """The feature drafter's recipe is hours of CPU: its README command is parsed and checked (what runs
+    before any work), with its held-out prompt files present."""
+    from specjax.cli import build_parser
+    from specjax.cli.feature import check_args
+
+    commands = [c for c in _commands(_readme()) if c.startswith("specjax feature-tune")]
+    assert commands
+    for command in commands:
+        args = build_parser().parse_args(shlex.split(command.split(" && ")[0])[1:])
+        args.exclude_prompts = [p for p in args.exclude_prompts if os.path.exists(os.path.join(ROOT, p))]
+        assert any(p.endswith("task_kinds.jsonl") for p in args.exclude_prompts)  # evaluation prompts held out
+        cwd = os.getcwd()
+        try:
+            os.chdir(ROOT)
+            check_args(args)
+        finally:
+            os.chdir(cwd)
+
+
+@requires_smollm2
 @pytest.mark.slow
 def test_python_snippets_run_as_written():
     """The README's Python blocks, in order, in one namespace (later blocks use earlier names)."""

@@ -2,11 +2,13 @@
 
 Part ``kinds`` (batch 1, greedy, N new tokens, chat template, one prompt at a time): for every drafter
 configuration, tokens per LLM pass and tokens/s by task kind, acceptance by depth, the distribution of
-tokens per pass (CDF), and, at temperature 1 with seeded verification, tokens per pass. Every greedy
-output is checked against incremental decoding and every seeded one against seeded incremental
-sampling (identical tokens required; mismatches are printed and fail the script).
-Configurations at equal node budget: feature drafter (N nodes), lookup (N nodes), SSM (a chain of N
-nodes... capped at the SSM's expansion), merged feature + lookup (N/2 + N/2).
+tokens per pass (CDF), and, for the configurations in ``SAMPLED``, tokens per pass at temperature 1
+with seeded verification. Every greedy output is checked against incremental decoding and every
+seeded one against seeded incremental sampling (identical tokens required; mismatches are printed and
+fail the script). Configurations at equal node budget: feature drafter (N nodes), lookup (N nodes),
+SSM (a chain of min(N, 8) nodes), merged feature + lookup (N/2 + N/2); then the default (lookup under
+the tree budget) and the candidate default (feature + lookup under the tree budget). One
+configuration runs over all prompts at a time, compiled programs dropped in between.
 
 Part ``budget``: tokens/s against the feature drafter's node budget at batch 1, 2, 4, 8 (whole tree
 every step, no tree budget), with incremental decoding at the same batch sizes as the reference.

@@ -134,18 +134,17 @@ def test_scale_out_commands_run_or_parse(tmp_path):
         assert r.stdout.strip()
 
 
-@requires_smollm2
-@pytest.mark.slow
-def test_boost_tune_commands_are_valid():
-    """The training recipe is an hour of CPU: its flags are parsed and checked (what runs before any work)."""
+def _checked_training_commands(command_name: str, check_args) -> list:
+    """Every README ``specjax <command_name>`` command parsed and run through ``check_args`` (what the
+    command does before any work) from the repository root; prompt files not beside it are dropped.
+    Returns the parsed arguments."""
     from specjax.cli import build_parser
-    from specjax.cli.boost import check_args
 
-    commands = [c for c in _commands(_readme()) if c.startswith("specjax boost-tune")]
+    commands = [c for c in _commands(_readme()) if c.startswith(f"specjax {command_name}")]
     assert commands
+    parsed = []
     for command in commands:
-        words = shlex.split(command.split(" && ")[0])
-        args = build_parser().parse_args(words[1:])
+        args = build_parser().parse_args(shlex.split(command.split(" && ")[0])[1:])
         args.exclude_prompts = [p for p in args.exclude_prompts if os.path.exists(os.path.join(ROOT, p))]
         cwd = os.getcwd()
         try:
@@ -153,27 +152,27 @@ def test_boost_tune_commands_are_valid():
             check_args(args)
         finally:
             os.chdir(cwd)
+        parsed.append(args)
+    return parsed
+
+
+@requires_smollm2
+@pytest.mark.slow
+def test_boost_tune_commands_are_valid():
+    """The training recipe is an hour of CPU: its flags are parsed and checked (what runs before any work)."""
+    from specjax.cli.boost import check_args
+
+    _checked_training_commands("boost-tune", check_args)
 
 
 @requires_smollm2
 def test_feature_tune_commands_are_valid():
     """The feature drafter's recipe is hours of CPU: its README command is parsed and checked (what runs
-    before any work), with its held-out prompt files present."""
-    from specjax.cli import build_parser
+    before any work), with the evaluation prompts held out."""
     from specjax.cli.feature import check_args
 
-    commands = [c for c in _commands(_readme()) if c.startswith("specjax feature-tune")]
-    assert commands
-    for command in commands:
-        args = build_parser().parse_args(shlex.split(command.split(" && ")[0])[1:])
-        args.exclude_prompts = [p for p in args.exclude_prompts if os.path.exists(os.path.join(ROOT, p))]
-        assert any(p.endswith("task_kinds.jsonl") for p in args.exclude_prompts)  # evaluation prompts held out
-        cwd = os.getcwd()
-        try:
-            os.chdir(ROOT)
-            check_args(args)
-        finally:
-            os.chdir(cwd)
+    for args in _checked_training_commands("feature-tune", check_args):
+        assert any(p.endswith("task_kinds.jsonl") for p in args.exclude_prompts)
 
 
 @requires_smollm2

@@ -56,11 +56,13 @@ def main() -> None:
     from specjax.models import forward
     from specjax.models.cache import init_cache
     from specjax.models.common import apply_rope, rms_norm, rope_inv_freq, write_block
+    from specjax.models.params import take_layers
 
     common.print_header("profile_engine")
     model = specjax.load_model(args.model, dtype="float32", progress=False)
     cfg, params = model.config, model.params
-    lp = jax.tree.map(lambda a: a[0], params["layers"])
+    lp = take_layers(params, [0])
+    lp = jax.tree.map(lambda a: a[0], lp)
     inv_freq = rope_inv_freq(cfg)
     rng = np.random.default_rng(0)
 

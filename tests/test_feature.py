@@ -29,6 +29,7 @@ from specjax.models.feature import (
     init_trained,
     llm_features,
 )
+from specjax.models.params import take_layers
 from specjax.speculation.budget import Budget, default_levels
 from specjax.speculation.drafters.base import DraftContext
 from specjax.speculation.drafters.feature import FeatureDrafter, node_depths
@@ -237,8 +238,8 @@ def test_fused_draft_features_equal_the_unrolled_training_features(llama, corpus
     start = init_trained(llama.params, cfg, jax.random.key(4))
     # the zero-initialised output projections would make the layer's attention invisible (and the
     # ancestor mutation below harmless): give it the LLM's last layer's, as a trained drafter has some
-    start["layers"] = {**start["layers"], "wo": llama.params["layers"]["wo"][-1:],
-                       "w_down": llama.params["layers"]["w_down"][-1:]}
+    last = take_layers(llama.params, [llama.config.num_layers - 1])
+    start["layers"] = {**start["layers"], "wo": last["wo"], "w_down": last["w_down"]}
     params = bind(start, llama.params, cfg)
     seqs = [(corpus.sequence(i)[0].tolist(), corpus.sequence(i)[3]) for i in range(4)]
     stacked = teacher_features(llama, seqs, layers=layers)

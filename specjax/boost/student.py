@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from specjax.errors import InputError
+from specjax.models.params import take_layers
 from specjax.types import Model
 
 
@@ -53,7 +54,7 @@ def make_student(llm: Model, sequences, layers=(0, 1), draft_vocab_size: int = 8
     p = jax.tree.map(lambda a: np.asarray(a, np.float32), llm.params)
     rest = np.ones((cfg.vocab_size,), bool)
     rest[np.asarray(ids)] = False
-    lay = {k: v[np.asarray(idx)] for k, v in p["layers"].items()}
+    lay = dict(take_layers(p, idx))
     if mlp < cfg.intermediate_size:
         keep = _neuron_order(lay, mlp)
         cols = keep[:, None, :]  # w_gate / w_up [L, D, F]: neurons on axis 2

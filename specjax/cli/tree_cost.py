@@ -27,7 +27,7 @@ def _cmd_tree_cost(args, out) -> int:
     from specjax.attention import resolve_impl
     from specjax.speculation.cost import cached_pass_costs, machine_key
 
-    model = specjax.load_model(args.model, dtype=args.dtype, progress=not args.json)
+    model = specjax.load_model(args.model, dtype=args.dtype, progress=not args.json, split_layers=args.split_layers)
     impl = resolve_impl("auto")
     rows = {}
     for b in batches:
@@ -38,10 +38,12 @@ def _cmd_tree_cost(args, out) -> int:
                                             remeasure=args.remeasure)
     if args.json:
         out.write(json.dumps({"model": args.model, "machine": machine_key(), "dtype": args.dtype,
+                              "layers": "split" if args.split_layers else "stacked",
                               "seconds_per_pass": {str(b): {str(n): s for n, s in r.items()} for b, r in rows.items()}})
                   + "\n")
         return 0
-    out.write(f"# LLM pass time by tree size: {args.model}, {args.dtype}, {machine_key()}\n")
+    layers = "split layers" if args.split_layers else "stacked layers"
+    out.write(f"# LLM pass time by tree size: {args.model}, {args.dtype}, {layers}, {machine_key()}\n")
     out.write(f"# ms per pass (x = relative to one node at the same batch size); {source.split(',')[-1].strip()}\n")
     out.write(f"{'nodes':>6} " + " ".join(f"{'batch ' + str(b):>18}" for b in batches) + "\n")
     for n in nodes:
@@ -61,6 +63,8 @@ def add_parser(sub, fmt) -> None:
     t.add_argument("--nodes", default="1,2,3,5,9,17", help="tree sizes (nodes, root included)")
     t.add_argument("--batch-sizes", default="1", help="batch sizes")
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype")
+    t.add_argument("--split-layers", action="store_true",
+                   help="the costs of the split-layer layout (generate/serve --split-layers), cached separately")
     t.add_argument("--remeasure", action="store_true", help="measure again instead of reading the cached table")
     t.add_argument("--json", action="store_true", help="one JSON object on stdout")
     t.set_defaults(func=_cmd_tree_cost)

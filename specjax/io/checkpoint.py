@@ -10,7 +10,7 @@ import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.errors import CheckpointError
-from specjax.models.params import check_params, is_param_spec, param_specs
+from specjax.models.params import check_params, is_param_spec, param_specs, stack_layers
 
 CONFIG_FILE = "specjax_config.json"
 
@@ -46,6 +46,7 @@ def save_checkpoint(path: str, cfg: ModelConfig, params, tokenizer=None) -> None
 
     path = check_destination(path)
     check_params(cfg, params, source="params to save")
+    params = stack_layers(params)  # checkpoints hold the stacked layout, whatever layout was loaded
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:

@@ -13,6 +13,7 @@ from specjax.errors import InputError
 from specjax.io.hf import LLAMA_HF
 from specjax.io.keymap import export_params
 from specjax.models.llama import draft_rows
+from specjax.models.params import stack_layers
 from specjax.types import Model
 
 DRAFT_VOCAB_FILE = "specjax_draft_vocab.json"
@@ -44,7 +45,7 @@ def export_hf(model: Model, path: str) -> None:
     if cfg.family != "llama":
         raise InputError(f"HF export supports the llama family only, got {cfg.family!r}")
     os.makedirs(path, exist_ok=True)
-    p = jax.tree.map(lambda a: np.asarray(a, np.float32), model.params)
+    p = stack_layers(jax.tree.map(lambda a: np.asarray(a, np.float32), model.params))
     tied = cfg.tie_word_embeddings
     if cfg.draft_vocab is not None:  # back to the full vocabulary, untied (see the docstring)
         head = p["embed"] if tied else p["lm_head"].T  # [rows, D]

@@ -30,6 +30,7 @@ from specjax.models.cache import KVCache, init_cache
 from specjax.models.common import compute_dtype, rms_norm, rope_inv_freq
 from specjax.models.layers import run_layers
 from specjax.models.llama import decoder_layer
+from specjax.models.params import take_layers
 
 TRAINED = ("fc", "layers", "out_norm")  # the drafter's own params; the rest is the LLM's (``bind``)
 FUSED = ("fuse", "fuse_norm")  # and, reading several LLM layers, their fusion
@@ -126,7 +127,7 @@ def init_trained(llm_params: dict, cfg: FeatureConfig, key: jax.Array) -> dict:
     k_embed, k_fuse = jax.random.split(key)
     embed_part = jax.random.normal(k_embed, (d, d), dtype) * (1.0 / np.sqrt(d))
     fc = jnp.concatenate([embed_part, jnp.eye(d, dtype=dtype)], axis=0)  # rows: [embedding ; feature]
-    layers = jax.tree.map(lambda a: a[-1:], llm_params["layers"])
+    layers = take_layers(llm_params, [cfg.llm.num_layers - 1])
     layers = {**layers, "wo": jnp.zeros_like(layers["wo"]), "w_down": jnp.zeros_like(layers["w_down"])}
     out = {"fc": fc, "layers": layers, "out_norm": llm_params["final_norm"]}
     if cfg.fused:

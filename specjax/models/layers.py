@@ -1,4 +1,5 @@
-"""Running the stacked layers: one ``lax.scan`` over the layer axis, or the pipeline of a mesh.
+"""Running the layers: one ``lax.scan`` over stacked weights, an unrolled loop over split ones
+(``specjax.models.params.split_layers``), or the pipeline of a mesh.
 
 The model families call ``run_layers``; a ``parallel`` object (``specjax.sharding.Parallel``) whose
 ``pipelined`` is true supplies ``run_pipeline`` (shard_map + ppermute stages, tested against the
@@ -28,6 +29,13 @@ def sequential_layers(layer_fn, h, layer_params, k_all, v_all, per_request, capt
     if capture_layers:
         picked = select(h)
         buffers = jnp.zeros((len(capture_layers),) + picked.shape, picked.dtype)
+    if isinstance(layer_params, (tuple, list)):
+        # Split layout (``params.split_layers``): each layer reads its own weight buffers; a scan would
+        # first copy them out of stacked buffers (see specjax.models.params).
+        for i, lp in enumerate(layer_params):
+            buffers = capture(buffers, first_layer + i, h, capture_layers, select)
+            h, k_all, v_all = layer_fn(h, lp, k_all, v_all, jnp.int32(i), per_request)
+        return h, k_all, v_all, buffers
 
     def body(carry, xs):
         h, k_all, v_all, buffers = carry
@@ -62,6 +70,9 @@ def run_layers(layer_fn, h, layer_params, cache: KVCache, per_request, parallel=
             tuple(per_request) + ((cache.k, cache.v),), layers, lambda x: select_positions(x, logits_indices))
         return h, cache.replace(k=k_blk, v=v_blk), captured
     if parallel is not None and parallel.pipelined:
+        if isinstance(layer_params, (tuple, list)):
+            raise ValueError("the pipeline splits stacked layer weights across stages: pass stacked params "
+                             "(specjax.models.params.stack_layers)")
         h, k_all, v_all, captured = parallel.run_pipeline(layer_fn, h, layer_params, cache, per_request, layers,
                                                           logits_indices)
     else:

@@ -25,6 +25,7 @@ import numpy as np
 from specjax.config import ModelConfig
 from specjax.errors import InputError
 from specjax.models.cache import init_cache
+from specjax.models.params import layers_split
 from specjax.speculation.budget import Budget
 from specjax.speculation.commit import tree_forward
 from specjax.speculation.tree import from_parents
@@ -61,11 +62,12 @@ def cpu_name() -> str:
 PASS_VERSION = 2
 
 
-def table_key(cfg: ModelConfig, dtype, batch: int, impl: str, parallel=None) -> str:
+def table_key(cfg: ModelConfig, dtype, batch: int, impl: str, parallel=None, split: bool = False) -> str:
+    """``split``: the layer weights' layout (``specjax.models.params``): split passes cost less."""
     mesh = "none" if parallel is None else str(dict(parallel.mesh.shape))
     model = hashlib.sha256(repr(cfg).encode()).hexdigest()[:16]
     return (f"{model}|{jnp.dtype(dtype).name}|{machine_key()}|mesh={mesh}|batch={batch}|impl={impl}"
-            f"|pass=v{PASS_VERSION}")
+            f"|layers={'split' if split else 'stacked'}|pass=v{PASS_VERSION}")
 
 
 def _chain(batch: int, nodes: int):
@@ -112,7 +114,7 @@ def cached_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: s
     """({nodes: seconds}, where they came from): the on-disk table, measuring what it lacks."""
     path = cache_path()
     dtype = jax.tree.leaves(params)[0].dtype
-    key = table_key(cfg, dtype, batch, impl, parallel)
+    key = table_key(cfg, dtype, batch, impl, parallel, layers_split(params))
     table = _read(path)
     row = {} if remeasure else {int(n): float(s) for n, s in table.get(key, {}).items()}
     missing = [int(n) for n in node_counts if int(n) not in row]

@@ -34,6 +34,7 @@ from specjax.errors import InputError
 from specjax.io.loader import describe_model, load_model
 from specjax.models import forward
 from specjax.models.cache import KVCache, init_cache
+from specjax.models.params import layers_split, split_layers, take_layers
 from specjax.speculation.drafters.base import Bound, DraftContext, Drafter, Proposal
 from specjax.speculation.expansion import Expansion, static_tree
 from specjax.types import Model
@@ -151,8 +152,9 @@ def derive_ssm(llm: Model, layers) -> Model:
     if llm.params is None:
         return Model(config, None, llm.tokenizer)
     params = dict(llm.params)
-    take = np.asarray(idx)
-    params["layers"] = jax.tree.map(lambda a: a[take], llm.params["layers"])
+    params["layers"] = take_layers(llm.params, idx)
+    if layers_split(llm.params):  # the LLM's layout: split layers run faster (specjax.models.params)
+        params = split_layers(params)
     return Model(config, params, llm.tokenizer)
 
 

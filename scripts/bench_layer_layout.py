@@ -1,0 +1,122 @@
+"""Benchmark: stacked (scanned) vs split (unrolled) layer weights, side by side in one process.
+
+The same weights in both layouts (``specjax.models.params.split_layers``); every measurement
+alternates the two layouts round by round so a noisy machine slows both alike. Reported per layout:
+compile seconds and warm milliseconds of one LLM tree pass (block-only, as the speculative loop runs
+it) at 1/5/17 nodes and batch 1 and 4 over a 256-token prefix; end-to-end tokens/s of greedy
+incremental decoding and of the default speculation (lookup + tree budget) on prompts of several
+task kinds. Outputs of the two layouts are compared (they must be identical: the same arithmetic).
+
+    python scripts/bench_layer_layout.py --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _bench_common as common  # noqa: E402
+
+TASKS = os.path.join(os.path.dirname(__file__), "data", "task_kinds.jsonl")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per measurement")
+    ap.add_argument("--nodes", default="1,5,17")
+    ap.add_argument("--batch-sizes", default="1,4")
+    ap.add_argument("--prompts-file", default=TASKS)
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import specjax
+    from specjax.models.cache import init_cache
+    from specjax.models.params import split_layers
+    from specjax.speculation.commit import tree_forward
+    from specjax.speculation.tree import from_parents
+
+    common.print_header("stacked (scan) vs split (unrolled) layer weights, float32")
+    stacked = specjax.load_model(args.model, progress=False)
+    cfg = stacked.config
+    models = {"stacked": stacked, "split": stacked._replace(params=split_layers(stacked.params))}
+
+    def timed(fn, rounds):
+        """{layout: median seconds}, the layouts alternating within each round."""
+        samples = {name: [] for name in models}
+        for _ in range(rounds):
+            for name in models:
+                t0 = time.perf_counter()
+                fn(name)
+                samples[name].append(time.perf_counter() - t0)
+        return {name: float(np.median(s)) for name, s in samples.items()}
+
+    print(f"\n# one tree pass (block-only), {args.rounds} alternating rounds, median ms; compile s")
+    print(f"{'batch':>5} {'nodes':>5} {'stacked ms':>11} {'split ms':>9} {'split/stacked':>13} "
+          f"{'compile stacked':>16} {'compile split':>14}")
+    prefix = 256
+    for b in [int(x) for x in args.batch_sizes.split(",")]:
+        for n in [int(x) for x in args.nodes.split(",")]:
+            cache = init_cache(cfg, b, prefix + n)
+            cache = cache.replace(k=jnp.full_like(cache.k, 0.01), v=jnp.full_like(cache.v, 0.01),
+                                  length=jnp.full((b,), prefix, jnp.int32))
+            tree = from_parents([[1 + i for i in range(n)]] * b, [[-1] + list(range(n - 1))] * b, n_max=n)
+            compiled, compile_s = {}, {}
+            for name, m in models.items():
+                fn = jax.jit(lambda p, t, c: tree_forward(p, t, c, cfg, "xla", block_only=True).logits)
+                t0 = time.perf_counter()
+                compiled[name] = fn.lower(m.params, tree, cache).compile()
+                compile_s[name] = time.perf_counter() - t0
+            outs = {name: np.asarray(c(models[name].params, tree, cache)) for name, c in compiled.items()}
+            if not np.array_equal(outs["stacked"], outs["split"]):
+                raise SystemExit(f"tree pass logits differ between layouts (batch {b}, {n} nodes)")
+            t = timed(lambda name: jax.block_until_ready(compiled[name](models[name].params, tree, cache)),
+                      args.rounds)
+            print(f"{b:>5} {n:>5} {t['stacked'] * 1e3:>11.1f} {t['split'] * 1e3:>9.1f} "
+                  f"{t['split'] / t['stacked']:>13.2f} {compile_s['stacked']:>16.1f} {compile_s['split']:>14.1f}",
+                  flush=True)
+
+    prompts = [r["prompt"] for r in common.load_prompts(args.prompts_file, args.num_prompts,
+                                                         stride=max(1, 16 // args.num_prompts))]
+    lookup = specjax.Bound(specjax.LookupDrafter())
+    configs = {"incremental": {}, "lookup + budget (default)": dict(drafters=[lookup], budget="auto")}
+    print(f"\n# end to end, batch 1, greedy, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
+          f"generation seconds without compilation, {args.rounds} alternating rounds (median per prompt)")
+    for label, kw in configs.items():
+        first, tokens, seconds = {}, {name: 0 for name in models}, {name: 0.0 for name in models}
+        for name, m in models.items():
+            t0 = time.perf_counter()
+            for p in prompts:
+                specjax.generate(m, [p], max_new_tokens=args.max_new_tokens, **kw)
+            first[name] = time.perf_counter() - t0
+        for p in prompts:
+            results = {}
+
+            def run(name, p=p):
+                results[name] = specjax.generate(models[name], [p], max_new_tokens=args.max_new_tokens,
+                                                 on_tokens=lambda i, ids: None, **kw)
+                run.seconds.setdefault(name, []).append(results[name].stats["seconds"])
+
+            run.seconds = {}
+            timed(run, args.rounds)
+            if results["stacked"].token_ids != results["split"].token_ids:
+                raise SystemExit(f"{label}: tokens differ between layouts for prompt {p[:60]!r}")
+            for name in models:
+                tokens[name] += len(results[name].token_ids[0])
+                seconds[name] += float(np.median(run.seconds[name]))
+        rate = {name: tokens[name] / seconds[name] for name in models}
+        print(f"{label:>28}: stacked {rate['stacked']:6.2f} tok/s, split {rate['split']:6.2f} tok/s "
+              f"= {rate['split'] / rate['stacked']:.2f}x; first calls (compile + run) stacked "
+              f"{first['stacked']:.0f} s, split {first['split']:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Split (per-layer buffers, unrolled) vs stacked (scanned) layer weights: the same model either way.
+
+``load_model(split_layers=True)`` gives split weights on one device (faster passes on XLA:CPU,
+slower compilation, see ``specjax.models.params``); the default is stacked. Checkpoints, HF export,
+sharding and SSMs cut from an LLM take either. These tests hold the two layouts to identical results and check that the
+split pass really reads each layer's weights in place.
+"""
+
+from __future__ import annotations
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax.decoding.incremental import full_logits
+from specjax.errors import CheckpointError, InputError
+from specjax.models import check_params
+from specjax.models.cache import init_cache
+from specjax.models.layers import run_layers
+from specjax.models.params import layers_split, split_layers, stack_layers, take_layers
+from specjax.speculation.commit import tree_forward
+from specjax.speculation.drafters.lookup import LookupDrafter
+from specjax.speculation.drafters.ssm import derive_ssm
+from specjax.speculation.tree import from_parents
+from tests import precision
+from tests.conftest import random_ids
+
+
+@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_opt_dir"])
+def both(request):
+    """(stacked model, split model) of one tiny checkpoint."""
+    path = request.getfixturevalue(request.param)
+    return specjax.load_model(path, progress=False), specjax.load_model(path, progress=False, split_layers=True)
+
+
+def test_load_model_splits_on_request_and_checks_its_argument(tiny_llama_dir):
+    split = specjax.load_model(tiny_llama_dir, progress=False, split_layers=True)
+    stacked = specjax.load_model(tiny_llama_dir, progress=False)
+    assert layers_split(split.params) and not layers_split(stacked.params)
+    assert len(split.params["layers"]) == split.config.num_layers
+    check_params(split.config, split.params)
+    chex.assert_trees_all_equal(stack_layers(split.params), stacked.params)
+    chex.assert_trees_all_equal(split_layers(stacked.params), split.params)
+    with pytest.raises(InputError, match="split_layers must be True or False"):
+        specjax.load_model(tiny_llama_dir, progress=False, split_layers="yes")
+    with pytest.raises(InputError, match="split_layers=True keeps the weights on one device"):
+        specjax.load_model(tiny_llama_dir, progress=False, split_layers=True, shardings=lambda cfg: None)
+    short = {**split.params, "layers": split.params["layers"][:-1]}
+    with pytest.raises(CheckpointError, match=rf"{split.config.num_layers - 1} layers, expected"):
+        check_params(split.config, short)
+
+
+class TestPasses(chex.TestCase):
+    """Prefill and tree passes (writing, block-only, with hidden states) traced and eager: the split
+    route meets the float64 reference within the stacked route's own measured float32 error (XLA may
+    fuse the unrolled layers differently, so the two float32 results can differ in the last bits)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_same_passes(self):
+        for stacked, split in self._models:
+            cfg = stacked.config
+            rng = np.random.RandomState(0)
+            ids = jnp.asarray([random_ids(rng, cfg.vocab_size, 9) for _ in range(2)])
+            cache = init_cache(cfg, 2, 16)
+            cache = cache.replace(k=cache.k + 0.1, v=cache.v - 0.1, length=jnp.asarray([3, 5], jnp.int32))
+            tree = from_parents([[1, 2, 3, 4]] * 2, [[-1, 0, 0, 1]] * 2, n_max=5)
+            hidden = (0, cfg.num_layers) if cfg.family == "llama" else None
+            passes = {"prefill logits": lambda p: full_logits(p, ids, cfg=cfg)}
+            for block_only in (False, True):
+                passes[f"tree pass (block_only={block_only})"] = (
+                    lambda p, b=block_only: tree_forward(p, tree, cache, cfg, "xla", hidden=hidden, block_only=b))
+            for what, fn in passes.items():
+                got_stacked = jax.tree.leaves(self.variant(fn)(stacked.params))
+                got_split = jax.tree.leaves(self.variant(fn)(split.params))
+                with precision.float64():
+                    ref = jax.tree.leaves(fn(precision.params64(stacked.params)))
+                for a, b, r in zip(got_stacked, got_split, ref):
+                    r = np.asarray(r)
+                    if r.dtype.kind != "f":
+                        np.testing.assert_array_equal(np.asarray(b), r)
+                        continue
+                    precision.assert_within(np.asarray(b), r, precision.error(np.asarray(a), r),
+                                            what=f"{cfg.family} {what}, split layers")
+
+    @pytest.fixture(autouse=True)
+    def _models_fixture(self, tiny_llama_dir, tiny_opt_dir):
+        load = specjax.load_model
+        self._models = [(load(p, progress=False), load(p, progress=False, split_layers=True))
+                        for p in (tiny_llama_dir, tiny_opt_dir)]
+
+
+def test_generation_identical_across_layouts(both):
+    """Incremental decoding, lookup speculation and an SSM cut from the LLM: the same tokens."""
+    stacked, split = both
+    rng = np.random.RandomState(1)
+    prompts = [random_ids(rng, stacked.config.vocab_size, n) for n in (5, 11)]
+    kw = dict(max_new_tokens=12, chat_template=False, ignore_eos=True)
+    for extra in ({}, dict(drafters=[specjax.Bound(LookupDrafter())])):
+        assert (specjax.generate(split, prompts, **kw, **extra).token_ids
+                == specjax.generate(stacked, prompts, **kw, **extra).token_ids)
+    ssm_split, ssm_stacked = derive_ssm(split, (0,)), derive_ssm(stacked, (0,))
+    assert layers_split(ssm_split.params)  # the LLM's layout
+    chex.assert_trees_all_equal(stack_layers(ssm_split.params), ssm_stacked.params)
+    chex.assert_trees_all_equal(take_layers(split.params, [1, 0]), take_layers(stacked.params, [1, 0]))
+
+
+def test_a_split_model_saves_a_stacked_checkpoint_that_restores_either_way(both, tmp_path):
+    from specjax.io.checkpoint import save_checkpoint
+
+    stacked, split = both
+    save_checkpoint(str(tmp_path / "ckpt"), split.config, split.params)
+    restored = specjax.load_model(str(tmp_path / "ckpt"), progress=False, split_layers=True)
+    assert layers_split(restored.params)
+    chex.assert_trees_all_equal(stack_layers(restored.params), stacked.params)
+    kept = specjax.load_model(str(tmp_path / "ckpt"), progress=False)
+    chex.assert_trees_all_equal(kept.params, stacked.params)
+
+
+def _weight_slices(hlo: str, shape: tuple[int, ...]) -> list[str]:
+    dims = ",".join(map(str, shape))
+    return [line.strip() for line in hlo.splitlines()
+            if re.search(rf"= f32\[{dims}\]\{{[^}}]*\}} (fusion|dynamic-slice)\(", line) and "dynamic" in line]
+
+
+def test_split_pass_reads_weights_in_place(tiny_llama_dir):
+    """The reason for the split layout: the scanned pass copies each layer's weights out of the
+    stacked buffer (a dynamic slice per weight per layer, ~424 MB per pass for SmolLM2); the split
+    pass has no such copy. The stacked program is checked too, so the pattern is known to match."""
+    stacked = specjax.load_model(tiny_llama_dir, progress=False)
+    split = specjax.load_model(tiny_llama_dir, progress=False, split_layers=True)
+    cfg = stacked.config
+    cache = init_cache(cfg, 1, 8).replace(length=jnp.asarray([3], jnp.int32))
+    tree = from_parents([[1, 2]], [[-1, 0]], n_max=2)
+    fwd = jax.jit(lambda p, t, c: tree_forward(p, t, c, cfg, "xla", block_only=True).logits)
+    up = split.params["layers"][0]["w_up"].shape
+    assert _weight_slices(fwd.lower(stacked.params, tree, cache).compile().as_text(), up)
+    assert not _weight_slices(fwd.lower(split.params, tree, cache).compile().as_text(), up)
+
+
+def test_the_pipeline_refuses_split_weights(tiny_llama_dir):
+    split = specjax.load_model(tiny_llama_dir, progress=False, split_layers=True)
+
+    class Pipelined:
+        pipelined = True
+
+    cache = init_cache(split.config, 1, 4)
+    with pytest.raises(ValueError, match="the pipeline splits stacked layer weights"):
+        run_layers(None, None, split.params["layers"], cache, (), Pipelined())

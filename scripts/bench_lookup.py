@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--ssm", default="smollm2-ssm-a")
     ap.add_argument("--prompt-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: batch1, batch")
+    ap.add_argument("--split-layers", action="store_true",
+                    help="split layer weights (load_model(split_layers=True)): faster passes, longer compilation")
     ap.add_argument("--out", default="bench_out/lookup.png")
     args = ap.parse_args()
 
@@ -60,7 +62,7 @@ def main() -> None:
 
     common.print_header("lookup drafting + tree budget vs incremental vs transformers (greedy, float32)")
     records = common.load_prompts(args.prompts_file, None)
-    llm = specjax.load_model("smollm2-135m-instruct", progress=False)
+    llm = specjax.load_model("smollm2-135m-instruct", progress=False, split_layers=args.split_layers)
     prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in records])
     kinds = [r.get("category", "?") for r in records]
     n = args.max_new_tokens

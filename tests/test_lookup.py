@@ -226,6 +226,23 @@ def test_cost_table_is_measured_once_and_cached(llama, tmp_path, monkeypatch):
     jax.clear_caches()
 
 
+def test_cost_tables_never_make_a_bigger_tree_cheaper(llama, tmp_path, monkeypatch):
+    """A noisy table (a shared CPU) can time 2 nodes below 1: the budget would then speculate on a
+    cost it will not get. The costs it reads are the running maximum over node counts."""
+    from specjax.speculation import cost
+
+    assert cost.monotone({1: 0.11, 2: 0.097, 5: 0.12, 3: 0.2}) == {1: 0.11, 2: 0.11, 3: 0.2, 5: 0.2}
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    noisy = {1: 0.111, 2: 0.097, 3: 0.121, 5: 0.118}
+    monkeypatch.setattr(cost, "measure_pass_costs", lambda *a, **k: {n: noisy[n] for n in a[3]})
+    costs, _ = cost.cached_pass_costs(llama.params, llama.config, 4, [5, 1, 3, 2], "xla")
+    assert costs == {5: 0.121, 1: 0.111, 3: 0.121, 2: 0.111}
+    budget = cost.with_costs(Budget(((0,), (1,), (2,), (4,))), llama.params, llama.config, 4, "xla")
+    assert budget.costs == (0.111, 0.111, 0.121, 0.121)
+    (row,) = json.loads((tmp_path / "tree_costs.json").read_text()).values()
+    assert row == {str(n): s for n, s in noisy.items()}  # the cache keeps what was measured
+
+
 def test_the_budget_switch_never_copies_the_cache(llama):
     """Every level's tree pass only reads the cache (block-only) and the accepted path is committed
     after the switch: the compiled step holds no copy of the cache buffers. (A pass that wrote the

@@ -57,8 +57,9 @@ def add_parser(sub, fmt) -> None:
                        help="show (measuring once, then cached) the LLM pass time by tree size and batch size",
                        description="The LLM's tree-pass time on this machine by tree size and batch size: the cost "
                                    "table `generate --budget auto` chooses its tree size with. Measured on first use "
-                                   "(a warm median of 5 passes per cell) and cached in "
-                                   "~/.cache/specjax/tree_costs.json ($SPECJAX_CACHE_DIR).")
+                                   "(a warm median of 5 passes per cell, sizes timed round-robin) and cached in "
+                                   "~/.cache/specjax/tree_costs.json ($SPECJAX_CACHE_DIR); shown as the budget "
+                                   "reads it: non-decreasing in the tree size (the running maximum).")
     t.add_argument("--model", default=registry.DEFAULT_MODEL, help="registered name, HF directory, .gguf or checkpoint")
     t.add_argument("--nodes", default="1,2,3,5,9,17", help="tree sizes (nodes, root included)")
     t.add_argument("--batch-sizes", default="1", help="batch sizes")

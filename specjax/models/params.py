@@ -163,9 +163,9 @@ def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None
 # axis (the spec table above; training, checkpoints, sharding and the pipeline use it): the forward
 # scans over it. *Split*: a tuple of per-layer dicts, one buffer per layer and weight: the forward
 # unrolls the layers. On XLA:CPU a scanned layer first copies its weights out of the stacked
-# buffers (a dynamic slice becomes a copy, ~424 MB per pass for SmolLM2), which made a decode step
-# ~30% slower than the same pass over split weights (measured in scripts/bench_layer_layout.py);
-# unrolling costs compile time instead (a 30-layer pass compiles in ~8 s instead of ~1.5 s).
+# buffers (a dynamic slice becomes a copy, ~424 MB per pass for SmolLM2), which made a one-token
+# pass 1.4-1.6x as long as the same pass over split weights (scripts/bench_layer_layout.py); unrolling
+# costs compile time instead (a 30-layer tree pass compiles in 12-15 s instead of ~2 s).
 
 
 def layers_split(params: dict) -> bool:

@@ -5,7 +5,8 @@ alternates the two layouts round by round so a noisy machine slows both alike. R
 compile seconds and warm milliseconds of one LLM tree pass (block-only, as the speculative loop runs
 it) at 1/5/17 nodes and batch 1 and 4 over a 256-token prefix; end-to-end tokens/s of greedy
 incremental decoding and of the default speculation (lookup + tree budget) on prompts of several
-task kinds. Outputs of the two layouts are compared (they must be identical: the same arithmetic).
+task kinds. Generated tokens of the two layouts must be identical; the tree-pass logits' largest
+difference is printed (XLA may fuse the unrolled layers differently: last-bit float32 differences).
 
     python scripts/bench_layer_layout.py --rounds 5
 """
@@ -61,7 +62,7 @@ def main() -> None:
 
     print(f"\n# one tree pass (block-only), {args.rounds} alternating rounds, median ms; compile s")
     print(f"{'batch':>5} {'nodes':>5} {'stacked ms':>11} {'split ms':>9} {'split/stacked':>13} "
-          f"{'compile stacked':>16} {'compile split':>14}")
+          f"{'compile stacked':>16} {'compile split':>14} {'max logit diff':>15}")
     prefix = 256
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         for n in [int(x) for x in args.nodes.split(",")]:
@@ -76,12 +77,12 @@ def main() -> None:
                 compiled[name] = fn.lower(m.params, tree, cache).compile()
                 compile_s[name] = time.perf_counter() - t0
             outs = {name: np.asarray(c(models[name].params, tree, cache)) for name, c in compiled.items()}
-            if not np.array_equal(outs["stacked"], outs["split"]):
-                raise SystemExit(f"tree pass logits differ between layouts (batch {b}, {n} nodes)")
+            diff = float(np.max(np.abs(outs["stacked"] - outs["split"])))
             t = timed(lambda name: jax.block_until_ready(compiled[name](models[name].params, tree, cache)),
                       args.rounds)
             print(f"{b:>5} {n:>5} {t['stacked'] * 1e3:>11.1f} {t['split'] * 1e3:>9.1f} "
-                  f"{t['split'] / t['stacked']:>13.2f} {compile_s['stacked']:>16.1f} {compile_s['split']:>14.1f}",
+                  f"{t['split'] / t['stacked']:>13.2f} {compile_s['stacked']:>16.1f} {compile_s['split']:>14.1f} "
+                  f"{diff:>15.2e}",
                   flush=True)
 
     prompts = [r["prompt"] for r in common.load_prompts(args.prompts_file, args.num_prompts,

@@ -8,6 +8,7 @@ split pass really reads each layer's weights in place.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import chex
@@ -79,6 +80,7 @@ class TestPasses(chex.TestCase):
                 got_split = jax.tree.leaves(self.variant(fn)(split.params))
                 with precision.float64():
                     ref = jax.tree.leaves(fn(precision.params64(stacked.params)))
+                assert len(got_stacked) == len(got_split) == len(ref), what
                 for a, b, r in zip(got_stacked, got_split, ref):
                     r = np.asarray(r)
                     if r.dtype.kind != "f":
@@ -104,7 +106,8 @@ def test_generation_identical_across_layouts(both):
         assert (specjax.generate(split, prompts, **kw, **extra).token_ids
                 == specjax.generate(stacked, prompts, **kw, **extra).token_ids)
     ssm_split, ssm_stacked = derive_ssm(split, (0,)), derive_ssm(stacked, (0,))
-    assert layers_split(ssm_split.params)  # the LLM's layout
+    assert layers_split(ssm_split.params)  # the LLM's layout, and its very buffers (nothing copied)
+    assert ssm_split.params["layers"][0]["wq"] is split.params["layers"][0]["wq"]
     chex.assert_trees_all_equal(stack_layers(ssm_split.params), ssm_stacked.params)
     chex.assert_trees_all_equal(take_layers(split.params, [1, 0]), take_layers(stacked.params, [1, 0]))
 
@@ -142,8 +145,15 @@ def test_split_pass_reads_weights_in_place(tiny_llama_dir):
     assert not _weight_slices(fwd.lower(split.params, tree, cache).compile().as_text(), up)
 
 
-def test_the_pipeline_refuses_split_weights(tiny_llama_dir):
+def test_the_pipeline_refuses_split_weights_and_a_mesh_refuses_a_split_model(tiny_llama_dir):
+    from specjax.sharding import Parallel
+
     split = specjax.load_model(tiny_llama_dir, progress=False, split_layers=True)
+    with pytest.raises(InputError, match="a split-layer model .* runs on one device"):
+        specjax.generate(split, [[1, 2, 3]], max_new_tokens=2, chat_template=False, parallel=Parallel.create("dp=8"))
+    with pytest.raises(ValueError, match="2 split layers for a cache of 1 layers"):
+        one_layer_cache = init_cache(dataclasses.replace(split.config, num_layers=1), 1, 4)
+        run_layers(None, None, split.params["layers"], one_layer_cache, ())
 
     class Pipelined:
         pipelined = True

@@ -90,7 +90,8 @@ def _load(name_or_path: str, dtype: str, shardings, progress: bool, parallel, sp
     else:
         raise CheckpointError(f"{path}: unsupported model file (expected an HF directory, a .gguf file "
                               f"or a specjax checkpoint directory)")
-    if split:  # numpy views: each layer reaches the device as its own buffer, never copied there
+    if split:  # numpy views: each layer reaches the device as its own buffer (a restored checkpoint,
+        # above, is split on the device instead: briefly twice the layer weights)
         np_params = params_lib.split_layers(np_params)
     cast = lambda a: a.astype(_DTYPES[dtype])  # noqa: E731
     if parallel is not None:

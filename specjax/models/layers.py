@@ -17,7 +17,8 @@ from specjax.models.output import capture, select_positions
 
 def sequential_layers(layer_fn, h, layer_params, k_all, v_all, per_request, capture_layers=None, select=None,
                       first_layer=0):
-    """Run ``layer_fn(h, lp, k_all, v_all, i, per_request) -> (h, k_all, v_all)`` over the stacked layers.
+    """Run ``layer_fn(h, lp, k_all, v_all, i, per_request) -> (h, k_all, v_all)`` over the layers: a scan
+    over stacked weights, an unrolled loop over split ones (a tuple of per-layer dicts).
 
     The whole cache rides in the carry and each layer scatters only its new block into it, so a
     forward pass never copies the cache (a scanned-out cache would be rebuilt on every call).
@@ -32,6 +33,8 @@ def sequential_layers(layer_fn, h, layer_params, k_all, v_all, per_request, capt
     if isinstance(layer_params, (tuple, list)):
         # Split layout (``params.split_layers``): each layer reads its own weight buffers; a scan would
         # first copy them out of stacked buffers (see specjax.models.params).
+        if len(layer_params) != k_all.shape[0]:  # the scan's xs would refuse the mismatch; so does this
+            raise ValueError(f"{len(layer_params)} split layers for a cache of {k_all.shape[0]} layers")
         for i, lp in enumerate(layer_params):
             buffers = capture(buffers, first_layer + i, h, capture_layers, select)
             h, k_all, v_all = layer_fn(h, lp, k_all, v_all, jnp.int32(i), per_request)
@@ -51,7 +54,8 @@ def sequential_layers(layer_fn, h, layer_params, k_all, v_all, per_request, capt
 
 def run_layers(layer_fn, h, layer_params, cache: KVCache, per_request, parallel=None, hidden=None,
                logits_indices=None, block_only: bool = False):
-    """The scan, or ``parallel.run_pipeline`` when it pipelines (pp > 1). Returns (h, cache, captured):
+    """The layers (``sequential_layers``: scanned or unrolled), or ``parallel.run_pipeline`` when it
+    pipelines (pp > 1, stacked weights only). Returns (h, cache, captured):
     captured [n, B, K, D] holds the inputs of the layers < L listed in ``hidden`` (None if none).
 
     ``block_only``: the cache is only read (the layers see it through ``per_request``'s last item) and

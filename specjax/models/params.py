@@ -170,7 +170,7 @@ def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None
 
 def layers_split(params: dict) -> bool:
     """Whether ``params["layers"]`` is the split layout (a tuple of per-layer dicts)."""
-    return isinstance(params["layers"], (tuple, list))
+    return isinstance(params.get("layers"), (tuple, list))
 
 
 def split_layers(params: dict) -> dict:

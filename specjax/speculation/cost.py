@@ -114,9 +114,10 @@ def measure_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: 
 
 def monotone(costs: dict[int, float]) -> dict[int, float]:
     """The costs made non-decreasing in the node count (a running maximum). A pass over more nodes
-    does the work of a smaller one and more; where a measurement says otherwise it is noise, and
-    resolving it upwards keeps the budget from speculating on a cost it will not get (a noisy table
-    measured 1 node at 111 ms and 2 nodes at 97 ms at batch 4 on this CPU)."""
+    does the work of a smaller one and more, but a measurement can say otherwise: noise (a noisy
+    table measured 1 node at 111 ms and 2 nodes at 97 ms at batch 4 on this CPU), or a real dip
+    (XLA:CPU's matmul strategy changes with the row count). Both are resolved upwards on purpose:
+    the budget then never speculates on a cost it may not get, erring towards smaller trees."""
     out, top = {}, 0.0
     for n in sorted(costs):
         top = max(top, costs[n])
@@ -141,8 +142,9 @@ def cached_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: s
         source = f"measured now on {machine_key()} (batch {batch}), cached in {path}"
     else:
         source = f"measured earlier on {machine_key()} (batch {batch}), from {path}"
-    row = monotone(row)
-    return {int(n): row[int(n)] for n in node_counts}, source
+    # Over the sizes asked for only: other sizes cached for the key (by `specjax tree-cost`) must not
+    # change what a budget reads.
+    return monotone({int(n): row[int(n)] for n in node_counts}), source
 
 
 def with_costs(budget: Budget, params, cfg: ModelConfig, batch: int, impl: str, parallel=None,

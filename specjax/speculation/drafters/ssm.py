@@ -34,7 +34,7 @@ from specjax.errors import InputError
 from specjax.io.loader import describe_model, load_model
 from specjax.models import forward
 from specjax.models.cache import KVCache, init_cache
-from specjax.models.params import layers_split, split_layers, take_layers
+from specjax.models.params import layers_split, take_layers
 from specjax.speculation.drafters.base import Bound, DraftContext, Drafter, Proposal
 from specjax.speculation.expansion import Expansion, static_tree
 from specjax.types import Model
@@ -152,9 +152,10 @@ def derive_ssm(llm: Model, layers) -> Model:
     if llm.params is None:
         return Model(config, None, llm.tokenizer)
     params = dict(llm.params)
-    params["layers"] = take_layers(llm.params, idx)
-    if layers_split(llm.params):  # the LLM's layout: split layers run faster (specjax.models.params)
-        params = split_layers(params)
+    if layers_split(llm.params):  # the LLM's own layout and buffers: nothing copied
+        params["layers"] = tuple(llm.params["layers"][i] for i in idx)
+    else:
+        params["layers"] = take_layers(llm.params, idx)
     return Model(config, params, llm.tokenizer)
 
 

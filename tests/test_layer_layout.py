@@ -2,8 +2,9 @@
 
 ``load_model(split_layers=True)`` gives split weights on one device (faster passes on XLA:CPU,
 slower compilation, see ``specjax.models.params``); the default is stacked. Checkpoints, HF export,
-sharding and SSMs cut from an LLM take either. These tests hold the two layouts to identical results and check that the
-split pass really reads each layer's weights in place.
+boost students and SSMs cut from an LLM take either; a mesh refuses split weights. These tests hold
+the two layouts to the same results (within the float64-derived bound, identical tokens) and check
+that the split pass really reads each layer's weights in place.
 """
 
 from __future__ import annotations
@@ -161,3 +162,23 @@ def test_the_pipeline_refuses_split_weights_and_a_mesh_refuses_a_split_model(tin
     cache = init_cache(split.config, 1, 4)
     with pytest.raises(ValueError, match="the pipeline splits stacked layer weights"):
         run_layers(None, None, split.params["layers"], cache, (), Pipelined())
+
+
+def test_hf_export_and_students_read_either_layout(tiny_llama_dir, tmp_path):
+    """What reads an LLM's layer weights outside the forward (HF export, boost students cut from the
+    LLM) gives the same result from a split model as from a stacked one."""
+    from safetensors.numpy import load_file
+
+    from specjax.boost.student import make_student
+    from specjax.io.hf_export import export_hf
+
+    stacked = specjax.load_model(tiny_llama_dir, progress=False)
+    split = specjax.load_model(tiny_llama_dir, progress=False, split_layers=True)
+    for name, m in (("stacked", stacked), ("split", split)):
+        export_hf(m, str(tmp_path / name))
+    a, b = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("stacked", "split"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    rng = np.random.RandomState(2)
+    sequences = [(random_ids(rng, stacked.config.vocab_size, 12), 4) for _ in range(4)]  # (ids, prompt length)
+    students = [make_student(m, sequences, layers=(1,), draft_vocab_size=16) for m in (stacked, split)]
+    chex.assert_trees_all_equal(students[0].params, students[1].params)

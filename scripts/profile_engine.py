@@ -61,8 +61,7 @@ def main() -> None:
     common.print_header("profile_engine")
     model = specjax.load_model(args.model, dtype="float32", progress=False)
     cfg, params = model.config, model.params
-    lp = take_layers(params, [0])
-    lp = jax.tree.map(lambda a: a[0], lp)
+    lp = jax.tree.map(lambda a: a[0], take_layers(params, [0]))
     inv_freq = rope_inv_freq(cfg)
     rng = np.random.default_rng(0)
 

@@ -23,7 +23,6 @@ from specjax.decoding.sampling import SamplingArrays, SamplingParams
 from specjax.errors import GenerationError, InputError
 from specjax.io import registry
 from specjax.io.prompts import normalize_prompts
-from specjax.models.params import layers_split
 from specjax.speculation.budget import Budget, default_levels
 from specjax.speculation.choices import DRAFT_CHOICES, MODES, VERIFIER_CHOICES
 from specjax.speculation.cost import with_costs
@@ -361,9 +360,6 @@ def _place(parallel, model: Model, plan: GenerationPlan, drafter_params: tuple):
         inputs = (jnp.asarray(padded), jnp.asarray(lens), jnp.full((n,), plan.max_new_tokens, jnp.int32),
                   SamplingArrays.from_params(samplings))
         return model.params, drafter_params, inputs, lambda x: np.asarray(jax.device_get(x))
-    if layers_split(model.params):
-        raise InputError("a split-layer model (load_model(split_layers=True)) runs on one device; load it "
-                         "stacked (the default, or with parallel=) to generate on a mesh")
     extra = parallel.padding_for(n)
     padded = np.concatenate([padded, np.repeat(padded[:1], extra, axis=0)])
     lens = np.concatenate([lens, np.repeat(lens[:1], extra)]).astype(np.int32)

@@ -54,7 +54,7 @@ def test_save_refuses_non_empty_destination(tiny_llama_dir, tmp_path):
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_opt_dir"])
 def test_every_leaf_declares_logical_axes(request, fixture):
-    m = specjax.load_model(request.getfixturevalue(fixture), progress=False, split_layers=False)
+    m = specjax.load_model(request.getfixturevalue(fixture), progress=False)
     axes = param_logical_axes(m.config)
     flat_p = jax.tree_util.tree_flatten_with_path(m.params)[0]
     flat_a = dict(jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda x: isinstance(x, tuple))[0])

@@ -20,7 +20,7 @@ import pytest
 
 import specjax
 from specjax.decoding.incremental import full_logits
-from specjax.errors import CheckpointError, InputError
+from specjax.errors import CheckpointError, InputError, ShardingError
 from specjax.models import check_params
 from specjax.models.cache import init_cache
 from specjax.models.layers import run_layers
@@ -150,7 +150,7 @@ def test_the_pipeline_refuses_split_weights_and_a_mesh_refuses_a_split_model(tin
     from specjax.sharding import Parallel
 
     split = specjax.load_model(tiny_llama_dir, progress=False, split_layers=True)
-    with pytest.raises(InputError, match="a split-layer model .* runs on one device"):
+    with pytest.raises(ShardingError, match=r"split layer weights .* run on one device; load the model stacked"):
         specjax.generate(split, [[1, 2, 3]], max_new_tokens=2, chat_template=False, parallel=Parallel.create("dp=8"))
     with pytest.raises(ValueError, match="2 split layers for a cache of 1 layers"):
         one_layer_cache = init_cache(dataclasses.replace(split.config, num_layers=1), 1, 4)

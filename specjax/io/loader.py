@@ -70,8 +70,7 @@ def load_model(name_or_path: str = registry.DEFAULT_MODEL, dtype: str = "float32
     if split_layers and (parallel is not None or shardings is not None):
         raise InputError("split_layers=True keeps the weights on one device; with parallel= or shardings= the "
                          "layers stay stacked (split_layers=False)")
-    model = _load(name_or_path, dtype, shardings, progress, parallel, split_layers)
-    return model._replace(params=params_lib.split_layers(model.params)) if split_layers else model
+    return _load(name_or_path, dtype, shardings, progress, parallel, split_layers)
 
 
 def _load(name_or_path: str, dtype: str, shardings, progress: bool, parallel, split: bool) -> Model:
@@ -80,7 +79,8 @@ def _load(name_or_path: str, dtype: str, shardings, progress: bool, parallel, sp
         cfg, params, tok_dir = checkpoint.restore_checkpoint(
             path, shardings=parallel.param_shardings if parallel is not None else shardings, dtype=dtype)
         tokenizer = tok_lib.load_dir_tokenizer(tok_dir) if tok_dir else None
-        return Model(cfg, params, tokenizer)
+        # restored stacked on the device, then split there: briefly twice the layer weights
+        return Model(cfg, params_lib.split_layers(params) if split else params, tokenizer)
     if os.path.isdir(path):
         cfg, np_params = load_hf_dir(path, progress=progress)
         tokenizer = tok_lib.load_dir_tokenizer(path)
@@ -90,8 +90,7 @@ def _load(name_or_path: str, dtype: str, shardings, progress: bool, parallel, sp
     else:
         raise CheckpointError(f"{path}: unsupported model file (expected an HF directory, a .gguf file "
                               f"or a specjax checkpoint directory)")
-    if split:  # numpy views: each layer reaches the device as its own buffer (a restored checkpoint,
-        # above, is split on the device instead: briefly twice the layer weights)
+    if split:  # numpy views: each layer reaches the device as its own buffer
         np_params = params_lib.split_layers(np_params)
     cast = lambda a: a.astype(_DTYPES[dtype])  # noqa: E731
     if parallel is not None:

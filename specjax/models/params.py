@@ -187,20 +187,17 @@ def stack_layers(params: dict) -> dict:
     """The same params with "layers" stacked on a leading axis (a no-op when already stacked)."""
     if not layers_split(params):
         return params
-    layers = params["layers"]
-    if not layers:
+    if not params["layers"]:
         raise CheckpointError("params['layers'] is an empty tuple: a model needs at least one layer")
-    xp = np if all(isinstance(a, np.ndarray) for a in jax.tree.leaves(layers)) else jnp
-    return {**params, "layers": jax.tree.map(lambda *a: xp.stack(a), *layers)}
+    return {**params, "layers": take_layers(params, range(len(params["layers"])))}
 
 
 def take_layers(params: dict, idx) -> dict:
     """The weights of layers ``idx`` stacked on a leading axis, from either layout (SSMs cut from an
-    LLM's layers)."""
+    LLM's layers; ``stack_layers``)."""
     idx = [int(i) for i in idx]
     if layers_split(params):
         picked = [params["layers"][i] for i in idx]
         xp = np if all(isinstance(a, np.ndarray) for a in jax.tree.leaves(picked)) else jnp
         return jax.tree.map(lambda *a: xp.stack(a), *picked)
-    take = np.asarray(idx)
-    return jax.tree.map(lambda a: a[take], params["layers"])
+    return jax.tree.map(lambda a: a[np.asarray(idx)], params["layers"])

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from specjax.config import ModelConfig
 from specjax.errors import ShardingError
 from specjax.models.cache import CACHE_AXES, LENGTH_AXES, KVCache
-from specjax.models.params import is_param_spec, param_specs, stack_layers
+from specjax.models.params import is_param_spec, layers_split, param_specs
 from specjax.sharding.mesh import MeshShape, make_mesh, mesh_shape
 from specjax.sharding.pipeline import pipeline_layers
 from specjax.sharding.rules import ShardingRules
@@ -166,9 +166,13 @@ class Parallel:
         return jax.tree.map(place, tree, shardings)
 
     def put_params(self, params, cfg: ModelConfig, rules: ShardingRules | None = None):
-        """Params on the mesh under the rules; the rules (and the pipeline stages) are written for stacked
-        layer weights, so split ones (``specjax.models.params.split_layers``) are stacked first."""
-        return self.put(stack_layers(params), self.param_shardings(cfg, rules))
+        """Params on the mesh under the rules, which (like the pipeline stages) are written for stacked layer
+        weights: split ones (``specjax.models.params.split_layers``) are refused, not restacked behind the
+        caller's back (a full copy of the layers on one device)."""
+        if layers_split(params):
+            raise ShardingError("split layer weights (load_model(split_layers=True)) run on one device; load the "
+                                "model stacked (the default, or with parallel=) to place it on a mesh")
+        return self.put(params, self.param_shardings(cfg, rules))
 
     def put_batch(self, tree):
         """Per-request arrays (leading axis = batch) over dp."""

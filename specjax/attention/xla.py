@@ -32,7 +32,9 @@ from specjax.attention.meta import AttentionMeta
 
 MIN_VIEW = 128  # the smallest prefix view: below it, reading fewer slots saves nothing measurable
 BLOCKED_QUERIES = 64  # from this many queries on (prefill chunks), the prefix is read in key blocks
-KEY_BLOCK = 256  # prefix slots per block: [T, KEY_BLOCK] scores of a prefill chunk stay in cache
+KEY_BLOCK = 256  # prefix slots per masked block: [G * T, KEY_BLOCK] scores of a prefill chunk stay in cache
+FULL_KEY_BLOCK = 512  # prefix slots per block below every committed length (no masks), when ...
+MAX_BLOCK_SCORES = 1 << 19  # ... its [G * T, FULL_KEY_BLOCK] scores stay this small (measured, see _prefix_blocked)
 
 
 def prefix_views(max_len: int) -> tuple[int, ...]:
@@ -148,32 +150,52 @@ def _prefix_blocked(qh, k_cache, v_cache, layer, lengths, cd):
     """The committed prefix in blocks of KEY_BLOCK slots with an online softmax (flash style), over
     only the blocks the longest committed length needs: for many queries at once (a prefill chunk),
     where one [rows, view] score matrix would spill out of the CPU caches on every elementwise pass.
-    Returns (row max, row sum, unnormalised output), rows as in ``attend``."""
+    Returns (row max, row sum, unnormalised output), rows as in ``attend``.
+
+    Blocks below every request's committed length hold no slot to mask: they run in a first loop,
+    without the masks and FULL_KEY_BLOCK slots at a time while the scores stay small; the rest, up to
+    the longest length, in a second loop of masked KEY_BLOCK-slot blocks. Measured on a 2-core EPYC
+    (a 256-token prefill chunk over 3840 committed tokens, SmolLM2's heads): 28.2 ms per layer with
+    masked 256-slot blocks only, 23.1 ms this way; 512-slot blocks of a 512-token chunk (1.5k score
+    rows) were slower than 256-slot ones (58 vs 44 ms), hence MAX_BLOCK_SCORES."""
     batch, kv_heads, rows, head_dim = qh.shape
     max_len = k_cache.shape[2]
     block = min(KEY_BLOCK, max_len)
+    big = FULL_KEY_BLOCK if rows * FULL_KEY_BLOCK <= MAX_BLOCK_SCORES else block
+    big = min(big, max_len)
 
-    def one_block(i, carry):
-        m, l, acc = carry
-        start = jnp.minimum(i * block, max_len - block)  # the last block may overlap the previous one
-        pos = start + jnp.arange(block)
-        valid = (pos[None, :] < lengths[:, None]) & (pos[None, :] >= i * block)  # [B, KB], each slot once
-        k = _slots(k_cache, layer, start, block).transpose(0, 2, 1, 3)  # [B, KVH, KB, Dh]
-        v = jnp.where(valid[:, :, None, None], _slots(v_cache, layer, start, block), 0)
-        s = jnp.einsum("bkmd,bksd->bkms", qh, k, preferred_element_type=cd)
-        s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+    def step(m, l, acc, k, v, valid):
+        """One key block: k, v [B, KB, KVH, Dh]; valid [B, KB] or None (every slot committed)."""
+        if valid is not None:
+            v = jnp.where(valid[:, :, None, None], v, 0)
+        s = jnp.einsum("bkmd,bskd->bkms", qh, k, preferred_element_type=cd)
+        if valid is not None:
+            s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         shift = _finite_or_zero(m_new)
         p = jnp.exp(s - shift[..., None])
         rescale = jnp.exp(m - shift)
-        acc = acc * rescale[..., None] + jnp.einsum("bkms,bksd->bkmd", p.astype(v.dtype), v.transpose(0, 2, 1, 3),
+        acc = acc * rescale[..., None] + jnp.einsum("bkms,bskd->bkmd", p.astype(v.dtype), v,
                                                     preferred_element_type=cd)
         return m_new, l * rescale + jnp.sum(p, axis=-1), acc
 
-    blocks = (jnp.max(lengths) + block - 1) // block
+    def full_block(i, carry):
+        start = i * big
+        return step(*carry, _slots(k_cache, layer, start, big), _slots(v_cache, layer, start, big), None)
+
+    base = jnp.maximum(jnp.min(lengths), 0) // big * big  # slots below it: full blocks
+
+    def partial_block(i, carry):
+        first = base + i * block
+        start = jnp.minimum(first, max_len - block)  # the last block may overlap the previous one
+        pos = start + jnp.arange(block)
+        valid = (pos[None, :] < lengths[:, None]) & (pos[None, :] >= first)  # [B, KB], each slot once
+        return step(*carry, _slots(k_cache, layer, start, block), _slots(v_cache, layer, start, block), valid)
+
     shape = (batch, kv_heads, rows)
     init = (jnp.full(shape, -jnp.inf, cd), jnp.zeros(shape, cd), jnp.zeros(shape + (head_dim,), cd))
-    return jax.lax.fori_loop(0, blocks, one_block, init)
+    carry = jax.lax.fori_loop(0, base // big, full_block, init)
+    return jax.lax.fori_loop(0, (jnp.max(lengths) - base + block - 1) // block, partial_block, carry)
 
 
 def _finite_or_zero(m: jax.Array) -> jax.Array:

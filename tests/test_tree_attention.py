@@ -154,7 +154,8 @@ def test_frontier_queries_see_ancestors_written_by_earlier_passes():
 
 @pytest.mark.parametrize("num_q,lengths", [(1, [300, 37]), (16, [500, 129]), (64, [300, 0]), (70, [257, 600]),
                                            (70, [1100, 600])],
-                         ids=["decode", "tree-sized", "prefill-chunk", "prefill-chunk-long", "prefill-chunk-full-blocks"])
+                         ids=["decode", "tree-sized", "prefill-chunk", "prefill-chunk-long",
+                              "prefill-chunk-full-blocks"])
 def test_attention_cost_follows_committed_length_not_buffer(num_q, lengths):
     """The prefix is read through a view sized by the committed length (decoding, tree passes) or in
     key blocks up to it (prefill chunks): on a 4096-slot buffer and on one just long enough, every

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _bench_common as common  # noqa: E402
 
 TASKS = os.path.join(os.path.dirname(__file__), "data", "task_kinds.jsonl")
-GROUNDED = ("summarisation", "rag")
+GROUNDED = ("summarisation", "rag-qa", "passage-qa", "retrieval")  # the input-grounded kinds of both prompt files
 
 
 def _specjax_seconds(fn):

@@ -7,8 +7,9 @@ incremental, lookup only (the default: ``--budget auto``), SSM only (smollm2-ssm
 task kind. specjax's time excludes compilation (the host loop compiles ahead of time and times the
 generation alone); transformers compiles nothing.
 
-Part 2: tokens/s vs batch size for specjax incremental and the default (lookup + budget), every
-prompt generated in batches of that size.
+Part 2: tokens/s vs batch size for specjax incremental and the default (lookup + budget, goal
+"finish"; with ``--compare-rate`` also goal "rate"), every prompt generated in batches of that size,
+the configurations alternating batch by batch (this machine's speed drifts within minutes).
 
 Every specjax output is compared with specjax incremental (greedy: must be identical).
 
@@ -46,6 +47,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,2,4,8,16")
     ap.add_argument("--ssm", default="smollm2-ssm-a")
     ap.add_argument("--prompt-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
+    ap.add_argument("--compare-rate", action="store_true",
+                    help="part 2 also runs the budget with goal 'rate' (the serving engine's) for comparison")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: batch1, batch")
     ap.add_argument("--split-layers", action="store_true",
                     help="split layer weights (load_model(split_layers=True)): faster passes, longer compilation")
@@ -144,24 +147,35 @@ def main() -> None:
         results["batch1"] = {"tokens_per_s": table, "mismatches": dict(mismatches), "kinds": kind_names}
 
     if "batch" not in skip:
+        from specjax.speculation.budget import default_levels
+
         sizes = [int(x) for x in args.batch_sizes.split(",")]
         m = args.batch_max_new_tokens
-        sweep = {"specjax incremental": {}, "specjax lookup + budget (default)": {}}
-        print(f"\n# part 2: tokens/s vs batch size, {len(prompts)} prompts, {m} new tokens each")
+        default = "specjax lookup + budget (default)"
+        configs = {"specjax incremental": {}, default: dict(drafters=[lookup], budget="auto")}
+        if args.compare_rate:
+            configs["specjax lookup + budget, goal rate"] = dict(
+                drafters=[lookup], budget=specjax.Budget(default_levels((lookup.drafter,)), goal="rate"))
+        sweep = {name: {} for name in configs}
+        print(f"\n# part 2: tokens/s vs batch size, {len(prompts)} prompts, {m} new tokens each; the "
+              f"configurations alternate batch by batch")
         for b in sizes:
-            for name in sweep:
-                kw = {} if name == "specjax incremental" else dict(drafters=[lookup], budget="auto")
-                batches = [prompts[i:i + b] for i in range(0, len(prompts), b)]
-                specjax.generate(llm, batches[0], max_new_tokens=m, **kw)  # cost table rows for this batch size
-                tokens, seconds = 0, 0.0
-                for batch in batches:
+            batches = [prompts[i:i + b] for i in range(0, len(prompts), b)]
+            for kw in configs.values():  # compile, and the cost table's rows for this batch size
+                specjax.generate(llm, batches[0], max_new_tokens=m, **kw)
+            tokens, seconds = collections.Counter(), collections.Counter()
+            for batch in batches:
+                for name, kw in configs.items():
                     res, s = _specjax_seconds(lambda **k: specjax.generate(llm, batch, max_new_tokens=m, **kw, **k))
-                    tokens += sum(len(t) for t in res.token_ids)
-                    seconds += s
-                sweep[name][b] = tokens / seconds
-            print(f"batch {b:>3}: incremental {sweep['specjax incremental'][b]:7.2f} tok/s, default "
-                  f"{sweep['specjax lookup + budget (default)'][b]:7.2f} tok/s = "
-                  f"{sweep['specjax lookup + budget (default)'][b] / sweep['specjax incremental'][b]:.2f}x", flush=True)
+                    tokens[name] += sum(len(t) for t in res.token_ids)
+                    seconds[name] += s
+            inc = tokens["specjax incremental"] / seconds["specjax incremental"]
+            line = [f"batch {b:>3}: incremental {inc:7.2f} tok/s"]
+            for name in configs:
+                sweep[name][b] = tokens[name] / seconds[name]
+                if name != "specjax incremental":
+                    line.append(f"{name.removeprefix('specjax ')} {sweep[name][b]:7.2f} = {sweep[name][b] / inc:.2f}x")
+            print(", ".join(line), flush=True)
         results["batch"] = sweep
 
     import matplotlib

@@ -318,7 +318,7 @@ def _result(model: Model, plan: GenerationPlan, out, tokens, host, n: int, timin
         if budget is not None:
             stats["budget"] = {"tree_nodes": [budget.node_count(lv) for lv in range(len(budget.levels))],
                                "seconds_per_pass": list(budget.costs), "costs_source": budget.source,
-                               "passes_at_level": at_level.sum(0).tolist()}
+                               "goal": budget.goal, "passes_at_level": at_level.sum(0).tolist()}
     batch_hist = hist.sum(0)
     stats.update({"tokens_per_pass_histogram": batch_hist.tolist(),
                   "mean_tokens_per_pass": _mean(batch_hist),

@@ -6,6 +6,7 @@ measured and cached."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import chex
@@ -100,13 +101,43 @@ def test_budget_checks_and_chooses_the_best_rate():
     ssm = SSMDrafter(toy_model(8, 0)[0], Expansion((2,)))  # SSMs do not estimate their acceptance
     with pytest.raises(InputError, match=r"needs drafters that estimate their acceptance; ssm\(<2>, topk\) does not"):
         SpecConfig((ssm,), budget=Budget(((0,), (2,))))
-    budget = Budget(((0,), (1,), (4,)), costs=(1.0, 1.5, 3.0))
+    with pytest.raises(InputError, match=r"goal must be one of \('finish', 'rate'\), got 'fast'"):
+        Budget(((0,), (1,)), goal="fast")
+
+
+def test_budget_goals_choose_the_best_level():
+    rate = Budget(((0,), (1,), (4,)), costs=(1.0, 1.5, 3.0), goal="rate")
+    finish = dataclasses.replace(rate, goal="finish")
     expected = jnp.asarray([[0.0, 0.9, 2.5], [0.0, 0.2, 0.3]])
-    # rates: level 0: 2 / 1 = 2; level 1: (1.9 + 1.2) / 1.5 = 2.07; level 2: (3.5 + 1.3) / 3 = 1.6
-    assert int(choose_level(budget, expected, jnp.asarray([True, True]))) == 1
-    # only the second request still running: its drafts do not pay
-    assert int(choose_level(budget, expected, jnp.asarray([False, True]))) == 0
-    assert int(choose_level(budget, expected * 10, jnp.asarray([True, True]))) == 2
+    both, left = jnp.asarray([True, True]), jnp.asarray([10, 10])
+    # rate: level 0: 2 / 1 = 2; level 1: (1.9 + 1.2) / 1.5 = 2.07; level 2: (3.5 + 1.3) / 3 = 1.6
+    assert int(choose_level(rate, expected, both, left)) == 1
+    # finish: the second request ends last whatever runs: level 0: 1 * 10; level 1: 1.5 * 10 / 1.2 = 12.5;
+    # level 2: 3 * 10 / 1.3 = 23.1. The first request's gain does not bring the batch's end closer.
+    assert int(choose_level(finish, expected, both, left)) == 0
+    # ... unless the second is nearly done: level 1: 1.5 * max(10 / 1.9, 2 / 1.2) = 7.9 < 10 (level 0)
+    # and < 3 * max(10 / 3.5, 2 / 1.3) = 8.6 (level 2)
+    assert int(choose_level(finish, expected, both, jnp.asarray([10, 2]))) == 1
+    # only the second request still running: its drafts do not pay under either goal
+    for budget in (rate, finish):
+        assert int(choose_level(budget, expected, jnp.asarray([False, True]), left)) == 0
+    assert int(choose_level(rate, expected * 10, both, left)) == 2
+    # finish at 10x: level 1: 1.5 * 10 / 3 = 5; level 2: 3 * 10 / 4 = 7.5
+    assert int(choose_level(finish, expected * 10, both, left)) == 1
+    # nothing running (a free engine step): level 0, no speculation
+    assert int(choose_level(finish, expected, jnp.asarray([False, False]), left)) == 0
+
+
+def test_one_request_chooses_alike_under_both_goals():
+    """With one request, min of seconds * remaining / (1 + e) is max of (1 + e) / seconds."""
+    rng = np.random.RandomState(0)
+    for _ in range(200):
+        costs = tuple(float(c) for c in np.cumsum(rng.uniform(0.1, 1.0, 5)))
+        expected = jnp.asarray(rng.uniform(0, 4, (1, 5)), jnp.float32)
+        left = jnp.asarray([rng.randint(1, 200)])
+        picks = {int(choose_level(Budget(((0,),) * 5, costs=costs, goal=g), expected, jnp.asarray([True]), left))
+                 for g in ("rate", "finish")}
+        assert len(picks) == 1, (costs, expected)
 
 
 @pytest.fixture(scope="module")
@@ -124,10 +155,10 @@ def _prompts(vocab):
 _COSTS = (1.0, 1.1, 1.4, 1.8, 2.5)
 
 
-@pytest.mark.parametrize("budget", [None, "levels"])
+@pytest.mark.parametrize("budget", [None, "finish", "rate"])
 def test_lookup_speculation_equals_incremental_greedy_and_seeded(llama, budget):
     prompts = _prompts(llama.config.vocab_size)
-    b = Budget(default_levels((LookupDrafter(),)), costs=_COSTS) if budget else None
+    b = Budget(default_levels((LookupDrafter(),)), costs=_COSTS, goal=budget) if budget else None
     lookup = [specjax.Bound(LookupDrafter())]
     want = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True)
     got = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, drafters=lookup, budget=b)
@@ -137,6 +168,7 @@ def test_lookup_speculation_equals_incremental_greedy_and_seeded(llama, budget):
         used = np.asarray(got.stats["budget"]["passes_at_level"])
         assert (used > 0).sum() >= 2, f"the budget never switched levels: {used}"
         assert got.stats["budget"]["tree_nodes"] == [1, 2, 5, 9, 17]
+        assert got.stats["budget"]["goal"] == budget
         assert sum(r["passes_at_level"][0] for r in got.stats["requests"]) == used[0]
     seeded = specjax.SamplingParams(temperature=0.9, top_k=30, seed=4)
     inc = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, sampling=seeded)
@@ -175,12 +207,12 @@ VOCAB, PROMPT, NUM_TOKENS = 6, [3, 2, 4, 2, 3, 2, 4], 4  # the toy LLM often goe
 def test_lookup_samples_the_exact_law(verifier):
     """Deterministic entries (declared one-hot) under the sampled verifiers: the first NUM_TOKENS
     tokens follow the LLM's exact sequence law (chi-square, alpha 1e-6), under a tree budget. The costs
-    are nearly flat: the budget decides for the whole batch, and at 60k requests a costlier tree would
-    only run when most of them have a match."""
+    are nearly flat and the goal is "rate": the budget decides for the whole batch, and at 60k requests
+    a costlier tree would only run when most of them have a match ("finish" would wait for all)."""
     cfg, params = toy_model(VOCAB, 0, sharpness=1.5)
     d = LookupDrafter(depth=2, branches=2, max_ngram=2)
     spec = SpecConfig((d,), impl="xla", verifier=verifier,
-                      budget=Budget(default_levels((d,)), costs=(1.0, 1.01, 1.02, 1.03)))
+                      budget=Budget(default_levels((d,)), costs=(1.0, 1.01, 1.02, 1.03), goal="rate"))
     n, width = 60_000, len(PROMPT) + 1
     prompts = np.zeros((n, width), np.int32)
     prompts[:, :len(PROMPT)] = PROMPT
@@ -241,6 +273,23 @@ def test_cost_tables_never_make_a_bigger_tree_cheaper(llama, tmp_path, monkeypat
     assert budget.costs == (0.111, 0.111, 0.121, 0.121)
     (row,) = json.loads((tmp_path / "tree_costs.json").read_text()).values()
     assert row == {str(n): s for n, s in noisy.items()}  # the cache keeps what was measured
+
+
+def test_auto_budgets_take_the_goal_of_their_batching(llama, tmp_path, monkeypatch):
+    """specjax.generate runs a batch until its last request ends ("finish"); the engine refills slots
+    ("rate")."""
+    from specjax.engine import Engine
+    from specjax.speculation import cost
+
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cost, "measure_pass_costs", lambda *a, **k: {n: 0.1 + 0.01 * n for n in a[3]})
+    lookup = [specjax.Bound(LookupDrafter())]
+    engine = Engine(llama, slots=2, max_prompt_tokens=16, max_new_tokens=8, impl="xla", drafters=lookup,
+                    budget="auto")
+    assert engine.spec.budget.goal == "rate" and engine.spec.budget.costs[0] == pytest.approx(0.11)
+    res = specjax.generate(llama, [[1, 2, 3, 1, 2]], max_new_tokens=4, drafters=lookup, budget="auto")
+    assert res.stats["budget"]["goal"] == "finish"
+    assert res.stats["budget"]["seconds_per_pass"][0] == pytest.approx(0.11)
 
 
 def test_the_budget_switch_never_copies_the_cache(llama):

@@ -55,7 +55,8 @@ class Engine:
     to ``max_prompt_tokens`` tokens (prefill compiles once per power-of-two prompt bucket) and a
     request up to ``max_new_tokens`` new tokens and ``max_stop_tokens`` stop tokens. budget: None
     (verify whole proposals), "auto" (the tree budget with this machine's measured pass costs at
-    ``slots`` requests) or a ``Budget`` (``specjax.speculation.budget``).
+    ``slots`` requests and goal "rate": slots are refilled as requests end, so emitted tokens per
+    second is what counts) or a ``Budget`` (``specjax.speculation.budget``).
     """
 
     def __init__(self, model: Model, *, slots: int, max_prompt_tokens: int, max_new_tokens: int, drafters=(),
@@ -72,7 +73,7 @@ class Engine:
         self.slots = slots
         drafter_objs = tuple(b.drafter for b in bound)
         if budget == "auto":
-            budget = with_costs(Budget(default_levels(drafter_objs)), model.params, model.config, slots,
+            budget = with_costs(Budget(default_levels(drafter_objs), goal="rate"), model.params, model.config, slots,
                                 resolve_impl(impl)) if drafter_objs else None
         elif budget is not None and not isinstance(budget, Budget):
             raise InputError(f"budget must be None, 'auto' or a Budget, got {budget!r}")

@@ -39,7 +39,7 @@ def build_state(model: Model, *, model_name: str, slots: int, max_prompt_tokens:
     drafter_objs = tuple(b.drafter for b in drafters)
     plan = None
     if budget == "auto" and drafter_objs:
-        plan = with_costs(Budget(default_levels(drafter_objs)), model.params, model.config, slots, impl,
+        plan = with_costs(Budget(default_levels(drafter_objs), goal="rate"), model.params, model.config, slots, impl,
                           progress=lambda n: log(f"# measuring the LLM pass time of a {n}-node tree at batch {slots} "
                                                  f"(once per machine; cached)"))
     stop_ids = _eos_ids(model)

@@ -5,16 +5,26 @@ one token); it pays only when enough of it is accepted. A ``Budget`` holds a few
 static cut of every drafter's proposal (a prefix of its nodes, parents before children), and the
 measured seconds of one LLM pass at each level for the batch size being compiled
 (``specjax.speculation.cost``). Every step, inside the jitted loop, the drafters estimate the tokens
-each level would get accepted for each request (``Drafter.expected_accepted``), and the level that
-maximises
+each level would get accepted for each request (``Drafter.expected_accepted``, e_r(l)), and the level
+that serves the budget's *goal* best runs (``lax.switch`` over one compiled pass per level):
 
-    sum over unfinished requests of (1 + expected accepted tokens)  /  seconds per pass at that level
+- ``"finish"`` (``specjax.generate``: the batch runs until its last request ends): the level that
+  minimises the projected time until the last unfinished request is done,
 
-runs (``lax.switch`` over one compiled pass per level). Level 0 is no drafted node at all: the cost
-of incremental decoding plus the drafters' own bookkeeping. Because the costs are per batch size,
-large batches, where a tree's extra nodes cost most, fall back to smaller trees or none by the same
-rule ("batch-aware"). A request whose drafts will not pay contributes nothing to a bigger level; the
-pass shape is the batch's, so its nodes then cost nothing extra either.
+      seconds per pass at l  *  max over unfinished r of  remaining_r / (1 + e_r(l)),
+
+  remaining_r being the tokens request r may still emit. A tree that speeds up some requests but not
+  the one that ends last only makes every pass dearer, so it is not chosen.
+- ``"rate"`` (the serving engine: a slot is refilled as soon as its request ends): the level that
+  maximises emitted tokens per second,
+
+      sum over unfinished r of (1 + e_r(l))  /  seconds per pass at l.
+
+With one request both goals choose alike. Level 0 is no drafted node at all: the cost of incremental
+decoding plus the drafters' own bookkeeping. Because the costs are per batch size, large batches,
+where a tree's extra nodes cost most, fall back to smaller trees or none by the same rule
+("batch-aware"). A request whose drafts will not pay contributes nothing to a bigger level; the pass
+shape is the batch's, so its nodes then cost nothing extra either.
 
 The choice reads only committed tokens and past statistics, never the current pass's logits, so
 every verifier stays exact whatever level runs.
@@ -31,16 +41,21 @@ import jax.numpy as jnp
 from specjax.errors import InputError
 from specjax.speculation.drafters.base import Drafter
 
+GOALS = ("finish", "rate")
+
 
 @dataclasses.dataclass(frozen=True)
 class Budget:
     """levels[l][s]: nodes below the root kept of drafter s's proposal at level l (level 0 should be
     all zeros: no speculation). costs[l]: seconds per LLM pass at level l (None: measure before use,
-    ``specjax.speculation.cost.with_costs``). source: where the costs come from (shown in stats)."""
+    ``specjax.speculation.cost.with_costs``). source: where the costs come from (shown in stats).
+    goal: "finish" (a batch that runs until its last request ends) or "rate" (slots refilled as
+    requests end); see the module docstring."""
 
     levels: tuple[tuple[int, ...], ...]
     costs: tuple[float, ...] | None = None
     source: str = ""
+    goal: str = "finish"
 
     def __post_init__(self):
         if not isinstance(self.levels, tuple) or not self.levels or not all(
@@ -55,6 +70,8 @@ class Budget:
             bad = [c for c in self.costs if not (isinstance(c, float) and math.isfinite(c) and c > 0)]
             if bad:
                 raise InputError(f"Budget.costs must be positive finite seconds (floats), got {bad[0]!r}")
+        if self.goal not in GOALS:
+            raise InputError(f"Budget.goal must be one of {GOALS}, got {self.goal!r}")
 
     def node_count(self, level: int) -> int:
         """Tree nodes at this level, the root included (before merging removes duplicates)."""
@@ -91,8 +108,12 @@ def expected_by_level(drafters, drafter_params, drafter_states, budget: Budget) 
     return jnp.max(jnp.stack(per, 0), axis=0)
 
 
-def choose_level(budget: Budget, expected: jax.Array, active: jax.Array) -> jax.Array:
-    """The level maximising expected emitted tokens of the unfinished requests per second (int32)."""
-    tokens = jnp.sum(jnp.where(active[:, None], 1.0 + expected, 0.0), axis=0)  # [L]
-    rate = tokens / jnp.asarray(budget.costs, jnp.float32)
-    return jnp.argmax(rate).astype(jnp.int32)
+def choose_level(budget: Budget, expected: jax.Array, active: jax.Array, remaining: jax.Array) -> jax.Array:
+    """The level serving the budget's goal best (int32). expected [B, L]: expected accepted tokens per
+    request and level; active [B]: unfinished requests; remaining [B]: tokens each may still emit."""
+    costs = jnp.asarray(budget.costs, jnp.float32)
+    if budget.goal == "rate":
+        tokens = jnp.sum(jnp.where(active[:, None], 1.0 + expected, 0.0), axis=0)  # [L]
+        return jnp.argmax(tokens / costs).astype(jnp.int32)
+    steps = jnp.where(active[:, None], remaining.astype(jnp.float32)[:, None] / (1.0 + expected), 0.0)  # [B, L]
+    return jnp.argmin(costs * jnp.max(steps, axis=0)).astype(jnp.int32)

@@ -146,7 +146,7 @@ def spec_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelCon
         verdict, path_kv, finite_on_path, hidden = branches[0]()
     else:
         expected = expected_by_level(spec.drafters, drafter_params, drafter_states, spec.budget)
-        level = choose_level(spec.budget, expected, active)
+        level = choose_level(spec.budget, expected, active, state.max_new_tokens - state.num_generated)
         verdict, path_kv, finite_on_path, hidden = jax.lax.switch(level, branches)
     # Accepted token d + 1 was decided by the LLM's logits at path node d (the root is node 0); the bonus
     # by the last accepted node. If path node j has non-finite logits (NaN weights, overflow), the tokens

@@ -282,11 +282,20 @@ def test_auto_budgets_take_the_goal_of_their_batching(llama, tmp_path, monkeypat
     from specjax.speculation import cost
 
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cost, "measure_pass_costs", lambda *a, **k: {n: 0.1 + 0.01 * n for n in a[3]})
+
+    def fake_measure(params, cfg, batch, nodes, impl, parallel=None, progress=None):
+        for n in nodes:
+            if progress is not None:  # generate below measures batch 1 without a progress callback
+                progress(n)
+        return {n: 0.1 + 0.01 * n for n in nodes}
+
+    monkeypatch.setattr(cost, "measure_pass_costs", fake_measure)
     lookup = [specjax.Bound(LookupDrafter())]
+    measuring = []
     engine = Engine(llama, slots=2, max_prompt_tokens=16, max_new_tokens=8, impl="xla", drafters=lookup,
-                    budget="auto")
+                    budget="auto", progress=measuring.append)
     assert engine.spec.budget.goal == "rate" and engine.spec.budget.costs[0] == pytest.approx(0.11)
+    assert sorted(measuring) == [1, 2, 5, 9, 17]  # the server logs these lines through ``progress``
     res = specjax.generate(llama, [[1, 2, 3, 1, 2]], max_new_tokens=4, drafters=lookup, budget="auto")
     assert res.stats["budget"]["goal"] == "finish"
     assert res.stats["budget"]["seconds_per_pass"][0] == pytest.approx(0.11)

@@ -56,11 +56,13 @@ class Engine:
     request up to ``max_new_tokens`` new tokens and ``max_stop_tokens`` stop tokens. budget: None
     (verify whole proposals), "auto" (the tree budget with this machine's measured pass costs at
     ``slots`` requests and goal "rate": slots are refilled as requests end, so emitted tokens per
-    second is what counts) or a ``Budget`` (``specjax.speculation.budget``).
+    second is what counts) or a ``Budget`` (``specjax.speculation.budget``). progress: called with a
+    tree size before each pass-cost measurement "auto" makes (none when the table is cached).
     """
 
     def __init__(self, model: Model, *, slots: int, max_prompt_tokens: int, max_new_tokens: int, drafters=(),
-                 verifier: str = "seeded", impl: str = "auto", max_stop_tokens: int = 4, budget=None):
+                 verifier: str = "seeded", impl: str = "auto", max_stop_tokens: int = 4, budget=None,
+                 progress=None):
         for name, value in (("slots", slots), ("max_prompt_tokens", max_prompt_tokens),
                             ("max_new_tokens", max_new_tokens), ("max_stop_tokens", max_stop_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -74,7 +76,7 @@ class Engine:
         drafter_objs = tuple(b.drafter for b in bound)
         if budget == "auto":
             budget = with_costs(Budget(default_levels(drafter_objs), goal="rate"), model.params, model.config, slots,
-                                resolve_impl(impl)) if drafter_objs else None
+                                resolve_impl(impl), progress=progress) if drafter_objs else None
         elif budget is not None and not isinstance(budget, Budget):
             raise InputError(f"budget must be None, 'auto' or a Budget, got {budget!r}")
         self.spec = SpecConfig(drafters=drafter_objs, impl=resolve_impl(impl), verifier=verifier, budget=budget)

@@ -19,8 +19,6 @@ from specjax.serving.app import ServerState, create_app
 from specjax.serving.metrics import Metrics
 from specjax.serving.protocol import Limits
 from specjax.serving.scheduler import Scheduler
-from specjax.speculation.budget import Budget, default_levels
-from specjax.speculation.cost import with_costs
 from specjax.types import Model
 
 
@@ -36,16 +34,11 @@ def build_state(model: Model, *, model_name: str, slots: int, max_prompt_tokens:
         raise InputError("serving needs a tokenizer (text in, text out); this model has none")
     if not isinstance(max_queue, int) or max_queue < 1:
         raise InputError(f"max_queue must be a positive int, got {max_queue!r}")
-    drafter_objs = tuple(b.drafter for b in drafters)
-    plan = None
-    if budget == "auto" and drafter_objs:
-        plan = with_costs(Budget(default_levels(drafter_objs), goal="rate"), model.params, model.config, slots, impl,
-                          progress=lambda n: log(f"# measuring the LLM pass time of a {n}-node tree at batch {slots} "
-                                                 f"(once per machine; cached)"))
     stop_ids = _eos_ids(model)
     engine = Engine(model, slots=slots, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_tokens,
                     drafters=drafters, verifier="seeded", impl=impl, max_stop_tokens=max(1, len(stop_ids)),
-                    budget=plan)
+                    budget=budget, progress=lambda n: log(f"# measuring the LLM pass time of a {n}-node tree at "
+                                                          f"batch {slots} (once per machine; cached)"))
     metrics = Metrics(slots)
     limits = Limits(model_name=model_name, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens,
                     context_window=model.config.max_positions, max_stop_tokens=len(stop_ids))

@@ -134,6 +134,7 @@ def spec_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelCon
     Each request's sampling settings, budget and stop tokens are its own rows of the state. With a
     tree budget, the level (how much of each proposal is verified) is chosen per step for the batch."""
     active = ~state.done
+    left = state.max_new_tokens - state.num_generated  # tokens each request may still emit
     depth = spec.max_depth
     length = state.llm_cache.length
     sampling = state.sampling
@@ -146,7 +147,7 @@ def spec_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelCon
         verdict, path_kv, finite_on_path, hidden = branches[0]()
     else:
         expected = expected_by_level(spec.drafters, drafter_params, drafter_states, spec.budget)
-        level = choose_level(spec.budget, expected, active, state.max_new_tokens - state.num_generated)
+        level = choose_level(spec.budget, expected, active, left)
         verdict, path_kv, finite_on_path, hidden = jax.lax.switch(level, branches)
     # Accepted token d + 1 was decided by the LLM's logits at path node d (the root is node 0); the bonus
     # by the last accepted node. If path node j has non-finite logits (NaN weights, overflow), the tokens
@@ -164,7 +165,7 @@ def spec_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelCon
     stop_at = jnp.where(stop_hit(verdict.emitted, state.stop_ids) & (j < n_emit[:, None]), j, width)
     first_stop = jnp.min(stop_at, axis=1)
     n_emit = jnp.minimum(n_emit, first_stop + 1)
-    n_emit = jnp.minimum(n_emit, state.max_new_tokens - state.num_generated)
+    n_emit = jnp.minimum(n_emit, left)
     n_emit = jnp.where(active, n_emit, 0)
     emit = j < n_emit[:, None]
     rows = jnp.arange(state.tokens.shape[0])[:, None]

@@ -1,4 +1,5 @@
-"""Benchmark: stacked (scanned) vs split (unrolled) layer weights, side by side in one process.
+"""Benchmark: stacked vs split layer weights, side by side in one process (both scanned; the split
+layout's matmuls switch between per-layer buffers, see ``specjax.models.weights``).
 
 The same weights in both layouts (``specjax.models.params.split_layers``); every measurement
 alternates the two layouts round by round so a noisy machine slows both alike. Reported per layout:
@@ -6,7 +7,7 @@ compile seconds and warm milliseconds of one LLM tree pass (block-only, as the s
 it) at 1/5/17 nodes and batch 1 and 4 over a 256-token prefix; end-to-end tokens/s of greedy
 incremental decoding and of the default speculation (lookup + tree budget) on prompts of several
 task kinds. Generated tokens of the two layouts must be identical; the tree-pass logits' largest
-difference is printed (XLA may fuse the unrolled layers differently: last-bit float32 differences).
+difference is printed (XLA may fuse the two programs differently: last-bit float32 differences).
 
     python scripts/bench_layer_layout.py --rounds 5
 """
@@ -45,7 +46,7 @@ def main() -> None:
     from specjax.speculation.commit import tree_forward
     from specjax.speculation.tree import from_parents
 
-    common.print_header("stacked (scan) vs split (unrolled) layer weights, float32")
+    common.print_header("stacked vs split layer weights, float32")
     stacked = specjax.load_model(args.model, progress=False)
     cfg = stacked.config
     models = {"stacked": stacked, "split": stacked._replace(params=split_layers(stacked.params))}

@@ -1,4 +1,5 @@
-"""Split (per-layer buffers, unrolled) vs stacked (scanned) layer weights: the same model either way.
+"""Split (per-layer buffers, read in place by switched matmuls) vs stacked layer weights: the same
+model either way.
 
 ``load_model(split_layers=True)`` gives split weights on one device (faster passes on XLA:CPU,
 slower compilation, see ``specjax.models.params``); the default is stacked. Checkpoints, HF export,
@@ -60,7 +61,7 @@ def test_load_model_splits_on_request_and_checks_its_argument(tiny_llama_dir):
 class TestPasses(chex.TestCase):
     """Prefill and tree passes (writing, block-only, with hidden states) traced and eager: the split
     route meets the float64 reference within the stacked route's own measured float32 error (XLA may
-    fuse the unrolled layers differently, so the two float32 results can differ in the last bits)."""
+    fuse the two programs differently, so the two float32 results can differ in the last bits)."""
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_same_passes(self):
@@ -126,24 +127,36 @@ def test_a_split_model_saves_a_stacked_checkpoint_that_restores_either_way(both,
 
 
 def _weight_slices(hlo: str, shape: tuple[int, ...]) -> list[str]:
-    dims = ",".join(map(str, shape))
-    return [line.strip() for line in hlo.splitlines()
-            if re.search(rf"= f32\[{dims}\]\{{[^}}]*\}} (fusion|dynamic-slice)\(", line) and "dynamic" in line]
+    """Dynamic slices (fused or not) producing a weight of ``shape``, or of it flattened to 2D for a dot."""
+    shapes = {tuple(shape), (shape[0], int(np.prod(shape[1:]))), (int(np.prod(shape[:-1])), shape[-1])}
+    found = []
+    for dims in (",".join(map(str, s)) for s in shapes):
+        found += [line.strip() for line in hlo.splitlines()
+                  if re.search(rf"= f32\[{dims}\]\{{[^}}]*\}} (fusion|dynamic-slice)\(", line) and "dynamic" in line]
+    return found
 
 
-def test_split_pass_reads_weights_in_place(tiny_llama_dir):
+@pytest.mark.parametrize("family_dir", ["tiny_llama_dir", "tiny_opt_dir"])
+def test_split_pass_reads_weights_in_place(family_dir, request):
     """The reason for the split layout: the scanned pass copies each layer's weights out of the
     stacked buffer (a dynamic slice per weight per layer, ~424 MB per pass for SmolLM2); the split
-    pass has no such copy. The stacked program is checked too, so the pattern is known to match."""
-    stacked = specjax.load_model(tiny_llama_dir, progress=False)
-    split = specjax.load_model(tiny_llama_dir, progress=False, split_layers=True)
+    pass reads every weight matrix in place (specjax.models.weights), for both families. The stacked
+    program is checked too, so the pattern is known to match."""
+    path = request.getfixturevalue(family_dir)
+    stacked = specjax.load_model(path, progress=False)
+    split = specjax.load_model(path, progress=False, split_layers=True)
     cfg = stacked.config
     cache = init_cache(cfg, 1, 8).replace(length=jnp.asarray([3], jnp.int32))
     tree = from_parents([[1, 2]], [[-1, 0]], n_max=2)
     fwd = jax.jit(lambda p, t, c: tree_forward(p, t, c, cfg, "xla", block_only=True).logits)
-    up = split.params["layers"][0]["w_up"].shape
-    assert _weight_slices(fwd.lower(stacked.params, tree, cache).compile().as_text(), up)
-    assert not _weight_slices(fwd.lower(split.params, tree, cache).compile().as_text(), up)
+    stacked_hlo = fwd.lower(stacked.params, tree, cache).compile().as_text()
+    split_hlo = fwd.lower(split.params, tree, cache).compile().as_text()
+    matrices = {name: w.shape for name, w in split.params["layers"][0].items()
+                if w.ndim >= 2 and not (name.startswith("b") or "bias" in name or "norm" in name)}
+    assert len(matrices) >= 6, matrices  # q, k, v, o and the MLP's
+    for name, shape in matrices.items():
+        assert _weight_slices(stacked_hlo, shape), name
+        assert not _weight_slices(split_hlo, shape), f"{name}: copied out of a stacked buffer in the split pass"
 
 
 def test_the_pipeline_refuses_split_weights_and_a_mesh_refuses_a_split_model(tiny_llama_dir):

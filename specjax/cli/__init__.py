@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, default=1, help="prompts generated together")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype")
     g.add_argument("--split-layers", action="store_true",
-                   help="one weight buffer per layer, unrolled instead of scanned: faster passes (SmolLM2, 2 CPU "
-                        "cores: decoding 1.39x, the default speculation 1.25x) for ~6x longer compilation "
+                   help="one weight buffer per layer, read in place: faster passes (SmolLM2, 2 CPU cores: "
+                        "decoding 1.42x, the default speculation 1.30x) for 1.2-2.3x longer compilation "
                         "(kept by --compile-cache)")
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt text without the chat template")
     g.add_argument("--json", action="store_true", help="one JSON record per prompt on stdout instead of text")

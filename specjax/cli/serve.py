@@ -139,8 +139,8 @@ def add_parser(sub, fmt, compile_cache_default: str) -> None:
                         "drafter estimates its acceptance, else off)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype")
     s.add_argument("--split-layers", action="store_true",
-                   help="one weight buffer per layer, unrolled instead of scanned: faster passes (SmolLM2, 2 CPU "
-                        "cores: decoding 1.39x, the default speculation 1.25x) for ~6x longer compilation "
+                   help="one weight buffer per layer, read in place: faster passes (SmolLM2, 2 CPU cores: "
+                        "decoding 1.42x, the default speculation 1.30x) for 1.2-2.3x longer compilation "
                         "(kept by --compile-cache): worth it for a server")
     s.add_argument("--warmup", default="all", choices=["all", "step"],
                    help="compile before listening: the step and every prompt bucket (all), or the step only")

@@ -55,10 +55,11 @@ def load_model(name_or_path: str = registry.DEFAULT_MODEL, dtype: str = "float32
     (a checkpoint restores straight into that sharding, whatever mesh it was saved from).
     ``shardings``: an explicit pytree (or function cfg -> pytree) of shardings instead.
     ``split_layers``: the layer weights as one buffer per layer (``specjax.models.params.split_layers``),
-    which the forward unrolls, instead of stacked ones it scans. Measured on a 2-core CPU with
-    SmolLM2: decoding 1.39x and the default speculation 1.25x as fast, but every program compiles
-    ~6x slower (a tree pass 14 s instead of 2 s): worth it for a long-running server, not for a
-    one-off generation. One device only (a mesh's sharding rules and pipeline stages are written for
+    which the forward reads in place (``specjax.models.weights``), instead of stacked ones it slices
+    (a copy per layer on XLA:CPU). Measured on a 2-core CPU with SmolLM2: decoding 1.42x and the
+    default speculation 1.30x as fast, but programs compile 1.2-2.3x as long (first calls of four
+    prompts 43 s instead of 27 s): worth it for a server or a long job, not for a one-off
+    generation. One device only (a mesh's sharding rules and pipeline stages are written for
     stacked weights)."""
 
     if dtype not in _DTYPES:

@@ -14,6 +14,7 @@ from specjax.attention import resolve_impl, tree_attention
 from specjax.attention.meta import AttentionMeta
 from specjax.attention.xla import attend
 from specjax.config import ModelConfig
+from specjax.models.weights import weight_einsum
 
 
 def compute_dtype(dtype) -> jnp.dtype:
@@ -86,9 +87,9 @@ def write_block(cache: jax.Array, layer: jax.Array, new: jax.Array, lengths: jax
 
 def project_qkv(x, lp, positions, inv_freq, bias: bool):
     """x [B, T, D] -> q [B, T, H, Dh], k and v [B, T, KVH, Dh], RoPE applied at ``positions`` (None: no RoPE)."""
-    q = jnp.einsum("btd,dhk->bthk", x, lp["wq"])
-    k = jnp.einsum("btd,dhk->bthk", x, lp["wk"])
-    v = jnp.einsum("btd,dhk->bthk", x, lp["wv"])
+    q = weight_einsum("btd,dhk->bthk", x, lp["wq"])
+    k = weight_einsum("btd,dhk->bthk", x, lp["wk"])
+    v = weight_einsum("btd,dhk->bthk", x, lp["wv"])
     if bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     if inv_freq is not None:
@@ -122,7 +123,7 @@ def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMe
                               impl="pallas", region=meta.region)
     else:  # prefix through a bucketed view + the block: prefill, decoding, tree passes, drafting
         attn = attend(q, k, v, prefix[0], prefix[1], meta, scale, layer=layer)
-    out = jnp.einsum("bthk,hkd->btd", attn, lp["wo"])
+    out = weight_einsum("bthk,hkd->btd", attn, lp["wo"])
     if bias:
         out = out + lp["bo"]
     return out, k_cache, v_cache

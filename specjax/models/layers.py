@@ -1,4 +1,4 @@
-"""Running the layers: one ``lax.scan`` over stacked weights, an unrolled loop over split ones
+"""Running the layers: one ``lax.scan`` over stacked or split weights
 (``specjax.models.params.split_layers``), or the pipeline of a mesh.
 
 The model families call ``run_layers``; a ``parallel`` object (``specjax.sharding.Parallel``) whose
@@ -13,12 +13,15 @@ import jax.numpy as jnp
 
 from specjax.models.cache import KVCache
 from specjax.models.output import capture, select_positions
+from specjax.models.weights import layer_view, switched_layers
 
 
 def sequential_layers(layer_fn, h, layer_params, k_all, v_all, per_request, capture_layers=None, select=None,
                       first_layer=0):
-    """Run ``layer_fn(h, lp, k_all, v_all, i, per_request) -> (h, k_all, v_all)`` over the layers: a scan
-    over stacked weights, an unrolled loop over split ones (a tuple of per-layer dicts).
+    """Run ``layer_fn(h, lp, k_all, v_all, i, per_request) -> (h, k_all, v_all)`` over the layers in one
+    scan: over stacked weights (``lp`` = layer i's slices), or over split ones (a tuple of per-layer
+    dicts; ``lp`` holds ``specjax.models.weights.LayerSwitch`` entries that the layer's matmuls read
+    in place).
 
     The whole cache rides in the carry and each layer scatters only its new block into it, so a
     forward pass never copies the cache (a scanned-out cache would be rebuilt on every call).
@@ -31,13 +34,20 @@ def sequential_layers(layer_fn, h, layer_params, k_all, v_all, per_request, capt
         picked = select(h)
         buffers = jnp.zeros((len(capture_layers),) + picked.shape, picked.dtype)
     if isinstance(layer_params, (tuple, list)):
-        # Split layout (``params.split_layers``): each layer reads its own weight buffers; a scan would
-        # first copy them out of stacked buffers (see specjax.models.params).
+        # Split layout (``params.split_layers``): each matmul reads its layer's own buffer; slicing a
+        # stacked buffer would first copy it (see specjax.models.weights).
         if len(layer_params) != k_all.shape[0]:  # the scan's xs would refuse the mismatch; so does this
             raise ValueError(f"{len(layer_params)} split layers for a cache of {k_all.shape[0]} layers")
-        for i, lp in enumerate(layer_params):
+        large, small = switched_layers(layer_params)
+
+        def switched_body(carry, i):
+            h, k_all, v_all, buffers = carry
             buffers = capture(buffers, first_layer + i, h, capture_layers, select)
-            h, k_all, v_all = layer_fn(h, lp, k_all, v_all, jnp.int32(i), per_request)
+            h, k_all, v_all = layer_fn(h, layer_view(large, small, i), k_all, v_all, i, per_request)
+            return (h, k_all, v_all, buffers), None
+
+        (h, k_all, v_all, buffers), _ = jax.lax.scan(switched_body, (h, k_all, v_all, buffers),
+                                                      jnp.arange(k_all.shape[0]))
         return h, k_all, v_all, buffers
 
     def body(carry, xs):
@@ -54,7 +64,7 @@ def sequential_layers(layer_fn, h, layer_params, k_all, v_all, per_request, capt
 
 def run_layers(layer_fn, h, layer_params, cache: KVCache, per_request, parallel=None, hidden=None,
                logits_indices=None, block_only: bool = False):
-    """The layers (``sequential_layers``: scanned or unrolled), or ``parallel.run_pipeline`` when it
+    """The layers (``sequential_layers``: one scan over stacked or split weights), or ``parallel.run_pipeline`` when it
     pipelines (pp > 1, stacked weights only). Returns (h, cache, captured):
     captured [n, B, K, D] holds the inputs of the layers < L listed in ``hidden`` (None if none).
 

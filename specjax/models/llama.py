@@ -14,6 +14,7 @@ from specjax.models.cache import KVCache
 from specjax.models.common import attention_block, compute_dtype, rms_norm, rope_inv_freq
 from specjax.models.layers import hidden_output, run_layers
 from specjax.models.output import ForwardOutput, select_positions
+from specjax.models.weights import weight_einsum
 
 
 @functools.lru_cache(maxsize=16)
@@ -27,11 +28,11 @@ def draft_rows(cfg: ModelConfig) -> np.ndarray:
 
 def mlp(x: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
     """SwiGLU: x [B, T, D] -> [B, T, D]."""
-    gate = jnp.einsum("btd,df->btf", x, lp["w_gate"])
-    up = jnp.einsum("btd,df->btf", x, lp["w_up"])
+    gate = weight_einsum("btd,df->btf", x, lp["w_gate"])
+    up = weight_einsum("btd,df->btf", x, lp["w_up"])
     if cfg.mlp_bias:
         gate, up = gate + lp["b_gate"], up + lp["b_up"]
-    down = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp["w_down"])
+    down = weight_einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp["w_down"])
     return down + lp["b_down"] if cfg.mlp_bias else down
 
 

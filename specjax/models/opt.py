@@ -11,6 +11,7 @@ from specjax.models.cache import KVCache
 from specjax.models.common import attention_block, compute_dtype, layer_norm
 from specjax.models.layers import hidden_output, run_layers
 from specjax.models.output import ForwardOutput, select_positions
+from specjax.models.weights import weight_einsum
 
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, meta: AttentionMeta,
@@ -36,9 +37,9 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
                 h = layer_norm(h, lp["attn_norm_scale"], lp["attn_norm_bias"], eps)
         with jax.named_scope("mlp"):
             x = layer_norm(h, lp["mlp_norm_scale"], lp["mlp_norm_bias"], eps) if pre_ln else h
-            x = jnp.einsum("btd,df->btf", x, lp["fc1"])
+            x = weight_einsum("btd,df->btf", x, lp["fc1"])
             x = jax.nn.relu(x + lp["fc1_bias"] if bias else x)
-            x = jnp.einsum("btf,fd->btd", x, lp["fc2"])
+            x = weight_einsum("btf,fd->btd", x, lp["fc2"])
             h = h + (x + lp["fc2_bias"] if bias else x)
             if not pre_ln:
                 h = layer_norm(h, lp["mlp_norm_scale"], lp["mlp_norm_bias"], eps)

@@ -3,7 +3,8 @@
 The same table drives random init (tests), checkpoint loading (every shape is asserted against it)
 and sharding (logical axes -> mesh axes). Per-layer weights are stacked on a leading "layers" axis
 so the forward pass can scan over it and pipeline stages can split it; ``split_layers`` gives the
-split layout (a tuple of per-layer dicts) that the forward unrolls (see the note at the end).
+split layout (a tuple of per-layer dicts) whose buffers the forward reads in place (see the note
+at the end).
 """
 
 from __future__ import annotations
@@ -162,10 +163,12 @@ def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None
 # Two layouts of the same per-layer weights. *Stacked*: one array per weight with a leading layer
 # axis (the spec table above; training, checkpoints, sharding and the pipeline use it): the forward
 # scans over it. *Split*: a tuple of per-layer dicts, one buffer per layer and weight: the forward
-# unrolls the layers. On XLA:CPU a scanned layer first copies its weights out of the stacked
-# buffers (a dynamic slice becomes a copy, ~424 MB per pass for SmolLM2), which made a one-token
-# pass 1.4-1.6x as long as the same pass over split weights (scripts/bench_layer_layout.py); unrolling
-# costs compile time instead (a 30-layer tree pass compiles in 12-15 s instead of ~2 s).
+# still scans, and each matmul switches to its layer's buffer (specjax.models.weights). On XLA:CPU
+# a scanned layer first copies its weights out of the stacked buffers (a dynamic slice becomes a
+# copy, ~424 MB per pass for SmolLM2), which makes a one-token pass ~1.5x as long as the same pass
+# over split weights (scripts/bench_layer_layout.py); the switched matmuls cost compile time
+# instead (a tree pass 2.4-5.2 s instead of 1.9-2.6 s; unrolling the layers, the earlier way,
+# took 12-15 s).
 
 
 def layers_split(params: dict) -> bool:

@@ -109,7 +109,7 @@ def test_generation_identical_across_layouts(both):
                 == specjax.generate(stacked, prompts, **kw, **extra).token_ids)
     ssm_split, ssm_stacked = derive_ssm(split, (0,)), derive_ssm(stacked, (0,))
     assert layers_split(ssm_split.params)  # the LLM's layout, and its very buffers (nothing copied)
-    assert ssm_split.params["layers"][0]["wq"] is split.params["layers"][0]["wq"]
+    assert ssm_split.params["layers"][0]["wqkv"] is split.params["layers"][0]["wqkv"]
     chex.assert_trees_all_equal(stack_layers(ssm_split.params), ssm_stacked.params)
     chex.assert_trees_all_equal(take_layers(split.params, [1, 0]), take_layers(stacked.params, [1, 0]))
 
@@ -151,11 +151,17 @@ def test_split_pass_reads_weights_in_place(family_dir, request):
     fwd = jax.jit(lambda p, t, c: tree_forward(p, t, c, cfg, "xla", block_only=True).logits)
     stacked_hlo = fwd.lower(stacked.params, tree, cache).compile().as_text()
     split_hlo = fwd.lower(split.params, tree, cache).compile().as_text()
-    matrices = {name: w.shape for name, w in split.params["layers"][0].items()
+    def matrices(layer):
+        return {name: w.shape for name, w in layer.items()
                 if w.ndim >= 2 and not (name.startswith("b") or "bias" in name or "norm" in name)}
-    assert len(matrices) >= 6, matrices  # q, k, v, o and the MLP's
-    for name, shape in matrices.items():
+
+    stacked_matrices = matrices(jax.tree.map(lambda a: a[0], stacked.params["layers"]))
+    split_matrices = matrices(split.params["layers"][0])
+    assert len(stacked_matrices) >= 6, stacked_matrices  # q, k, v, o and the MLP's
+    assert "wqkv" in split_matrices and len(split_matrices) == len(stacked_matrices) - 2 - (cfg.family == "llama")
+    for name, shape in stacked_matrices.items():
         assert _weight_slices(stacked_hlo, shape), name
+    for name, shape in split_matrices.items():
         assert not _weight_slices(split_hlo, shape), f"{name}: copied out of a stacked buffer in the split pass"
 
 

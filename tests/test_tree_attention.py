@@ -152,11 +152,11 @@ def test_frontier_queries_see_ancestors_written_by_earlier_passes():
         precision.assert_within(out, ref, floor, what=impl)
 
 
-@pytest.mark.parametrize("num_q,lengths", [(1, [300, 37]), (16, [500, 129]), (64, [300, 0]), (70, [257, 600]),
-                                           (70, [1100, 600])],
-                         ids=["decode", "tree-sized", "prefill-chunk", "prefill-chunk-long",
+@pytest.mark.parametrize("num_q,lengths,head_dim", [(1, [300, 37], 16), (1, [300, 37], 64), (16, [500, 129], 16),
+                                                    (64, [300, 0], 16), (70, [257, 600], 16), (70, [1100, 600], 16)],
+                         ids=["decode", "decode-head-dim-64", "tree-sized", "prefill-chunk", "prefill-chunk-long",
                               "prefill-chunk-full-blocks"])
-def test_attention_cost_follows_committed_length_not_buffer(num_q, lengths):
+def test_attention_cost_follows_committed_length_not_buffer(num_q, lengths, head_dim):
     """The prefix is read through a view sized by the committed length (decoding, tree passes) or in
     key blocks up to it (prefill chunks): on a 4096-slot buffer and on one just long enough, every
     unused slot NaN-poisoned, both match the float64 reference (a causal block is a chain tree; the
@@ -166,7 +166,7 @@ def test_attention_cost_follows_committed_length_not_buffer(num_q, lengths):
     from specjax.attention import attend, causal_meta
     from specjax.attention.xla import BLOCKED_QUERIES
 
-    heads, kv_heads, head_dim = 9, 3, 16
+    heads, kv_heads = 9, 3  # SmolLM2's heads; its head_dim is 64 (a 301-slot view once summed unlike a 384-slot one)
     rng = np.random.RandomState(num_q)
     chain = [[-1] + list(range(num_q - 1))] * 2
     tree = from_parents([[1] * num_q] * 2, chain, n_max=num_q)

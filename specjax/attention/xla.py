@@ -35,14 +35,18 @@ BLOCKED_QUERIES = 64  # from this many queries on (prefill chunks), the prefix i
 KEY_BLOCK = 256  # prefix slots per masked block: [G * T, KEY_BLOCK] scores of a prefill chunk stay in cache
 FULL_KEY_BLOCK = 512  # prefix slots per block below every committed length (no masks), when ...
 MAX_BLOCK_SCORES = 1 << 19  # ... its [G * T, FULL_KEY_BLOCK] scores stay this small (measured, see _prefix_blocked)
+FLAT_COLUMNS = 32  # up to this many query rows x KV heads, a prefix view is read in the cache's own layout (_flat)
 
 
 def prefix_views(max_len: int) -> tuple[int, ...]:
-    """Static prefix views of a cache of ``max_len`` slots: 0, MIN_VIEW, 2 MIN_VIEW, ... < max_len, max_len."""
+    """Static prefix views of a cache of ``max_len`` slots: 0, then steps of MIN_VIEW up to 4 MIN_VIEW,
+    then four steps per doubling (640, 768, 896, 1024, 1280, ...), then ``max_len``: a view reads at
+    most a quarter more slots than the longest committed length needs (doubling views read up to
+    twice as many: a decode step at 1.1k tokens of context read 2048 slots)."""
     views, v = [0], MIN_VIEW
     while v < max_len:
         views.append(v)
-        v *= 2
+        v += max(MIN_VIEW, (1 << (v.bit_length() - 1)) // 4)
     return tuple(views) + (max_len,)
 
 
@@ -127,15 +131,50 @@ def _prefix_view(view: int, cd):
         rows = (batch, kv_heads, groups * num_q)
         if view == 0:
             return jnp.full(rows, -jnp.inf, cd), jnp.zeros(rows, cd), jnp.zeros(rows + (head_dim,), cd)
-        valid = jnp.arange(view)[None, :] < lengths[:, None]  # [B, V]
-        v = jnp.where(valid[:, :, None, None], _slots(v_cache, layer, 0, view), 0)
-        s = jnp.einsum("btkgd,bskd->bkgts", qg, _slots(k_cache, layer, 0, view), preferred_element_type=cd)
+        # A view that is not a whole number of MIN_VIEW slots (the buffer's own length) is padded to
+        # one: products over whole MIN_VIEW blocks sum in the same order whatever the view, so a
+        # request's results do not depend on the buffer's length or its batch mates' (checked bit
+        # for bit; a 301-slot view summed its 300 slots differently from a 384-slot one).
+        padded = -(-view // MIN_VIEW) * MIN_VIEW
+        k = _pad_slots(_slots(k_cache, layer, 0, view), padded)
+        valid = jnp.arange(padded)[None, :] < lengths[:, None]  # [B, V]
+        v = jnp.where(valid[:, :, None, None], _pad_slots(_slots(v_cache, layer, 0, view), padded), 0)
+        if kv_heads * groups * num_q <= FLAT_COLUMNS:
+            return _flat(qg, k, v, valid, cd)
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=cd)
         s = jnp.where(valid[:, None, None, None, :], s, -jnp.inf)
         m = jnp.max(s, axis=-1)
         p = jnp.exp(s - _finite_or_zero(m)[..., None])
         acc = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=cd)
         return m.reshape(rows), jnp.sum(p, axis=-1).reshape(rows), acc.reshape(rows + (head_dim,))
     return run
+
+
+def _flat(qg, k, v, valid, cd):
+    """The prefix view for a few queries (decoding): every query row against every (slot, KV head) row
+    of the view in its own layout, [B, V * KVH, Dh], rows of another KV head masked out. KVH times the
+    arithmetic of per-head products, but no copy of the view into a head-major layout (which cost
+    more than the products themselves: a decode step at 1k tokens of context spent ~3x the K/V
+    bytes' bandwidth time in attention). Returns (row max, row sum, unnormalised output) as ``run``."""
+    batch, num_q, kv_heads, groups, head_dim = qg.shape
+    view = k.shape[1]
+    cols = qg.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads * groups * num_q, head_dim)  # col = k*G*T + g*T + t
+    s = jnp.einsum("bnd,bcd->bnc", k.reshape(batch, view * kv_heads, head_dim), cols, preferred_element_type=cd)
+    same_head = (jnp.arange(view * kv_heads) % kv_heads)[:, None] == jnp.arange(cols.shape[1])[None, :] // (
+        groups * num_q)  # [V * KVH, C]
+    seen = jnp.repeat(valid, kv_heads, axis=1)[:, :, None] & same_head[None]  # [B, V * KVH, C]
+    s = jnp.where(seen, s, -jnp.inf)
+    m = jnp.max(s, axis=1)  # [B, C]
+    p = jnp.exp(s - _finite_or_zero(m)[:, None, :])
+    acc = jnp.einsum("bnc,bnd->bcd", p.astype(v.dtype), v.reshape(batch, view * kv_heads, head_dim),
+                     preferred_element_type=cd)
+    rows = (batch, kv_heads, groups * num_q)
+    return m.reshape(rows), jnp.sum(p, axis=1).reshape(rows), acc.reshape(rows + (head_dim,))
+
+
+def _pad_slots(block: jax.Array, size: int) -> jax.Array:
+    """[B, S, KVH, Dh] zero-padded to ``size`` slots (masked like any slot past a committed length)."""
+    return block if block.shape[1] == size else jnp.pad(block, ((0, 0), (0, size - block.shape[1]), (0, 0), (0, 0)))
 
 
 def _slots(cache: jax.Array, layer, start, size: int) -> jax.Array:

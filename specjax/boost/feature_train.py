@@ -105,7 +105,7 @@ def make_batch(data: FeatureSet, index: np.ndarray, window: int) -> dict[str, np
 def _block(lp, x, positions, attention, cfg, inv_freq):
     """The drafter's layer with a given attention (q, k, v) -> [B, T, H, Dh]; returns (out, k, v)."""
     h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
-    q, k, v = project_qkv(h, lp, positions, inv_freq, cfg.attention_bias)
+    q, k, v = project_qkv(h, lp, positions, inv_freq, cfg.attention_bias, cfg.num_heads)
     a = jnp.einsum("bthk,hkd->btd", attention(q, k, v), lp["wo"])
     x = x + (a + lp["bo"] if cfg.attention_bias else a)
     return x + mlp(rms_norm(x, lp["mlp_norm"], cfg.norm_eps), lp, cfg), k, v

@@ -85,11 +85,17 @@ def write_block(cache: jax.Array, layer: jax.Array, new: jax.Array, lengths: jax
     return cache.at[layer, rows, lengths[:, None] + offsets].set(new.astype(cache.dtype), mode="drop")
 
 
-def project_qkv(x, lp, positions, inv_freq, bias: bool):
-    """x [B, T, D] -> q [B, T, H, Dh], k and v [B, T, KVH, Dh], RoPE applied at ``positions`` (None: no RoPE)."""
-    q = weight_einsum("btd,dhk->bthk", x, lp["wq"])
-    k = weight_einsum("btd,dhk->bthk", x, lp["wk"])
-    v = weight_einsum("btd,dhk->bthk", x, lp["wv"])
+def project_qkv(x, lp, positions, inv_freq, bias: bool, num_heads: int):
+    """x [B, T, D] -> q [B, T, H, Dh], k and v [B, T, KVH, Dh], RoPE applied at ``positions`` (None: no RoPE).
+    Split layers hold q, k and v as one fused weight (``specjax.models.params.FUSED``): one matmul."""
+    if "wqkv" in lp:
+        qkv = weight_einsum("btd,dhk->bthk", x, lp["wqkv"])
+        kv_heads = (qkv.shape[2] - num_heads) // 2
+        q, k, v = qkv[:, :, :num_heads], qkv[:, :, num_heads:num_heads + kv_heads], qkv[:, :, num_heads + kv_heads:]
+    else:
+        q = weight_einsum("btd,dhk->bthk", x, lp["wq"])
+        k = weight_einsum("btd,dhk->bthk", x, lp["wk"])
+        v = weight_einsum("btd,dhk->bthk", x, lp["wv"])
     if bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     if inv_freq is not None:
@@ -106,7 +112,7 @@ def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMe
     ``prefix``: (k, v) caches [L, B, S, KVH, Dh] read only (block-only passes, ``run_layers``); then
     ``k_cache, v_cache`` are the pass's block buffers [L, B, T, KVH, Dh] and receive the block's K/V.
     """
-    q, k, v = project_qkv(x, lp, positions, inv_freq, bias)
+    q, k, v = project_qkv(x, lp, positions, inv_freq, bias, cfg.num_heads)
     scale = cfg.head_dim ** -0.5
     k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
     pallas_tree = meta.ancestor is not None and resolve_impl(meta.impl) == "pallas"  # the GPU tree kernel

@@ -28,8 +28,12 @@ def draft_rows(cfg: ModelConfig) -> np.ndarray:
 
 def mlp(x: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
     """SwiGLU: x [B, T, D] -> [B, T, D]."""
-    gate = weight_einsum("btd,df->btf", x, lp["w_gate"])
-    up = weight_einsum("btd,df->btf", x, lp["w_up"])
+    if "w_gate_up" in lp:  # split layers: one fused matmul (specjax.models.params.FUSED)
+        gate_up = weight_einsum("btd,df->btf", x, lp["w_gate_up"])
+        gate, up = gate_up[..., :cfg.intermediate_size], gate_up[..., cfg.intermediate_size:]
+    else:
+        gate = weight_einsum("btd,df->btf", x, lp["w_gate"])
+        up = weight_einsum("btd,df->btf", x, lp["w_up"])
     if cfg.mlp_bias:
         gate, up = gate + lp["b_gate"], up + lp["b_up"]
     down = weight_einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp["w_down"])

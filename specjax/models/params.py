@@ -146,7 +146,7 @@ def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None
             raise CheckpointError(f"{source}: {len(params['layers'])} layers, expected {cfg.num_layers}")
         per_layer = jax.tree.map(lambda s: ParamSpec(s.shape[1:], s.axes[1:], s.init), specs["layers"],
                                  is_leaf=is_param_spec)
-        specs = {**specs, "layers": (per_layer,) * cfg.num_layers}
+        specs = {**specs, "layers": (_fused_specs(per_layer),) * cfg.num_layers}
     flat_specs = {jax.tree_util.keystr(p): s for p, s in
                   jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_param_spec)[0]}
     flat_params = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
@@ -167,8 +167,26 @@ def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None
 # a scanned layer first copies its weights out of the stacked buffers (a dynamic slice becomes a
 # copy, ~424 MB per pass for SmolLM2), which makes a one-token pass ~1.5x as long as the same pass
 # over split weights (scripts/bench_layer_layout.py); the switched matmuls cost compile time
-# instead (a tree pass 2.4-5.2 s instead of 1.9-2.6 s; unrolling the layers, the earlier way,
-# took 12-15 s).
+# instead (unrolling the layers, the earlier way, took 12-15 s per pass program).
+#
+# The split layout also fuses the matmuls that read the same input (FUSED): q, k and v into one
+# weight, the gate and up projections into another, concatenated on their output axis (axis 1 of a
+# layer's weight). A decode step is a chain of GEMVs whose small ones pay a fixed cost each; on a
+# 2-core Xeon, 30 SmolLM2 layers of switched GEMVs took 21.1 ms as 7 matmuls per layer and 18.3 ms
+# as 4 (and compiled in 1.1 s instead of 1.9). Stacked params keep them apart: a mesh shards q and
+# k/v heads separately.
+FUSED = (("wqkv", ("wq", "wk", "wv")), ("w_gate_up", ("w_gate", "w_up")))
+
+
+def _fused_specs(per_layer: dict) -> dict:
+    """One split layer's specs: each FUSED group's parts replaced by their concatenation on axis 1."""
+    out = dict(per_layer)
+    for fused, parts in FUSED:
+        if all(p in out for p in parts):
+            specs = [out.pop(p) for p in parts]
+            shape = specs[0].shape[:1] + (sum(s.shape[1] for s in specs),) + specs[0].shape[2:]
+            out[fused] = ParamSpec(shape, specs[0].axes)
+    return out
 
 
 def layers_split(params: dict) -> bool:
@@ -176,14 +194,44 @@ def layers_split(params: dict) -> bool:
     return isinstance(params.get("layers"), (tuple, list))
 
 
+def fuse_layer(lp: dict) -> dict:
+    """One layer's weights with the FUSED groups concatenated (numpy in, numpy out)."""
+    out = dict(lp)
+    for fused, parts in FUSED:
+        if all(p in out for p in parts):
+            arrays = [out.pop(p) for p in parts]
+            xp = np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
+            out[fused] = xp.concatenate(arrays, axis=1)
+    return out
+
+
+def unfuse_layer(lp: dict) -> dict:
+    """``fuse_layer`` undone: q takes as many heads as the output projection reads, k and v half the rest
+    each; gate and up half each. Works on one layer ([D, ...]) or stacked layers ([L, D, ...]): the
+    output axis is the one after "embed", axis -2 of wqkv and -1 of w_gate_up."""
+    out = dict(lp)
+    if "wqkv" in out:
+        wqkv = out.pop("wqkv")
+        heads = out["wo"].shape[-3]
+        kv = (wqkv.shape[-2] - heads) // 2
+        out["wq"], out["wk"], out["wv"] = (wqkv[..., :heads, :], wqkv[..., heads:heads + kv, :],
+                                           wqkv[..., heads + kv:, :])
+    if "w_gate_up" in out:
+        gate_up = out.pop("w_gate_up")
+        half = gate_up.shape[-1] // 2
+        out["w_gate"], out["w_up"] = gate_up[..., :half], gate_up[..., half:]
+    return out
+
+
 def split_layers(params: dict) -> dict:
-    """The same params with "layers" as a tuple of per-layer dicts (a no-op when already split).
-    Numpy leaves are sliced as views; device arrays are copied once per layer."""
+    """The same params with "layers" as a tuple of per-layer dicts, FUSED groups concatenated (a no-op
+    when already split). Numpy leaves are sliced as views (fused ones copied); device arrays are copied
+    once per layer."""
     if layers_split(params):
         return params
     stacked = params["layers"]
     count = jax.tree.leaves(stacked)[0].shape[0]
-    return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(count))}
+    return {**params, "layers": tuple(fuse_layer(jax.tree.map(lambda a, i=i: a[i], stacked)) for i in range(count))}
 
 
 def stack_layers(params: dict) -> dict:
@@ -202,5 +250,5 @@ def take_layers(params: dict, idx) -> dict:
     if layers_split(params):
         picked = [params["layers"][i] for i in idx]
         xp = np if all(isinstance(a, np.ndarray) for a in jax.tree.leaves(picked)) else jnp
-        return jax.tree.map(lambda *a: xp.stack(a), *picked)
+        return unfuse_layer(jax.tree.map(lambda *a: xp.stack(a), *picked))
     return jax.tree.map(lambda a: a[np.asarray(idx)], params["layers"])

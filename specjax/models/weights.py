@@ -15,10 +15,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # The weights the layers multiply by (through weight_einsum): switched. Norms and biases are small:
 # stacked once per pass and indexed.
-MATMUL_WEIGHTS = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "fc1", "fc2"})
+MATMUL_WEIGHTS = frozenset({"wq", "wk", "wv", "wqkv", "wo", "w_gate", "w_up", "w_gate_up", "w_down", "fc1",
+                            "fc2"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +32,22 @@ class LayerSwitch:
 
 
 def weight_einsum(spec: str, x: jax.Array, w) -> jax.Array:
-    """``jnp.einsum(spec, x, w)`` for a weight array or a ``LayerSwitch``."""
-    if isinstance(w, LayerSwitch):
-        return jax.lax.switch(w.index, [lambda x, b=b: jnp.einsum(spec, x, b) for b in w.buffers], x)
-    return jnp.einsum(spec, x, w)
+    """``jnp.einsum(spec, x, w)`` for a weight array or a ``LayerSwitch``. The specs the layers use
+    contract x's trailing dims with w's leading ones, in order ("btd,dhk->bthk", "bthk,hkd->btd")."""
+    if not isinstance(w, LayerSwitch):
+        return jnp.einsum(spec, x, w)
+    inputs, _ = spec.split("->")
+    x_dims, w_dims = inputs.split(",")
+    contracted = len(x_dims) - len(set(x_dims) - set(w_dims))
+    assert x_dims[len(x_dims) - contracted:] == w_dims[:contracted], spec
+    lead, inner = x.shape[:x.ndim - contracted], x.shape[x.ndim - contracted:]
+    rows = int(np.prod(lead))
+    # The switch's operand as a matrix, or a vector for one row: XLA:CPU then compiles no copy kernels
+    # around each branch's dot (a one-row matrix got two, per branch per weight: 240 kernels in a
+    # decode step's program, about a third of its compile time), and the vector product ran faster.
+    flat = x.reshape(int(np.prod(inner))) if rows == 1 else x.reshape(rows, int(np.prod(inner)))
+    out = jax.lax.switch(w.index, [lambda a, b=b: a @ b.reshape(a.shape[-1], -1) for b in w.buffers], flat)
+    return out.reshape(lead + w.buffers[0].shape[contracted:])
 
 
 def switched_layers(layer_params) -> tuple[dict, dict]:

@@ -36,10 +36,11 @@ def _median(fn, repeats: int) -> float:
 
 
 def main() -> None:
+    from specjax.cli.layers import add_layers_flag, split_layers_arg
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--split-layers", action="store_true",
-                    help="split layer weights (load_model(split_layers=True)): faster passes, longer compilation")
+    add_layers_flag(ap)
     ap.add_argument("--lengths", default="64,256,1024,2048,4096")
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--tree-nodes", default="1,16,64")
@@ -68,7 +69,7 @@ def main() -> None:
 
     common.print_header("base engine: specjax vs torch (float32, batch 1)")
     print(f"# torch {torch.__version__} ({torch.get_num_threads()} threads)")
-    model = specjax.load_model(args.model, progress=False, split_layers=args.split_layers)
+    model = specjax.load_model(args.model, progress=False, split_layers=split_layers_arg(args))
     cfg = model.config
     hf = common.load_hf_reference(resolve(args.model))
     rng = np.random.RandomState(0)

@@ -47,7 +47,7 @@ def main() -> None:
     from specjax.speculation.tree import from_parents
 
     common.print_header("stacked vs split layer weights, float32")
-    stacked = specjax.load_model(args.model, progress=False)
+    stacked = specjax.load_model(args.model, progress=False, split_layers=False)
     cfg = stacked.config
     models = {"stacked": stacked, "split": stacked._replace(params=split_layers(stacked.params))}
 

@@ -40,6 +40,8 @@ def _specjax_seconds(fn):
 
 
 def main() -> None:
+    from specjax.cli.layers import add_layers_flag, split_layers_arg
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts-file", default=TASKS)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -50,8 +52,7 @@ def main() -> None:
     ap.add_argument("--compare-rate", action="store_true",
                     help="part 2 also runs the budget with goal 'rate' (the serving engine's) for comparison")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: batch1, batch")
-    ap.add_argument("--split-layers", action="store_true",
-                    help="split layer weights (load_model(split_layers=True)): faster passes, longer compilation")
+    add_layers_flag(ap)
     ap.add_argument("--out", default="bench_out/lookup.png")
     args = ap.parse_args()
 
@@ -65,7 +66,7 @@ def main() -> None:
 
     common.print_header("lookup drafting + tree budget vs incremental vs transformers (greedy, float32)")
     records = common.load_prompts(args.prompts_file, None)
-    llm = specjax.load_model("smollm2-135m-instruct", progress=False, split_layers=args.split_layers)
+    llm = specjax.load_model("smollm2-135m-instruct", progress=False, split_layers=split_layers_arg(args))
     prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in records])
     kinds = [r.get("category", "?") for r in records]
     n = args.max_new_tokens

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.attention import resolve_impl
-from specjax.decoding.buckets import _next_pow2
+from specjax.decoding.buckets import _next_pow2, cache_bucket
 from specjax.decoding.incremental import (
     decode_init_jit,
     decode_step_jit,
@@ -107,7 +107,7 @@ class GenerationPlan:
     mode: str
     ids: list[list[int]]
     lens: np.ndarray  # [B] int32
-    padded: np.ndarray  # [B, W] int32, right-padded to a power-of-two bucket
+    padded: np.ndarray  # [B, cache_len] int32, right-padded to the width of the cache bucket
     samplings: list[SamplingParams]
     max_new_tokens: int
     max_out: int
@@ -147,12 +147,13 @@ def plan_generation(model: Model, prompts, max_new_tokens: int = 128, sampling=N
             raise InputError(f"prompt {i}: {len(p)} prompt tokens + max_new_tokens={max_new_tokens} = "
                              f"{len(p) + max_new_tokens} exceeds the context window of {limit}")
     lens = np.array([len(p) for p in ids], np.int32)
-    padded = np.zeros((len(ids), _next_pow2(int(lens.max()))), np.int32)
+    max_out = _next_pow2(max_new_tokens)
+    # The cache length comes from a few buckets, and prompts are padded to the cache's width: prefill
+    # reads only the chunks a prompt needs, so every prompt that fits a bucket runs the same programs.
+    cache_len = cache_bucket(int(lens.max()) + max_out + extra_slots, len(ids))
+    padded = np.zeros((len(ids), cache_len), np.int32)
     for i, p in enumerate(ids):
         padded[i, :len(p)] = p
-    max_out = _next_pow2(max_new_tokens)
-    # The cache length is a function of the buckets only, so a new prompt never forces a recompile.
-    cache_len = padded.shape[1] + max_out + extra_slots
     return GenerationPlan(mode=mode, ids=ids, lens=lens, padded=padded, samplings=samplings,
                           max_new_tokens=int(max_new_tokens), max_out=max_out, cache_len=cache_len,
                           eos_ids=() if ignore_eos else _eos_ids(model), spec=spec, verifier=verifier_name,
@@ -298,7 +299,7 @@ def _result(model: Model, plan: GenerationPlan, out, tokens, host, n: int, timin
     total = int(counts.sum())
     stats = {"mode": plan.mode, "llm_passes": int(host(out.llm_passes)), "generated_tokens": total,
              "seconds": seconds, "tokens_per_s": total / seconds if seconds > 0 else float("inf"),
-             "prompt_bucket": int(plan.padded.shape[1]), "cache_len": plan.cache_len}
+             "cache_len": plan.cache_len}
     if "compile_seconds" in timing:
         stats["compile_seconds"] = timing["compile_seconds"]
     # Histograms count the loop's passes (tokens each emitted); the prefill pass, which emits the

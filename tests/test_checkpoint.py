@@ -30,7 +30,7 @@ def test_restore_into_explicit_sharding(tiny_llama_dir, tmp_path):
     from specjax.io.checkpoint import restore_checkpoint, save_checkpoint
     from specjax.models.params import is_param_spec
 
-    m = specjax.load_model(tiny_llama_dir, progress=False)
+    m = specjax.load_model(tiny_llama_dir, progress=False, split_layers=False)  # the layout a checkpoint holds
     save_checkpoint(str(tmp_path / "c"), m.config, m.params)
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[-1])
     shardings = jax.tree.map(lambda s: sharding, param_specs(m.config), is_leaf=is_param_spec)
@@ -54,7 +54,7 @@ def test_save_refuses_non_empty_destination(tiny_llama_dir, tmp_path):
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_opt_dir"])
 def test_every_leaf_declares_logical_axes(request, fixture):
-    m = specjax.load_model(request.getfixturevalue(fixture), progress=False)
+    m = specjax.load_model(request.getfixturevalue(fixture), progress=False, split_layers=False)  # sharded layout
     axes = param_logical_axes(m.config)
     flat_p = jax.tree_util.tree_flatten_with_path(m.params)[0]
     flat_a = dict(jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda x: isinstance(x, tuple))[0])

@@ -88,17 +88,18 @@ def test_drafter_flag_builds_registered_drafters(tiny_llama_dir, tmp_path):
     assert sum(budget["passes_at_level"]) == record["llm_passes"] - 1  # every loop pass ran at some level
 
 
-def test_split_layers_flag_generates_the_same_tokens_with_its_own_cost_table(tiny_llama_dir, tmp_path):
-    """--split-layers changes how the weights are laid out, never the tokens; the tree budget measures
-    the split layout's pass costs separately (they differ) instead of reusing the stacked table."""
+def test_layers_flag_generates_the_same_tokens_with_its_own_cost_table(tiny_llama_dir, tmp_path):
+    """--layers changes how the weights are laid out, never the tokens (the default on this CPU is
+    split); the tree budget measures each layout's pass costs separately (they differ) instead of
+    reusing one table for the other."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": [1, 2, 3]}\n')
     runs = [cli("generate", "--model", tiny_llama_dir, "--prompts-file", str(prompts), "--max-new-tokens", "8",
                 "--drafter", "lookup:depth=2,branches=1", "--json", *extra, env={"SPECJAX_CACHE_DIR": str(tmp_path)})
-            for extra in ((), ("--split-layers",))]
+            for extra in (("--layers", "stacked"), ("--layers", "split"), ())]
     assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
-    stacked, split = (json.loads(r.stdout) for r in runs)
-    assert stacked["token_ids"] == split["token_ids"]
+    stacked, split, default = (json.loads(r.stdout) for r in runs)
+    assert stacked["token_ids"] == split["token_ids"] == default["token_ids"]
     with open(tmp_path / "tree_costs.json") as f:
         keys = list(json.load(f))
     assert sorted(k.split("|layers=")[1].split("|")[0] for k in keys) == ["split", "stacked"], keys
@@ -174,7 +175,7 @@ def test_stdout_is_protected_from_native_writes():
     (["--ssm", "/nonexistent/ssm"], "'/nonexistent/ssm' is neither a registered model"),
     (["--mode", "incremental", "--ssm", "derived:1"], "--mode incremental drafts nothing"),
     (["--microbatches", "1000"], "--microbatches needs --mesh"),
-    (["--mesh", "dp=8", "--split-layers"], "--split-layers keeps the weights on one device"),
+    (["--mesh", "dp=8", "--layers", "split"], "--layers split keeps the weights on one device"),
     (["--mesh", "pp=2", "--microbatches", "1000"], "--microbatches 1000 exceeds --batch-size 1"),
     (["--mesh", "tp=4"], "mesh pp=1,dp=1,tp=4 uses 4 of the 8 devices; a mesh must use every device"),
     (["--mesh", "tp=3,dp=x"], "expected comma-separated AXIS=SIZE"),

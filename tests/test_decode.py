@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import specjax
+from specjax.decoding.buckets import MIN_CACHE, cache_bucket
 from specjax.decoding.incremental import full_logits, generate_incremental_jit
 from specjax.decoding.sampling import SamplingArrays, SamplingParams, warp_logits
 from tests.conftest import random_ids
@@ -61,12 +62,22 @@ def test_max_new_tokens_is_exact(model, max_new):
 
 
 def test_prompt_lengths_in_one_bucket_do_not_recompile(model):
+    """Every prompt that fits the first cache bucket (a one-token prompt and one of 900 tokens alike)
+    runs the same compiled program: prefill reads only the chunks a prompt needs."""
     rng = np.random.RandomState(4)
     specjax.generate(model, [random_ids(rng, model.config.vocab_size, 20)], max_new_tokens=8)
     before = generate_incremental_jit._cache_size()
-    for n in (17, 25, 32):
-        specjax.generate(model, [random_ids(rng, model.config.vocab_size, n)], max_new_tokens=8)
+    for n in (1, 17, 70, 300, 900):
+        res = specjax.generate(model, [random_ids(rng, model.config.vocab_size, n)], max_new_tokens=8)
+        assert res.stats["cache_len"] == MIN_CACHE
     assert generate_incremental_jit._cache_size() == before
+
+
+def test_cache_buckets_are_few_and_shrink_for_wide_batches():
+    assert [cache_bucket(n) for n in (1, 1024, 1025, 4096, 4097, 8193)] == [1024, 1024, 4096, 4096, 8192, 16384]
+    assert cache_bucket(200, batch=16) == 1024  # 16 x 768 padded slots: within MAX_PADDING_SLOTS
+    assert cache_bucket(200, batch=64) == 256  # 64 x 768 would not be: the next power of two
+    assert cache_bucket(3000, batch=64) == 4096  # nothing padded beyond the power of two anyway
 
 
 def test_sampling_follows_the_positional_gumbel_definition(model):
@@ -121,11 +132,14 @@ def test_full_logits_ignore_right_padding(model):
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("kind", ["llama", "opt"])
-def test_long_prompts_prefill_in_chunks_and_match_transformers(kind, tmp_path):
-    """Prompts longer than PREFILL_CHUNK (two of them, in one batch of different lengths) are read in
-    chunks: the first token's logits match transformers' float64 ones as closely as transformers'
-    float32 ones do, and the greedy continuation is transformers' float64 argmax at every step."""
+@pytest.mark.parametrize("kind,lengths", [("llama", (589, 257)), ("opt", (589, 257)), ("llama", (712, 40))],
+                         ids=["llama-tail-chunks", "opt-tail-chunks", "llama-whole-chunks"])
+def test_long_prompts_prefill_in_chunks_and_match_transformers(kind, lengths, tmp_path):
+    """Prompts longer than PREFILL_CHUNK (in one batch of different lengths) are read in chunks (589
+    tokens: two whole chunks and two PREFILL_TAIL chunks; 712: three whole chunks, the rest being
+    more than three tail chunks): the first token's logits match transformers' float64 ones as
+    closely as transformers' float32 ones do, and the greedy continuation is transformers' float64
+    argmax at every step."""
     import copy
 
     import torch
@@ -138,7 +152,7 @@ def test_long_prompts_prefill_in_chunks_and_match_transformers(kind, tmp_path):
     hf = make_hf_model(kind, str(tmp_path), max_position_embeddings=2048)
     model = specjax.load_model(str(tmp_path), progress=False)
     rng = np.random.RandomState(3)
-    prompts = [random_ids(rng, model.config.vocab_size, n) for n in (2 * PREFILL_CHUNK + 77, PREFILL_CHUNK + 1)]
+    prompts = [random_ids(rng, model.config.vocab_size, n) for n in lengths]
     width = 4 * PREFILL_CHUNK
     padded = jnp.asarray([p + [0] * (width - len(p)) for p in prompts], jnp.int32)
     lens = jnp.asarray([len(p) for p in prompts], jnp.int32)

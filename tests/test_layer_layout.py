@@ -1,9 +1,10 @@
 """Split (per-layer buffers, read in place by switched matmuls) vs stacked layer weights: the same
 model either way.
 
-``load_model(split_layers=True)`` gives split weights on one device (faster passes on XLA:CPU,
-slower compilation, see ``specjax.models.params``); the default is stacked. Checkpoints, HF export,
-boost students and SSMs cut from an LLM take either; a mesh refuses split weights. These tests hold
+``load_model`` gives split weights on one CPU device by default (faster passes on XLA:CPU, slower
+compilation, see ``specjax.models.params``) and stacked ones on a mesh (or with split_layers=False).
+Checkpoints, HF export, boost students and SSMs cut from an LLM take either; a mesh refuses split
+weights. These tests hold
 the two layouts to the same results (within the float64-derived bound, identical tokens) and check
 that the split pass really reads each layer's weights in place.
 """
@@ -38,18 +39,25 @@ from tests.conftest import random_ids
 def both(request):
     """(stacked model, split model) of one tiny checkpoint."""
     path = request.getfixturevalue(request.param)
-    return specjax.load_model(path, progress=False), specjax.load_model(path, progress=False, split_layers=True)
+    return (specjax.load_model(path, progress=False, split_layers=False),
+            specjax.load_model(path, progress=False, split_layers=True))
 
 
-def test_load_model_splits_on_request_and_checks_its_argument(tiny_llama_dir):
+def test_load_model_splits_on_one_cpu_device_and_checks_its_argument(tiny_llama_dir):
+    from specjax.sharding import Parallel
+
     split = specjax.load_model(tiny_llama_dir, progress=False, split_layers=True)
-    stacked = specjax.load_model(tiny_llama_dir, progress=False)
+    stacked = specjax.load_model(tiny_llama_dir, progress=False, split_layers=False)
     assert layers_split(split.params) and not layers_split(stacked.params)
+    # the default: split on one CPU device, stacked on a mesh
+    chex.assert_trees_all_equal(specjax.load_model(tiny_llama_dir, progress=False).params, split.params)
+    on_mesh = specjax.load_model(tiny_llama_dir, progress=False, parallel=Parallel.create("dp=8"))
+    assert not layers_split(on_mesh.params)
     assert len(split.params["layers"]) == split.config.num_layers
     check_params(split.config, split.params)
     chex.assert_trees_all_equal(stack_layers(split.params), stacked.params)
     chex.assert_trees_all_equal(split_layers(stacked.params), split.params)
-    with pytest.raises(InputError, match="split_layers must be True or False"):
+    with pytest.raises(InputError, match=r"split_layers must be True, False or None \(auto\)"):
         specjax.load_model(tiny_llama_dir, progress=False, split_layers="yes")
     with pytest.raises(InputError, match="split_layers=True keeps the weights on one device"):
         specjax.load_model(tiny_llama_dir, progress=False, split_layers=True, shardings=lambda cfg: None)
@@ -94,7 +102,7 @@ class TestPasses(chex.TestCase):
     @pytest.fixture(autouse=True)
     def _models_fixture(self, tiny_llama_dir, tiny_opt_dir):
         load = specjax.load_model
-        self._models = [(load(p, progress=False), load(p, progress=False, split_layers=True))
+        self._models = [(load(p, progress=False, split_layers=False), load(p, progress=False, split_layers=True))
                         for p in (tiny_llama_dir, tiny_opt_dir)]
 
 
@@ -122,7 +130,7 @@ def test_a_split_model_saves_a_stacked_checkpoint_that_restores_either_way(both,
     restored = specjax.load_model(str(tmp_path / "ckpt"), progress=False, split_layers=True)
     assert layers_split(restored.params)
     chex.assert_trees_all_equal(stack_layers(restored.params), stacked.params)
-    kept = specjax.load_model(str(tmp_path / "ckpt"), progress=False)
+    kept = specjax.load_model(str(tmp_path / "ckpt"), progress=False, split_layers=False)
     chex.assert_trees_all_equal(kept.params, stacked.params)
 
 
@@ -143,7 +151,7 @@ def test_split_pass_reads_weights_in_place(family_dir, request):
     pass reads every weight matrix in place (specjax.models.weights), for both families. The stacked
     program is checked too, so the pattern is known to match."""
     path = request.getfixturevalue(family_dir)
-    stacked = specjax.load_model(path, progress=False)
+    stacked = specjax.load_model(path, progress=False, split_layers=False)
     split = specjax.load_model(path, progress=False, split_layers=True)
     cfg = stacked.config
     cache = init_cache(cfg, 1, 8).replace(length=jnp.asarray([3], jnp.int32))
@@ -169,7 +177,8 @@ def test_the_pipeline_refuses_split_weights_and_a_mesh_refuses_a_split_model(tin
     from specjax.sharding import Parallel
 
     split = specjax.load_model(tiny_llama_dir, progress=False, split_layers=True)
-    with pytest.raises(ShardingError, match=r"split layer weights .* run on one device; load the model stacked"):
+    with pytest.raises(ShardingError, match=r"split layer weights .* run on one device; load the model stacked .* "
+                                            r"split_layers=False"):
         specjax.generate(split, [[1, 2, 3]], max_new_tokens=2, chat_template=False, parallel=Parallel.create("dp=8"))
     with pytest.raises(ValueError, match="2 split layers for a cache of 1 layers"):
         one_layer_cache = init_cache(dataclasses.replace(split.config, num_layers=1), 1, 4)
@@ -191,7 +200,7 @@ def test_hf_export_and_students_read_either_layout(tiny_llama_dir, tmp_path):
     from specjax.boost.student import make_student
     from specjax.io.hf_export import export_hf
 
-    stacked = specjax.load_model(tiny_llama_dir, progress=False)
+    stacked = specjax.load_model(tiny_llama_dir, progress=False, split_layers=False)
     split = specjax.load_model(tiny_llama_dir, progress=False, split_layers=True)
     for name, m in (("stacked", stacked), ("split", split)):
         export_hf(m, str(tmp_path / name))

@@ -257,6 +257,7 @@ def test_cli_mesh_pp2_tp4_equals_one_device(smollm2, capsys):
 
     from specjax import cli
     from specjax.decoding.incremental import full_logits
+    from specjax.models.params import stack_layers
     from specjax.sharding import Parallel, ShardingRules
 
     every = dev_prompts()  # 78 with ../shared, 4 built-in ones in a bare clone
@@ -271,7 +272,8 @@ def test_cli_mesh_pp2_tp4_equals_one_device(smollm2, capsys):
     parallel = Parallel.create("pp=2,tp=4", rules=ShardingRules(heads=None, kv_heads=None))
     ids = jnp.asarray([specjax.api.encode_prompts(smollm2, [prompt])[0] + want] * 2)
     one = np.asarray(full_logits(smollm2.params, ids, cfg=smollm2.config))
-    mesh = np.asarray(full_logits(parallel.put_params(smollm2.params, smollm2.config), parallel.put_batch(ids),
+    stacked = stack_layers(smollm2.params)  # a mesh takes stacked layer weights (one device gets split ones)
+    mesh = np.asarray(full_logits(parallel.put_params(stacked, smollm2.config), parallel.put_batch(ids),
                                   cfg=smollm2.config, parallel=parallel))
     ref = np.stack(precision.logits64(smollm2, np.asarray(ids).tolist()))
     precision.assert_within(mesh, ref, precision.error(one, ref), what="pp=2,tp=4 mesh")

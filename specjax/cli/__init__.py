@@ -14,6 +14,7 @@ import os
 import sys
 
 from specjax.cli.generate import _cmd_generate
+from specjax.cli.layers import add_layers_flag
 from specjax.cli.serve import add_parser as add_serve
 from specjax.cli.tree_cost import add_parser as add_tree_cost
 from specjax.errors import SpecjaxError
@@ -112,10 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"as in the Python API; {','.join(map(str, registry.DEFAULT_SEQUENCE))} for sequence)")
     g.add_argument("--batch-size", type=int, default=1, help="prompts generated together")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype")
-    g.add_argument("--split-layers", action="store_true",
-                   help="one weight buffer per layer, read in place: faster passes (SmolLM2, 2 CPU cores: "
-                        "decoding 1.42x, the default speculation 1.30x) for 1.2-2.3x longer compilation "
-                        "(kept by --compile-cache)")
+    add_layers_flag(g)
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt text without the chat template")
     g.add_argument("--json", action="store_true", help="one JSON record per prompt on stdout instead of text")
     g.add_argument("--compile-cache", default=_default_compile_cache(),

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from specjax.cli.layers import split_layers_arg
 from specjax.errors import GenerationError, InputError
 from specjax.io import registry
 from specjax.speculation.drafters.base import Drafter
@@ -56,8 +57,8 @@ def _check_generate_args(args) -> None:
         if given and args.mode == "tree" and not ssm_drafts:
             raise InputError(f"{flag} shapes SSM drafts, but no SSM drafts here (the default drafter is lookup); "
                              f"add --ssm NAME or --drafter ssm:ARG, or drop {flag}")
-    if args.split_layers and args.mesh is not None:
-        raise InputError("--split-layers keeps the weights on one device; a --mesh shards stacked layers: drop one")
+    if args.layers == "split" and args.mesh is not None:
+        raise InputError("--layers split keeps the weights on one device; a --mesh shards stacked layers: drop one")
     if args.microbatches is not None:
         if args.mesh is None:
             raise InputError("--microbatches needs --mesh with pp > 1 (pipeline request groups)")
@@ -243,7 +244,7 @@ def _cmd_generate(args, out) -> int:
     t0 = time.perf_counter()
     # With a mesh the LLM goes straight to its sharding (a model larger than one device never sits on one).
     model = specjax.load_model(args.model, dtype=args.dtype, progress=not args.json and printing, parallel=parallel,
-                               split_layers=args.split_layers)
+                               split_layers=split_layers_arg(args))
     ssms = [_ssm(s, model, load=True) for s in ssm_specs]
     drafters = _drafters(args, model, True, args.verifier, args.draft)
     if parallel is not None:  # place once; generation then finds everything where it belongs

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+from specjax.cli.layers import add_layers_flag, split_layers_arg
 from specjax.errors import InputError
 from specjax.io import registry
 
@@ -91,7 +92,7 @@ def _cmd_serve(args, out) -> int:
         raise InputError(f"--max-prompt-tokens {args.max_prompt_tokens} + --max-tokens {args.max_tokens} exceeds the "
                          f"context window of {light.config.max_positions}")
     _compile_cache(args.compile_cache)
-    model = specjax.load_model(args.model, dtype=args.dtype, progress=True, split_layers=args.split_layers)
+    model = specjax.load_model(args.model, dtype=args.dtype, progress=True, split_layers=split_layers_arg(args))
     bound = _drafters(args, model, load=True)
     state = build_state(model, model_name=args.served_model_name or args.model, slots=args.slots,
                         max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
@@ -138,10 +139,7 @@ def add_parser(sub, fmt, compile_cache_default: str) -> None:
                         "at --slots requests and measured acceptance; off: whole trees (default: auto when every "
                         "drafter estimates its acceptance, else off)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype")
-    s.add_argument("--split-layers", action="store_true",
-                   help="one weight buffer per layer, read in place: faster passes (SmolLM2, 2 CPU cores: "
-                        "decoding 1.42x, the default speculation 1.30x) for 1.2-2.3x longer compilation "
-                        "(kept by --compile-cache): worth it for a server")
+    add_layers_flag(s)
     s.add_argument("--warmup", default="all", choices=["all", "step"],
                    help="compile before listening: the step and every prompt bucket (all), or the step only")
     s.add_argument("--shutdown-grace", type=float, default=10.0,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
+from specjax.cli.layers import add_layers_flag, split_layers_arg
 from specjax.errors import InputError
 from specjax.io import registry
 
@@ -25,9 +26,12 @@ def _cmd_tree_cost(args, out) -> int:
     batches = _ints("--batch-sizes", args.batch_sizes)
     import specjax
     from specjax.attention import resolve_impl
+    from specjax.models.params import layers_split
     from specjax.speculation.cost import cached_pass_costs, machine_key
 
-    model = specjax.load_model(args.model, dtype=args.dtype, progress=not args.json, split_layers=args.split_layers)
+    model = specjax.load_model(args.model, dtype=args.dtype, progress=not args.json,
+                               split_layers=split_layers_arg(args))
+    split = layers_split(model.params)
     impl = resolve_impl("auto")
     rows = {}
     for b in batches:
@@ -38,11 +42,11 @@ def _cmd_tree_cost(args, out) -> int:
                                             remeasure=args.remeasure)
     if args.json:
         out.write(json.dumps({"model": args.model, "machine": machine_key(), "dtype": args.dtype,
-                              "layers": "split" if args.split_layers else "stacked",
+                              "layers": "split" if split else "stacked",
                               "seconds_per_pass": {str(b): {str(n): s for n, s in r.items()} for b, r in rows.items()}})
                   + "\n")
         return 0
-    layers = "split layers" if args.split_layers else "stacked layers"
+    layers = "split layers" if split else "stacked layers"
     out.write(f"# LLM pass time by tree size: {args.model}, {args.dtype}, {layers}, {machine_key()}\n")
     out.write(f"# ms per pass (x = relative to one node at the same batch size); {source.split(',')[-1].strip()}\n")
     out.write(f"{'nodes':>6} " + " ".join(f"{'batch ' + str(b):>18}" for b in batches) + "\n")
@@ -64,8 +68,7 @@ def add_parser(sub, fmt) -> None:
     t.add_argument("--nodes", default="1,2,3,5,9,17", help="tree sizes (nodes, root included)")
     t.add_argument("--batch-sizes", default="1", help="batch sizes")
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype")
-    t.add_argument("--split-layers", action="store_true",
-                   help="the costs of the split-layer layout (generate/serve --split-layers), cached separately")
+    add_layers_flag(t)  # each layout's costs are cached separately
     t.add_argument("--remeasure", action="store_true", help="measure again instead of reading the cached table")
     t.add_argument("--json", action="store_true", help="one JSON object on stdout")
     t.set_defaults(func=_cmd_tree_cost)

@@ -170,8 +170,9 @@ class Parallel:
         weights: split ones (``specjax.models.params.split_layers``) are refused, not restacked behind the
         caller's back (a full copy of the layers on one device)."""
         if layers_split(params):
-            raise ShardingError("split layer weights (load_model(split_layers=True)) run on one device; load the "
-                                "model stacked (the default, or with parallel=) to place it on a mesh")
+            raise ShardingError("split layer weights (load_model's default on one CPU device) run on one device; load "
+                                "the model stacked to place it on a mesh: load_model(..., parallel=) or "
+                                "load_model(..., split_layers=False)")
         return self.put(params, self.param_shardings(cfg, rules))
 
     def put_batch(self, tree):

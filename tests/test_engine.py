@@ -13,6 +13,7 @@ from specjax.errors import InputError
 from specjax.speculation.budget import Budget, default_levels
 from specjax.speculation.drafters.lookup import LookupDrafter
 from specjax.speculation.drafters.ssm import derive_ssm, ssm_drafters
+from specjax.speculation.loop import init_state_jit
 from tests.conftest import random_ids
 
 
@@ -60,6 +61,7 @@ def test_inserted_mid_generation_equals_alone(llama, drafting):
     engine = _engine(llama, drafting)
     state = engine.init()
     state = engine.insert(state, engine.prefill(*requests[0]), 2)
+    compiled = init_state_jit._cache_size()
     state = engine.insert(state, engine.prefill(*requests[1]), 0)
     for _ in range(3):
         state = engine.step(state)
@@ -83,6 +85,7 @@ def test_inserted_mid_generation_equals_alone(llama, drafting):
     assert sorted(got) == [0, 1, 2, 3]
     for r, (prompt, sampling, budget, stops) in enumerate(requests):
         assert got[r] == _alone(llama, prompt, sampling, budget, stops), f"request {r}"
+    assert init_state_jit._cache_size() == compiled  # prompts of 5-17 tokens: the one prefill program
     assert got[3][-1] == requests[3][3][0] and len(got[3]) < 14  # stopped at its own stop token
 
 

@@ -346,7 +346,7 @@ def test_64_concurrent_requests_all_complete_and_equal_offline(server, chat_mode
 def one_slot(chat_dir, tmp_path_factory):
     """One slot, a queue of one, no speculation (one token per pass: a long request stays running)."""
     s = Server(chat_dir, str(tmp_path_factory.mktemp("serve1")), "--slots", "1", "--max-queue", "1", "--max-tokens",
-               str(LONG), "--drafter", "none", "--shutdown-grace", "1", "--warmup", "step")
+               str(LONG), "--drafter", "none", "--shutdown-grace", "1")
     yield s
     s.close()
 

@@ -200,3 +200,48 @@ def test_attention_cost_follows_committed_length_not_buffer(num_q, lengths, head
     wrong = np.asarray(attend(jnp.asarray(q), jnp.asarray(block), jnp.asarray(vblock), jnp.asarray(k),
                               jnp.asarray(v), short, head_dim ** -0.5))
     assert precision.error(wrong[lens > 0], ref[lens > 0]) > 10 * precision.bound(ref, floor)
+
+
+def test_a_decoding_token_written_to_the_cache_attends_through_the_view_alone():
+    """``attend_written_token`` (decoding: the token's own K/V already sits at slot length[b] of the
+    stacked cache): the float64 reference within the float32 floor, unused slots NaN-poisoned, bit
+    for bit the same on a tight buffer and a 4096-slot one, and a non-finite K/V of the token itself
+    poisons exactly its own query."""
+    from specjax.attention.xla import attend_written_token
+
+    heads, kv_heads, head_dim, layers, layer = 9, 3, 64, 2, 1
+    lengths = np.array([300, 37], np.int32)
+    rng = np.random.RandomState(11)
+    q = rng.randn(2, 1, heads, head_dim).astype(np.float32)
+    rows = {b: rng.randn(2, n + 1, kv_heads, head_dim).astype(np.float32) for b, n in enumerate(lengths)}
+    tree = from_parents([[1]] * 2, [[-1]] * 2, n_max=1)
+    outs = []
+    for max_len in (int(lengths.max()) + 1, 4096):
+        k = np.full((layers, 2, max_len, kv_heads, head_dim), np.nan, np.float32)
+        v = np.full_like(k, np.nan)
+        for b, n in enumerate(lengths):
+            k[layer, b, :n + 1], v[layer, b, :n + 1] = rows[b]
+        fn = jax.jit(attend_written_token, static_argnames="scale")
+        token = [jnp.asarray(np.stack([c[layer, b, n:n + 1] for b, n in enumerate(lengths)])) for c in (k, v)]
+        outs.append(np.asarray(fn(jnp.asarray(q), *token, jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths),
+                                  scale=head_dim ** -0.5, layer=jnp.int32(layer))))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    k1, v1 = k[layer, :, :301], v[layer, :, :301]
+    ref = tree_attention_reference(q, k1, v1, lengths, tree.parent, tree.valid, head_dim ** -0.5)
+    floor = precision.error(tree_attention_reference(q, k1, v1, lengths, tree.parent, tree.valid, head_dim ** -0.5,
+                                                     dtype=np.float32), ref)
+    precision.assert_within(outs[1], ref, floor, what="attend_written_token")
+    # power: reading one slot fewer (the token itself) lands far outside the bound
+    short = np.asarray(attend_written_token(jnp.asarray(q), *token, jnp.asarray(k), jnp.asarray(v),
+                                            jnp.asarray(lengths - 1), head_dim ** -0.5, jnp.int32(layer)))
+    assert precision.error(short, ref) > 10 * precision.bound(ref, floor)
+    # request 1's own key overflowed (in KV head 0), with the sign that gives query head 0 a score of
+    # -inf: without the check the token would silently drop out of that head's softmax
+    bad = -np.sign(q[1, 0, 0, 0]) * np.inf
+    k[layer, 1, lengths[1], 0, 0] = bad
+    token[0] = token[0].at[1, 0, 0, 0].set(bad)
+    poisoned = np.asarray(attend_written_token(jnp.asarray(q), *token, jnp.asarray(k), jnp.asarray(v),
+                                               jnp.asarray(lengths), head_dim ** -0.5, jnp.int32(layer)))
+    group = heads // kv_heads
+    assert np.isfinite(poisoned[0]).all() and np.isfinite(poisoned[1, 0, group:]).all()
+    assert np.isnan(poisoned[1, 0, :group]).all()

@@ -122,6 +122,29 @@ def attend(q: jax.Array, k_block: jax.Array | None, v_block: jax.Array | None, k
     return out.reshape(batch, num_q, heads, head_dim).astype(q.dtype)
 
 
+def attend_written_token(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                         lengths: jax.Array, scale: float, layer: jax.Array) -> jax.Array:
+    """``attend`` for one query per request whose own K/V (k, v: [B, 1, KVH, Dh]) is already written at
+    slot ``lengths[b]`` of the stacked cache (a decoding pass): the prefix view over ``lengths + 1``
+    slots is the whole attention, with no separate block to mask and merge (a decode step of SmolLM2
+    25.9 -> 24.8 ms on 2 Xeon cores). As in ``attend``, a non-finite K/V of the token makes the
+    queries of its KV head NaN (an infinite score could otherwise just drop the token).
+    q: [B, 1, H, Dh] -> [B, 1, H, Dh]."""
+    batch, _, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[3]
+    groups = heads // kv_heads
+    cd = jnp.promote_types(q.dtype, jnp.float32)
+    qg = (q * jnp.asarray(scale, q.dtype)).reshape(batch, 1, kv_heads, groups, head_dim)
+    seen = lengths + 1
+    views = prefix_views(k_cache.shape[2])
+    which = jnp.searchsorted(jnp.asarray(views, jnp.int32), jnp.max(seen), side="left")
+    _, denom, acc = jax.lax.switch(which, [_prefix_view(v, cd) for v in views], qg, k_cache, v_cache, layer, seen)
+    out = acc / denom[..., None]  # [B, KVH, G, Dh]
+    finite = jnp.all(jnp.isfinite(k[:, 0]) & jnp.isfinite(v[:, 0]), axis=-1)  # [B, KVH]
+    out = jnp.where(finite[:, :, None, None], out, jnp.nan)
+    return out.reshape(batch, 1, heads, head_dim).astype(q.dtype)
+
+
 def _prefix_view(view: int, cd):
     """The committed prefix through the static view ``[0, view)`` of the cache (one branch of the switch).
     Takes queries [B, T, KVH, G, Dh] (few of them: contracting the cache in its own layout avoids

@@ -97,7 +97,7 @@ def _cmd_serve(args, out) -> int:
     state = build_state(model, model_name=args.served_model_name or args.model, slots=args.slots,
                         max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
                         max_queue=args.max_queue, drafters=bound, budget=budget, log=log)
-    warm_up(state.scheduler.engine, prompt_buckets=args.warmup == "all", log=log)
+    warm_up(state.scheduler.engine, log=log)  # the prefill and the step compile before the server listens
     run(state, host=args.host, port=args.port, shutdown_grace=args.shutdown_grace, log=log)
     return 0
 
@@ -140,8 +140,6 @@ def add_parser(sub, fmt, compile_cache_default: str) -> None:
                         "drafter estimates its acceptance, else off)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype")
     add_layers_flag(s)
-    s.add_argument("--warmup", default="all", choices=["all", "step"],
-                   help="compile before listening: the step and every prompt bucket (all), or the step only")
     s.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running requests may finish after SIGTERM before they fail")
     s.add_argument("--compile-cache", default=compile_cache_default,

@@ -85,7 +85,10 @@ class Engine:
         self.max_new_tokens = max_new_tokens
         self.max_stop_tokens = max_stop_tokens
         self.max_out = _next_pow2(max_new_tokens)
-        self.cache_len = _next_pow2(max_prompt_tokens) + self.max_out + self.spec.num_nodes
+        # Every prompt is padded to one width: prefill reads only the chunks a prompt needs, so one
+        # compiled prefill serves every prompt length.
+        self.prompt_width = _next_pow2(max_prompt_tokens)
+        self.cache_len = self.prompt_width + self.max_out + self.spec.num_nodes
         self._sizes = dict(cfg=model.config, spec=self.spec, cache_len=self.cache_len, max_out=self.max_out)
 
     # -- device work --------------------------------------------------------------------------
@@ -106,8 +109,7 @@ class Engine:
                 stop_ids=()) -> SpecState:
         """One request's prompt through the LLM and the drafters: a batch-1 state holding its first token."""
         prompt, sampling, budget, stops = self._check(prompt, sampling, max_new_tokens, stop_ids)
-        width = _next_pow2(len(prompt))
-        padded = jnp.asarray([prompt + [0] * (width - len(prompt))], jnp.int32)
+        padded = jnp.asarray([prompt + [0] * (self.prompt_width - len(prompt))], jnp.int32)
         return init_state_jit(self.model.params, self.drafter_params, padded, jnp.asarray([len(prompt)], jnp.int32),
                               jnp.asarray([budget], jnp.int32), _sampling([sampling]), jnp.asarray([stops], jnp.int32),
                               **self._sizes)

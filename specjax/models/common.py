@@ -12,7 +12,7 @@ import numpy as np
 
 from specjax.attention import resolve_impl, tree_attention
 from specjax.attention.meta import AttentionMeta
-from specjax.attention.xla import attend
+from specjax.attention.xla import attend, attend_written_token
 from specjax.config import ModelConfig
 from specjax.models.weights import weight_einsum
 
@@ -116,7 +116,8 @@ def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMe
     scale = cfg.head_dim ** -0.5
     k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
     pallas_tree = meta.ancestor is not None and resolve_impl(meta.impl) == "pallas"  # the GPU tree kernel
-    if prefix is None:
+    written = prefix is None
+    if written:
         k_cache = write_block(k_cache, layer, k, meta.lengths, meta.slots)
         v_cache = write_block(v_cache, layer, v, meta.lengths, meta.slots)
         prefix = (k_cache, v_cache)
@@ -127,7 +128,9 @@ def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMe
     if pallas_tree:
         attn = tree_attention(q, k_cache[layer], v_cache[layer], meta.lengths, meta.ancestor, scale=scale,
                               impl="pallas", region=meta.region)
-    else:  # prefix through a bucketed view + the block: prefill, decoding, tree passes, drafting
+    elif written and q.shape[1] == 1 and meta.ancestor is None and meta.slots is None:  # a decoding pass
+        attn = attend_written_token(q, k, v, prefix[0], prefix[1], meta.lengths, scale, layer)
+    else:  # prefix through a bucketed view + the block: prefill, tree passes, drafting
         attn = attend(q, k, v, prefix[0], prefix[1], meta, scale, layer=layer)
     out = weight_einsum("bthk,hkd->btd", attn, lp["wo"])
     if bias:

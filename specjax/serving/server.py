@@ -46,21 +46,11 @@ def build_state(model: Model, *, model_name: str, slots: int, max_prompt_tokens:
                        limits=limits, tokenizer=model.tokenizer, vocab=model.config.vocab_size, stop_ids=stop_ids)
 
 
-def warm_up(engine: Engine, prompt_buckets: bool = True, log=lambda *a: None) -> None:
-    """Compile the step, insert and release, and (``prompt_buckets``) the prefill of every prompt bucket
-    up to ``max_prompt_tokens``, so no request pays a compilation."""
-    state = engine.init()
-    widths, w = [], 1
-    while True:
-        widths.append(min(w, engine.max_prompt_tokens))
-        if w >= engine.max_prompt_tokens or not prompt_buckets:
-            break
-        w *= 2
-    for i, width in enumerate(widths):
-        log(f"# compiling the prefill of {width}-token prompts ({i + 1}/{len(widths)})")
-        row = engine.prefill([0] * width, max_new_tokens=2)
-        if i == 0:
-            state = engine.insert(state, row, 0)
+def warm_up(engine: Engine, log=lambda *a: None) -> None:
+    """Compile the prefill (one program for every prompt length), insert, the step and release, so no
+    request pays a compilation."""
+    log("# compiling the prefill")
+    state = engine.insert(engine.init(), engine.prefill([0], max_new_tokens=2), 0)
     log("# compiling the batched speculative step")
     state = engine.release(engine.step(state), 0)
     jax.block_until_ready(state)

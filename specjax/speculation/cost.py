@@ -56,10 +56,11 @@ def cpu_name() -> str:
         return platform.processor() or "unknown CPU"
 
 
-# Bumped whenever the measured pass changes what it costs (2: block-only tree passes), so a table
-# cached by an older specjax is measured again instead of steering the budget with stale costs
-# (a stale batch-2 table made the default 0.68x of incremental decoding; re-measured: 1.08x).
-PASS_VERSION = 2
+# Bumped whenever the measured pass changes what it costs (2: block-only tree passes; 3: fused split
+# layers, cache-layout prefix views), so a table cached by an older specjax is measured again instead
+# of steering the budget with stale costs (a stale batch-2 table made the default 0.68x of
+# incremental decoding; re-measured: 1.08x).
+PASS_VERSION = 3
 
 
 def table_key(cfg: ModelConfig, dtype, batch: int, impl: str, parallel=None, split: bool = False) -> str:

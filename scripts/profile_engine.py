@@ -9,8 +9,8 @@ from the shapes: XLA's HLO cost analysis counts a scanned layer body once, not o
 
     python scripts/profile_engine.py --contexts 64,512,2048
 
-A prefill row is one pass over ``min(context, PREFILL_SINGLE)`` new tokens (longer prompts run in
-PREFILL_CHUNK chunks: the row shows the last chunk, attending to ``context - chunk`` committed
+A prefill row is one pass over ``min(context, PREFILL_CHUNKS[0])`` new tokens (prompts are read in
+PREFILL_CHUNKS[0]-token chunks: the row shows the last chunk, attending to ``context - chunk`` committed
 tokens); a decode row is one token at ``context`` tokens of committed context.
 """
 
@@ -52,7 +52,7 @@ def main() -> None:
     import specjax
     from specjax.attention.meta import causal_meta
     from specjax.attention.xla import attend
-    from specjax.decoding.incremental import PREFILL_CHUNK, PREFILL_SINGLE
+    from specjax.decoding.incremental import PREFILL_CHUNKS
     from specjax.models import forward
     from specjax.models.cache import init_cache
     from specjax.models.common import apply_rope, rms_norm, rope_inv_freq, write_block
@@ -99,7 +99,7 @@ def main() -> None:
     for context in (int(c) for c in args.contexts.split(",")):
         for kind in ("prefill", "decode"):
             if kind == "prefill":
-                num_new = context if context <= PREFILL_SINGLE else PREFILL_CHUNK
+                num_new = min(context, PREFILL_CHUNKS[0])
                 committed = context - num_new
             else:
                 num_new, committed = 1, context

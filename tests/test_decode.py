@@ -132,19 +132,20 @@ def test_full_logits_ignore_right_padding(model):
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("kind,lengths", [("llama", (589, 257)), ("opt", (589, 257)), ("llama", (712, 40))],
-                         ids=["llama-tail-chunks", "opt-tail-chunks", "llama-whole-chunks"])
+@pytest.mark.parametrize("kind,lengths", [("llama", (589, 257)), ("opt", (589, 257)), ("llama", (900, 40))],
+                         ids=["llama-tail-chunks", "opt-tail-chunks", "llama-every-size"])
 def test_long_prompts_prefill_in_chunks_and_match_transformers(kind, lengths, tmp_path):
-    """Prompts longer than PREFILL_CHUNK (in one batch of different lengths) are read in chunks (589
-    tokens: two whole chunks and two PREFILL_TAIL chunks; 712: three whole chunks, the rest being
-    more than three tail chunks): the first token's logits match transformers' float64 ones as
+    """Prompts longer than a chunk (in one batch of different lengths) are read in chunks of
+    PREFILL_CHUNKS = (512, 256, 64), the longest prompt of the batch setting every loop's trip count
+    (589 and 257 tokens: one 512-token chunk and two 64-token ones; 900 and 40: one chunk of each
+    size, then three of the smallest): the first token's logits match transformers' float64 ones as
     closely as transformers' float32 ones do, and the greedy continuation is transformers' float64
     argmax at every step."""
     import copy
 
     import torch
 
-    from specjax.decoding.incremental import PREFILL_CHUNK, prefill
+    from specjax.decoding.incremental import PREFILL_CHUNKS, prefill
     from specjax.models.cache import init_cache
     from tests import precision
     from tests.conftest import make_hf_model
@@ -153,7 +154,8 @@ def test_long_prompts_prefill_in_chunks_and_match_transformers(kind, lengths, tm
     model = specjax.load_model(str(tmp_path), progress=False)
     rng = np.random.RandomState(3)
     prompts = [random_ids(rng, model.config.vocab_size, n) for n in lengths]
-    width = 4 * PREFILL_CHUNK
+    assert PREFILL_CHUNKS == (512, 256, 64), "the lengths above are chosen for these sizes"
+    width = 2 * PREFILL_CHUNKS[0]
     padded = jnp.asarray([p + [0] * (width - len(p)) for p in prompts], jnp.int32)
     lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
     logits, cache = jax.jit(prefill, static_argnames="cfg")(model.params, padded, lens,

@@ -34,7 +34,7 @@ MIN_VIEW = 128  # the smallest prefix view: below it, reading fewer slots saves 
 BLOCKED_QUERIES = 64  # from this many queries on (prefill chunks), the prefix is read in key blocks
 KEY_BLOCK = 256  # prefix slots per masked block: [G * T, KEY_BLOCK] scores of a prefill chunk stay in cache
 FULL_KEY_BLOCK = 512  # prefix slots per block below every committed length (no masks), when ...
-MAX_BLOCK_SCORES = 1 << 19  # ... its [G * T, FULL_KEY_BLOCK] scores stay this small (measured, see _prefix_blocked)
+MAX_BLOCK_SCORES = 1 << 20  # ... its [G * T, FULL_KEY_BLOCK] scores stay this small (measured, see _prefix_blocked)
 FLAT_COLUMNS = 32  # up to this many query rows x KV heads, a prefix view is read in the cache's own layout (_flat)
 
 
@@ -218,8 +218,9 @@ def _prefix_blocked(qh, k_cache, v_cache, layer, lengths, cd):
     without the masks and FULL_KEY_BLOCK slots at a time while the scores stay small; the rest, up to
     the longest length, in a second loop of masked KEY_BLOCK-slot blocks. Measured on a 2-core EPYC
     (a 256-token prefill chunk over 3840 committed tokens, SmolLM2's heads): 28.2 ms per layer with
-    masked 256-slot blocks only, 21.5 ms this way; 512-slot blocks of a 512-token chunk (1.5k score
-    rows) were slower than 256-slot ones (58 vs 44 ms), hence MAX_BLOCK_SCORES."""
+    masked 256-slot blocks only, 21.5 ms this way. MAX_BLOCK_SCORES: on 2 Xeon cores (2 MiB of L2
+    each), 512-slot blocks of a 512-token chunk (1.5k score rows) beat 256-slot ones (a 4096-token
+    prefill 7.61 vs 7.85 s, alternating in one process); on the EPYC they had lost (58 vs 44 ms)."""
     batch, kv_heads, rows, head_dim = qh.shape
     max_len = k_cache.shape[2]
     block = min(KEY_BLOCK, max_len)

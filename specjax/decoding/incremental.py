@@ -51,15 +51,17 @@ def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
 
 
-# Prompts are read in chunks (chunked prefill): PREFILL_CHUNK-token chunks over the longest prompt's
-# whole chunks, then up to three PREFILL_TAIL-token chunks up to its end, each chunk attending to what the
-# earlier ones wrote plus itself causally. A prompt costs its own length (rounded up to PREFILL_TAIL)
-# whatever the width of the array it arrives in, so one compiled program serves every prompt length
-# (``specjax.api`` pads prompts to the width of their cache bucket). Measured on a 2-core EPYC
-# (float32, SmolLM2-135M): a 2048-token prompt at 256-token chunks 375 tok/s against 300 at 512 (a
-# chunk's activations stay in cache).
-PREFILL_CHUNK = 256
-PREFILL_TAIL = 64
+# Prompts are read in chunks (chunked prefill), each chunk attending to what the earlier ones wrote plus
+# itself causally: PREFILL_CHUNKS[0]-token chunks over the longest prompt's whole chunks, then at most
+# one chunk of each smaller size, then up to three chunks of the smallest size up to its end (a size is
+# used once the rest exceeds what the smaller ones cover in three chunks' worth: 4 x 64 tokens cost more
+# than one 256-token chunk). A prompt costs its own length (rounded up to the smallest size) whatever the
+# width of the array it arrives in, so one compiled program serves every prompt length (``specjax.api``
+# pads prompts to the width of their cache bucket). Measured on 2 Xeon cores (float32, SmolLM2-135M,
+# alternating in one process): 1024/2048/4096-token prompts at 779/639/509 tok/s with 256-token chunks,
+# 835/687/545 with 512 (the attention's score blocks have 1.5k rows: fewer, fuller products per key
+# block). Larger chunks lost: 593 tok/s at 2048 with 1024-token chunks.
+PREFILL_CHUNKS = (512, 256, 64)
 
 
 def prefill(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, cache: KVCache, cfg: ModelConfig,
@@ -69,7 +71,7 @@ def prefill(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, cache: KVC
     ``hidden`` (layer indices, as ``specjax.models.forward`` takes them): also return the hidden states
     at every prompt position, [B, T, len(hidden), D] (a third result).
 
-    Chunked (see PREFILL_CHUNK): chunk c attends to the positions already written plus itself
+    Chunked (see PREFILL_CHUNKS): chunk c attends to the positions already written plus itself
     causally, so attention costs the causal triangle, never [T, cache length], and the memory of one
     chunk's scores. Only the chunks the longest prompt of the batch needs run (dynamic trip counts):
     positions past it are never computed, whatever T is. A chunk's slots past the cache are dropped.
@@ -77,8 +79,9 @@ def prefill(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, cache: KVC
     batch, num_tokens = prompt_tokens.shape
     lens = prompt_lens.astype(jnp.int32)
     # No chunk wider than the prompts' array: narrow prompts (a wide batch of short ones) run in one pass.
-    big, small = min(PREFILL_CHUNK, num_tokens), min(PREFILL_TAIL, num_tokens)
-    padded = jnp.pad(prompt_tokens, ((0, 0), (0, -num_tokens % big)))  # every chunk slice in range
+    sizes = sorted({min(size, num_tokens) for size in PREFILL_CHUNKS}, reverse=True)
+    small = sizes[-1]
+    padded = jnp.pad(prompt_tokens, ((0, 0), (0, -num_tokens % sizes[0])))  # every chunk slice in range
     dtype = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
     states = None
     if hidden:
@@ -97,15 +100,15 @@ def prefill(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, cache: KVC
         return out.cache, jnp.where(here[:, None], out.logits[:, 0].astype(dtype), logits), states
 
     longest = jnp.max(lens)
-    # whole chunks, plus one more when the rest would take more than 3 tail chunks (4 cost more than one
-    # whole chunk: 64 tokens took 98 ms, 256 about 300 ms, SmolLM2 on 2 Xeon cores)
-    whole = (longest + small - 1) // big
-    carry = jax.lax.fori_loop(0, whole, lambda c, carry: run_chunk(c * big, big, carry),
-                              (cache, jnp.zeros((batch, cfg.vocab_size), dtype), states))
-    if small < big:
-        tail = whole * big
-        carry = jax.lax.fori_loop(0, (longest - tail + small - 1) // small,
-                                  lambda c, carry: run_chunk(tail + c * small, small, carry), carry)
+    carry = (cache, jnp.zeros((batch, cfg.vocab_size), dtype), states)
+    done = jnp.int32(0)  # prompt positions the chunks so far cover
+    for size in sizes:
+        # chunks of this size while the rest exceeds size - small: what is left after them fits the
+        # smaller sizes (at most three chunks of the smallest); a negative rest (> -small) runs none
+        count = (longest - done + small - 1) // size
+        carry = jax.lax.fori_loop(0, count, lambda c, carry, start=done, size=size: run_chunk(start + c * size,
+                                                                                             size, carry), carry)
+        done = done + count * size
     cache, logits, states = carry
     result = (logits, cache.replace(length=lens))
     return result + (states[:, :num_tokens],) if hidden else result

@@ -153,16 +153,18 @@ def test_frontier_queries_see_ancestors_written_by_earlier_passes():
 
 
 @pytest.mark.parametrize("num_q,lengths,head_dim", [(1, [300, 37], 16), (1, [300, 37], 64), (16, [500, 129], 16),
-                                                    (64, [300, 0], 16), (70, [257, 600], 16), (70, [1100, 600], 16)],
+                                                    (64, [300, 0], 16), (70, [257, 600], 16), (70, [1100, 600], 16),
+                                                    (300, [257, 0], 16)],
                          ids=["decode", "decode-head-dim-64", "tree-sized", "prefill-chunk", "prefill-chunk-long",
-                              "prefill-chunk-full-blocks"])
+                              "prefill-chunk-full-blocks", "prefill-chunk-query-blocks"])
 def test_attention_cost_follows_committed_length_not_buffer(num_q, lengths, head_dim):
     """The prefix is read through a view sized by the committed length (decoding, tree passes) or in
     key blocks up to it (prefill chunks): on a 4096-slot buffer and on one just long enough, every
     unused slot NaN-poisoned, both match the float64 reference (a causal block is a chain tree; the
-    last case has unmasked full key blocks below both lengths, then masked ones), and
-    through a view they are equal bit for bit (key blocks may end differently at the buffer's end,
-    which changes only the summation order)."""
+    full-blocks case has unmasked full key blocks below both lengths, then masked ones; the last one
+    reads its own causal block in query blocks of 128, 128 and 44 rows), and through a view they
+    are equal bit for bit (key blocks may end differently at the buffer's end, which changes only
+    the summation order)."""
     from specjax.attention import attend, causal_meta
     from specjax.attention.xla import BLOCKED_QUERIES
 
@@ -200,6 +202,42 @@ def test_attention_cost_follows_committed_length_not_buffer(num_q, lengths, head
     wrong = np.asarray(attend(jnp.asarray(q), jnp.asarray(block), jnp.asarray(vblock), jnp.asarray(k),
                               jnp.asarray(v), short, head_dim ** -0.5))
     assert precision.error(wrong[lens > 0], ref[lens > 0]) > 10 * precision.bound(ref, floor)
+
+
+@pytest.mark.parametrize("num_q", [64, 300])
+def test_a_prefill_chunks_nonfinite_key_or_value_reaches_exactly_the_queries_that_see_it(num_q):
+    """A prefill chunk's own causal block (read in query blocks, ``_causal_block``): a NaN value at
+    chunk position 150 of request 0 (KV head 1) and an infinite key at position 10 of request 1 (KV
+    head 2) make exactly the queries at and after them, of that KV head's query heads, NaN; every
+    other output is finite and equals the unpoisoned float64 reference (0 * NaN must not reach the
+    queries before the slot, and an infinite score must not just drop the token)."""
+    from specjax.attention import attend, causal_meta
+
+    heads, kv_heads, head_dim = 9, 3, 16
+    lengths = np.array([40, 0], np.int32)
+    rng = np.random.RandomState(5)
+    q = rng.randn(2, num_q, heads, head_dim).astype(np.float32)
+    k = rng.randn(2, 40 + num_q, kv_heads, head_dim).astype(np.float32)
+    v = rng.randn(2, 40 + num_q, kv_heads, head_dim).astype(np.float32)
+    tree = from_parents([[1] * num_q] * 2, [[-1] + list(range(num_q - 1))] * 2, n_max=num_q)
+    clean = tree_attention_reference(q, k, v, lengths, tree.parent, tree.valid, head_dim ** -0.5)
+    bad_v, bad_k = min(150, num_q - 1), 10
+    k[1, 0 + bad_k, 2, 3] = np.inf
+    v[0, 40 + bad_v, 1, 5] = np.nan
+    block = np.stack([k[b, n:n + num_q] for b, n in enumerate(lengths)])
+    vblock = np.stack([v[b, n:n + num_q] for b, n in enumerate(lengths)])
+    out = np.asarray(jax.jit(attend, static_argnames="scale")(
+        jnp.asarray(q), jnp.asarray(block), jnp.asarray(vblock), jnp.asarray(k), jnp.asarray(v),
+        causal_meta(jnp.asarray(lengths)), scale=head_dim ** -0.5))
+    expect_nan = np.zeros(out.shape[:3], bool)
+    expect_nan[0, bad_v:, 3:6] = True
+    expect_nan[1, bad_k:, 6:9] = True
+    np.testing.assert_array_equal(np.isnan(out).any(-1), expect_nan)
+    assert np.isnan(out[expect_nan]).all()
+    with np.errstate(invalid="ignore"):  # the reference's own rows that see the poison
+        f32 = tree_attention_reference(q, k, v, lengths, tree.parent, tree.valid, head_dim ** -0.5, dtype=np.float32)
+    floor = precision.error(f32[~expect_nan], clean[~expect_nan])
+    precision.assert_within(out[~expect_nan], clean[~expect_nan], floor, what="unpoisoned outputs")
 
 
 def test_a_decoding_token_written_to_the_cache_attends_through_the_view_alone():

@@ -162,7 +162,7 @@ def test_attention_cost_follows_committed_length_not_buffer(num_q, lengths, head
     key blocks up to it (prefill chunks): on a 4096-slot buffer and on one just long enough, every
     unused slot NaN-poisoned, both match the float64 reference (a causal block is a chain tree; the
     full-blocks case has unmasked full key blocks below both lengths, then masked ones; the last one
-    reads its own causal block in query blocks of 128, 128 and 44 rows), and through a view they
+    reads its own causal block in query blocks of 256 and 44 rows), and through a view they
     are equal bit for bit (key blocks may end differently at the buffer's end, which changes only
     the summation order)."""
     from specjax.attention import attend, causal_meta

@@ -36,7 +36,7 @@ BLOCKED_QUERIES = 64  # from this many queries on (prefill chunks), the prefix i
 KEY_BLOCK = 256  # prefix slots per masked block: [G * T, KEY_BLOCK] scores of a prefill chunk stay in cache
 FULL_KEY_BLOCK = 512  # prefix slots per block below every committed length (no masks), when ...
 MAX_BLOCK_SCORES = 1 << 20  # ... its [G * T, FULL_KEY_BLOCK] scores stay this small (measured, see _prefix_blocked)
-CAUSAL_QUERY_BLOCK = 128  # a prefill chunk's own causal block is read in query blocks of this many (_causal_block)
+CAUSAL_QUERY_BLOCK = 256  # a prefill chunk's own causal block is read in query blocks of this many (_causal_block)
 FLAT_COLUMNS = 32  # up to this many query rows x KV heads, a prefix view is read in the cache's own layout (_flat)
 
 
@@ -135,10 +135,11 @@ def attend(q: jax.Array, k_block: jax.Array | None, v_block: jax.Array | None, k
 def _causal_block(qg, k_block, v_block, prefix, cd):
     """A prefill chunk's own causal block merged with its prefix's softmax state: queries in blocks of
     CAUSAL_QUERY_BLOCK rows, query block i against the chunk's keys ``[0, (i + 1) * QB)`` only, so
-    the masked upper triangle is mostly never computed (5/8 of the T x T products for 4 blocks).
+    half the masked upper triangle is never computed (3/4 of the T x T products for 2 blocks).
     Measured on 2 Xeon cores (SmolLM2, 512-token chunks, alternating in one process): 1024/2048/4096-
-    token prompts 1.27/3.02/7.59 s with one T x T block, 1.19/2.82/7.20 s with 128-query blocks
-    (256-query blocks: 1.18/2.84/7.29 s).
+    token prompts 1.27/3.02/7.59 s with one T x T block, 1.18/2.84/7.29 s with 256-query blocks,
+    1.19/2.82/7.20 s with 128-query ones, whose extra products cost compile time (a SmolLM2 prefill
+    program 3.0 -> 3.5 s).
     qg: [B, KVH, G, T, Dh] scaled queries; k_block, v_block: [B, T, KVH, Dh]; prefix: (row max, row
     sum, unnormalised output) from ``_prefix_blocked``, rows g * T + t. Returns [B, KVH, G, T, Dh].
 

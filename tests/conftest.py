@@ -22,6 +22,11 @@ COMPILE_CACHE = os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"specjax-tests-xla-{os.getuid()}"))
 jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+# The tests' own specjax cache (GGUF tokenizers, tree pass-cost tables): a pass-cost table that a test
+# measures on a machine busy with the rest of the suite must never reach the user's ~/.cache/specjax,
+# where the default tree budget would read it (a batch-2 SmolLM2 table found there, 60 ms per one-node
+# pass against ~36 ms quiet, made the budget speculate where it did not pay).
+os.environ["SPECJAX_CACHE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"specjax-tests-cache-{os.getuid()}")
 # Eight simulated CPU devices for the mesh tests (tests/test_sharding.py); everything else runs on
 # device 0 as before. Must happen before the backend starts.
 jax.config.update("jax_num_cpu_devices", 8)

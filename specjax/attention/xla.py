@@ -107,27 +107,16 @@ def attend(q: jax.Array, k_block: jax.Array | None, v_block: jax.Array | None, k
     v_block = jnp.where(finite[..., None], v_block, 0)
     s_block = jnp.einsum("bkmd,brkd->bkmr", qh, k_block, preferred_element_type=cd)
     s_block = jnp.where(mask, s_block, -jnp.inf)
-    m_block = jnp.max(s_block, axis=-1)  # [B, KVH, G * T]
 
     # -- the committed prefix ------------------------------------------------------------------------
-    if num_q >= BLOCKED_QUERIES:  # a prefill chunk: key blocks small enough for the scores to stay in cache
-        m_pre, l_pre, acc_pre = _prefix_blocked(qh, k_cache, v_cache, layer, lengths, cd)
+    if num_q >= BLOCKED_QUERIES:  # many queries: key blocks small enough for the scores to stay in cache
+        prefix = _prefix_blocked(qh, k_cache, v_cache, layer, lengths, cd)
     else:  # decoding, tree passes, drafting: one read of the smallest view that covers the prefix
-        views = prefix_views(k_cache.shape[2])
-        which = jnp.searchsorted(jnp.asarray(views, jnp.int32), jnp.max(lengths), side="left")
         qg = qh.reshape(batch, kv_heads, groups, num_q, head_dim).transpose(0, 3, 1, 2, 4)  # [B, T, KVH, G, Dh]
-        m_pre, l_pre, acc_pre = jax.lax.switch(which, [_prefix_view(v, cd) for v in views], qg, k_cache, v_cache,
-                                               layer, lengths)
+        prefix = _prefix_through_view(qg, k_cache, v_cache, layer, lengths, cd)
 
     # -- one softmax over both ---------------------------------------------------------------------
-    m = _finite_or_zero(jnp.maximum(m_pre, m_block))
-    p_block = jnp.exp(s_block - m[..., None])
-    carry = jnp.exp(m_pre - m)  # 0 when the prefix is empty (m_pre = -inf)
-    denom = l_pre * carry + jnp.sum(p_block, axis=-1)
-    acc = acc_pre * carry[..., None] + jnp.einsum("bkmr,brkd->bkmd", p_block.astype(v_block.dtype), v_block,
-                                                  preferred_element_type=cd)
-    out = acc / jnp.where(denom > 0, denom, 1)[..., None]  # a query that sees nothing outputs 0
-    out = jnp.where(sees_bad[..., None], jnp.nan, out)
+    out = jnp.where(sees_bad[..., None], jnp.nan, _merge_block(prefix, s_block, v_block, cd))
     out = out.reshape(batch, kv_heads, groups, num_q, head_dim).transpose(0, 3, 1, 2, 4)
     return out.reshape(batch, num_q, heads, head_dim).astype(q.dtype)
 
@@ -147,7 +136,7 @@ def _causal_block(qg, k_block, v_block, prefix, cd):
     it) and the queries that see it (causal: from its position on) are NaN."""
     batch, kv_heads, groups, num_q, head_dim = qg.shape
     qb = min(CAUSAL_QUERY_BLOCK, num_q)
-    m_pre, l_pre, acc_pre = (x.reshape((batch, kv_heads, groups, num_q) + x.shape[3:]) for x in prefix)
+    prefix = tuple(x.reshape((batch, kv_heads, groups, num_q) + x.shape[3:]) for x in prefix)
     finite = jnp.all(jnp.isfinite(k_block), axis=-1) & jnp.all(jnp.isfinite(v_block), axis=-1)  # [B, T, KVH]
     first_bad = jnp.min(jnp.where(finite, num_q, jnp.arange(num_q)[None, :, None]), axis=1)  # [B, KVH]
     k_block = jnp.where(finite[..., None], k_block, 0)
@@ -155,17 +144,12 @@ def _causal_block(qg, k_block, v_block, prefix, cd):
     outs = []
     for lo in range(0, num_q, qb):
         hi = min(lo + qb, num_q)
-        rows = slice(lo, hi)
-        s = jnp.einsum("bkgtd,bskd->bkgts", qg[:, :, :, rows], k_block[:, :hi], preferred_element_type=cd)
+        rows = (batch, kv_heads, groups * (hi - lo))  # this query block's rows, g * (hi - lo) + t
+        s = jnp.einsum("bkgtd,bskd->bkgts", qg[:, :, :, lo:hi], k_block[:, :hi], preferred_element_type=cd)
         seen = jnp.arange(hi)[None, :] <= jnp.arange(lo, hi)[:, None]  # [QB, hi]: causal
-        s = jnp.where(seen, s, -jnp.inf)
-        m = _finite_or_zero(jnp.maximum(m_pre[..., rows], jnp.max(s, axis=-1)))
-        p = jnp.exp(s - m[..., None])
-        carry = jnp.exp(m_pre[..., rows] - m)  # 0 when the prefix is empty (m_pre = -inf)
-        denom = l_pre[..., rows] * carry + jnp.sum(p, axis=-1)
-        acc = acc_pre[..., rows, :] * carry[..., None] + jnp.einsum(
-            "bkgts,bskd->bkgtd", p.astype(v_block.dtype), v_block[:, :hi], preferred_element_type=cd)
-        out = acc / denom[..., None]  # every query sees itself: denom > 0
+        s = jnp.where(seen, s, -jnp.inf).reshape(rows + (hi,))
+        out = _merge_block(tuple(x[:, :, :, lo:hi].reshape(rows + x.shape[4:]) for x in prefix), s, v_block[:, :hi],
+                           cd).reshape(batch, kv_heads, groups, hi - lo, head_dim)
         bad = jnp.arange(lo, hi)[None, None, :] >= first_bad[:, :, None]  # [B, KVH, QB]
         outs.append(jnp.where(bad[:, :, None, :, None], jnp.nan, out))
     return jnp.concatenate(outs, axis=3)
@@ -184,14 +168,33 @@ def attend_written_token(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.
     groups = heads // kv_heads
     cd = jnp.promote_types(q.dtype, jnp.float32)
     qg = (q * jnp.asarray(scale, q.dtype)).reshape(batch, 1, kv_heads, groups, head_dim)
-    seen = lengths + 1
-    views = prefix_views(k_cache.shape[2])
-    which = jnp.searchsorted(jnp.asarray(views, jnp.int32), jnp.max(seen), side="left")
-    _, denom, acc = jax.lax.switch(which, [_prefix_view(v, cd) for v in views], qg, k_cache, v_cache, layer, seen)
+    _, denom, acc = _prefix_through_view(qg, k_cache, v_cache, layer, lengths + 1, cd)
     out = acc / denom[..., None]  # [B, KVH, G, Dh]
     finite = jnp.all(jnp.isfinite(k[:, 0]) & jnp.isfinite(v[:, 0]), axis=-1)  # [B, KVH]
     out = jnp.where(finite[:, :, None, None], out, jnp.nan)
     return out.reshape(batch, 1, heads, head_dim).astype(q.dtype)
+
+
+def _merge_block(prefix, s, v, cd):
+    """The prefix's softmax state (row max, row sum, unnormalised output) and a block's masked scores
+    s [B, KVH, M, R] over its values v [B, R, KVH, Dh] in one softmax: the output [B, KVH, M, Dh], 0
+    for a row that sees nothing."""
+    m_pre, l_pre, acc_pre = prefix
+    m = _finite_or_zero(jnp.maximum(m_pre, jnp.max(s, axis=-1)))
+    p = jnp.exp(s - m[..., None])
+    carry = jnp.exp(m_pre - m)  # 0 when the prefix is empty (m_pre = -inf)
+    denom = l_pre * carry + jnp.sum(p, axis=-1)
+    acc = acc_pre * carry[..., None] + jnp.einsum("bkmr,brkd->bkmd", p.astype(v.dtype), v, preferred_element_type=cd)
+    return acc / jnp.where(denom > 0, denom, 1)[..., None]
+
+
+def _prefix_through_view(qg, k_cache, v_cache, layer, lengths, cd):
+    """The committed prefix (slots ``< lengths[b]``) through the smallest of ``prefix_views`` that covers
+    the batch's longest length, picked with ``lax.switch``: queries [B, T, KVH, G, Dh] -> (row max, row
+    sum, unnormalised output) as ``_prefix_view``."""
+    views = prefix_views(k_cache.shape[2])
+    which = jnp.searchsorted(jnp.asarray(views, jnp.int32), jnp.max(lengths), side="left")
+    return jax.lax.switch(which, [_prefix_view(v, cd) for v in views], qg, k_cache, v_cache, layer, lengths)
 
 
 def _prefix_view(view: int, cd):

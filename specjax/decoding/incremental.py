@@ -52,15 +52,16 @@ def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
 
 
 # Prompts are read in chunks (chunked prefill), each chunk attending to what the earlier ones wrote plus
-# itself causally: PREFILL_CHUNKS[0]-token chunks over the longest prompt's whole chunks, then at most
-# one chunk of each smaller size, then up to three chunks of the smallest size up to its end (a size is
-# used once the rest exceeds what the smaller ones cover in three chunks' worth: 4 x 64 tokens cost more
-# than one 256-token chunk). A prompt costs its own length (rounded up to the smallest size) whatever the
-# width of the array it arrives in, so one compiled program serves every prompt length (``specjax.api``
-# pads prompts to the width of their cache bucket). Measured on 2 Xeon cores (float32, SmolLM2-135M,
-# alternating in one process): 1024/2048/4096-token prompts at 779/639/509 tok/s with 256-token chunks,
-# 835/687/545 with 512 (the attention's score blocks have 1.5k rows: fewer, fuller products per key
-# block). Larger chunks lost: 593 tok/s at 2048 with 1024-token chunks.
+# itself causally: chunks of each size of PREFILL_CHUNKS in turn, each size while the rest of the
+# longest prompt exceeds that size less the smallest one, so at most one 256-token chunk and at most
+# three 64-token ones follow the 512-token chunks (4 x 64 tokens cost more than one 256-token chunk:
+# 98 vs ~266 ms each, SmolLM2 on 2 Xeon cores). A prompt costs its own length (rounded up to the
+# smallest size) whatever the width of the array it arrives in, so one compiled program serves every
+# prompt length (``specjax.api`` pads prompts to the width of their cache bucket). Measured on 2 Xeon
+# cores (float32, SmolLM2-135M, alternating in one process): 1024/2048/4096-token prompts at
+# 779/639/509 tok/s with 256-token chunks, 835/687/545 with 512 (the attention's score blocks have
+# 1.5k rows: fewer, fuller products per key block). Larger chunks lost: 593 tok/s at 2048 with
+# 1024-token chunks.
 PREFILL_CHUNKS = (512, 256, 64)
 
 

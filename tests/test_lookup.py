@@ -258,6 +258,31 @@ def test_cost_table_is_measured_once_and_cached(llama, tmp_path, monkeypatch):
     jax.clear_caches()
 
 
+def test_a_cost_table_read_back_does_not_recompile_the_loop(llama, tmp_path, monkeypatch):
+    """The first call measures the table ("measured now"), the next reads it back ("measured
+    earlier"): the costs are the same, so the compiled loop must be too. (The source string had been
+    part of the budget's hash: every second call recompiled, and the first call's prefill then ran
+    hidden under that compilation.) Host-loop timing counts the prefill, whatever compiles."""
+    from specjax.speculation.loop import step_jit
+
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    assert Budget(((0,), (1,)), (1.0, 2.0), source="a") == Budget(((0,), (1,)), (1.0, 2.0), source="b")
+    assert hash(Budget(((0,), (1,)), (1.0, 2.0), source="a")) == hash(Budget(((0,), (1,)), (1.0, 2.0), source="b"))
+    lookup = [specjax.Bound(LookupDrafter(depth=3, branches=1))]
+    runs, sizes = [], []
+    for _ in range(2):
+        runs.append(specjax.generate(llama, [[1, 2, 3, 1, 2]], max_new_tokens=6, drafters=lookup, budget="auto",
+                                     on_tokens=lambda i, ids: None))
+        sizes.append(step_jit._cache_size())
+    first, second = (r.stats for r in runs)
+    assert "measured now" in first["budget"]["costs_source"]
+    assert "measured earlier" in second["budget"]["costs_source"]
+    assert sizes[1] == sizes[0], "the second call compiled its step again"
+    assert second["compile_seconds"] < first["compile_seconds"]
+    for st in (first, second):
+        assert 0 < st["prefill_seconds"] < st["seconds"]
+
+
 def test_cost_tables_never_make_a_bigger_tree_cheaper(llama, tmp_path, monkeypatch):
     """A noisy table (a shared CPU) can time 2 nodes below 1: the budget would then speculate on a
     cost it will not get. The costs it reads are the running maximum over node counts."""

@@ -54,7 +54,9 @@ class Budget:
 
     levels: tuple[tuple[int, ...], ...]
     costs: tuple[float, ...] | None = None
-    source: str = ""
+    # Shown in stats only: not part of the equality and hash that key the compiled loop (a table
+    # "measured now" and the same table read back next call had made the second call recompile).
+    source: str = dataclasses.field(default="", compare=False)
     goal: str = "finish"
 
     def __post_init__(self):

@@ -258,29 +258,35 @@ def test_cost_table_is_measured_once_and_cached(llama, tmp_path, monkeypatch):
     jax.clear_caches()
 
 
-def test_a_cost_table_read_back_does_not_recompile_the_loop(llama, tmp_path, monkeypatch):
+@pytest.mark.parametrize("streaming", [True, False], ids=["host-loop", "one-jit"])
+def test_a_cost_table_read_back_does_not_recompile_the_loop(llama, tmp_path, monkeypatch, streaming):
     """The first call measures the table ("measured now"), the next reads it back ("measured
     earlier"): the costs are the same, so the compiled loop must be too. (The source string had been
     part of the budget's hash: every second call recompiled, and the first call's prefill then ran
-    hidden under that compilation.) Host-loop timing counts the prefill, whatever compiles."""
-    from specjax.speculation.loop import step_jit
+    hidden under that compilation.) Both paths compile apart from ``seconds``; the host loop's
+    ``seconds`` counts the prefill, whatever compiles."""
+    from specjax.speculation.loop import generate_speculative_jit, step_jit
 
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
     assert Budget(((0,), (1,)), (1.0, 2.0), source="a") == Budget(((0,), (1,)), (1.0, 2.0), source="b")
     assert hash(Budget(((0,), (1,)), (1.0, 2.0), source="a")) == hash(Budget(((0,), (1,)), (1.0, 2.0), source="b"))
     lookup = [specjax.Bound(LookupDrafter(depth=3, branches=1))]
+    jitted = step_jit if streaming else generate_speculative_jit
+    extra = {"on_tokens": lambda i, ids: None} if streaming else {}
     runs, sizes = [], []
     for _ in range(2):
         runs.append(specjax.generate(llama, [[1, 2, 3, 1, 2]], max_new_tokens=6, drafters=lookup, budget="auto",
-                                     on_tokens=lambda i, ids: None))
-        sizes.append(step_jit._cache_size())
+                                     **extra))
+        sizes.append(jitted._cache_size())
     first, second = (r.stats for r in runs)
     assert "measured now" in first["budget"]["costs_source"]
     assert "measured earlier" in second["budget"]["costs_source"]
-    assert sizes[1] == sizes[0], "the second call compiled its step again"
+    assert sizes[1] == sizes[0], "the second call compiled its loop again"
     assert second["compile_seconds"] < first["compile_seconds"]
-    for st in (first, second):
-        assert 0 < st["prefill_seconds"] < st["seconds"]
+    if streaming:
+        for st in (first, second):
+            assert 0 < st["prefill_seconds"] < st["seconds"]
+    assert runs[0].token_ids == runs[1].token_ids
 
 
 def test_cost_tables_never_make_a_bigger_tree_cheaper(llama, tmp_path, monkeypatch):

@@ -62,7 +62,8 @@ def test_tiny_model_generate_streams_and_prints_one_stats_line(tiny_llama_dir, t
     stats = [line for line in r.stderr.splitlines() if line.startswith("# ")]
     assert len(stats) == 2, r.stderr
     for line in stats:
-        assert re.search(r"# 6 tokens in [\d.]+ s = [\d.]+ tokens/s \| load [\d.]+ s, compile [\d.]+ s \| \d+ LLM "
+        assert re.search(r"# 6 tokens in [\d.]+ s \(first token after [\d.]+ s\) = [\d.]+ tokens/s \| "
+                         r"load [\d.]+ s, compile [\d.]+ s \| \d+ LLM "
                          r"passes, [\d.]+ tokens per pass \| tree, derived:1: ssm\(<1,2>, topk\)", line), line
 
 
@@ -86,6 +87,7 @@ def test_drafter_flag_builds_registered_drafters(tiny_llama_dir, tmp_path):
     budget = record["tree_budget"]
     assert budget["tree_nodes"] == [1, 2, 3] and len(budget["ms_per_pass"]) == 3
     assert sum(budget["passes_at_level"]) == record["llm_passes"] - 1  # every loop pass ran at some level
+    assert record["prefill_seconds"] > 0  # the time to the first token, apart from the rate
 
 
 def test_layers_flag_generates_the_same_tokens_with_its_own_cost_table(tiny_llama_dir, tmp_path):

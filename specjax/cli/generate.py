@@ -191,8 +191,11 @@ def _budget_record(stats: dict, req: dict) -> dict:
                             "costs_source": b["costs_source"], "passes_at_level": req["passes_at_level"]}}
 
 
-def _stats_line(req: dict, load_s: float, compile_s: float, batch: int, description: str) -> str:
-    return (f"# {req['generated_tokens']} tokens in {req['seconds']:.2f} s = {req['tokens_per_s']:.1f} tokens/s | "
+def _stats_line(req: dict, load_s: float, compile_s: float, batch: int, description: str,
+                prefill_s: float | None = None) -> str:
+    first = "" if prefill_s is None else f" (first token after {prefill_s:.2f} s)"
+    return (f"# {req['generated_tokens']} tokens in {req['seconds']:.2f} s{first} = "
+            f"{req['tokens_per_s']:.1f} tokens/s | "
             f"load {load_s:.1f} s, compile {compile_s:.1f} s | {req['llm_passes']} LLM passes, "
             f"{req['mean_tokens_per_pass']:.2f} tokens per pass | {description}"
             + (f", batch of {batch}" if batch > 1 else ""))
@@ -295,7 +298,10 @@ def _cmd_generate(args, out) -> int:
                                       "llm_passes": req["llm_passes"],
                                       "mean_accepted_tokens_per_pass": round(req["mean_tokens_per_pass"], 4),
                                       "tokens_per_pass_histogram": req["tokens_per_pass_histogram"],
-                                      "tokens_per_s": round(req["tokens_per_s"], 3), **_budget_record(st, req)})
+                                      "tokens_per_s": round(req["tokens_per_s"], 3),
+                                      **({"prefill_seconds": round(st["prefill_seconds"], 4)}
+                                         if "prefill_seconds" in st else {}),
+                                      **_budget_record(st, req)})
                           + "\n")
                 out.flush()
                 continue
@@ -307,7 +313,8 @@ def _cmd_generate(args, out) -> int:
                 out.write((result.texts[i] if result.texts[i] is not None else " ".join(map(str, ids))) + "\n")
             out.flush()
             if i not in failed:
-                log(_stats_line(req, load_s, st.get("compile_seconds", 0.0), len(batch), description))
+                log(_stats_line(req, load_s, st.get("compile_seconds", 0.0), len(batch), description,
+                                st.get("prefill_seconds")))
     if failures:
         for message in failures:
             log(f"specjax: error: {message}")

@@ -265,20 +265,24 @@ def _host_loop(init, step, host, n, on_tokens, timing):
     t0 = time.perf_counter()
     _lower(init).compile()
     compile_s = time.perf_counter() - t0
-    start = time.perf_counter()
+    t0 = time.perf_counter()
     state = jax.block_until_ready(init())
-    prefill_s = time.perf_counter() - start
-    t1 = time.perf_counter()
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
     _lower(step, state).compile()
-    compile_s += time.perf_counter() - t1
-    start = time.perf_counter() - prefill_s  # generation time = prefill + the loop, compilation excluded
+    compile_s += time.perf_counter() - t0
+    loop_start = time.perf_counter()
+
+    def elapsed():  # generation time: the prefill, then the loop so far (compilation excluded)
+        return prefill_s + time.perf_counter() - loop_start
+
     shown = np.zeros(n, np.int64)
     finish = [None] * n
     while True:
         counts = host(state.num_generated)[:n]
         tokens = host(state.tokens)
         done = host(state.done)
-        now = time.perf_counter() - start
+        now = elapsed()
         for b in range(n):
             if counts[b] > shown[b]:
                 on_tokens(b, tokens[b, shown[b]:counts[b]].tolist())
@@ -290,7 +294,7 @@ def _host_loop(init, step, host, n, on_tokens, timing):
         state = step(state)
     timing["compile_seconds"] = compile_s
     timing["prefill_seconds"] = prefill_s
-    timing["seconds"] = time.perf_counter() - start
+    timing["seconds"] = elapsed()
     return state, finish
 
 

@@ -191,10 +191,8 @@ def _budget_record(stats: dict, req: dict) -> dict:
                             "costs_source": b["costs_source"], "passes_at_level": req["passes_at_level"]}}
 
 
-def _stats_line(req: dict, load_s: float, compile_s: float, batch: int, description: str,
-                prefill_s: float | None = None) -> str:
-    first = "" if prefill_s is None else f" (first token after {prefill_s:.2f} s)"
-    return (f"# {req['generated_tokens']} tokens in {req['seconds']:.2f} s{first} = "
+def _stats_line(req: dict, load_s: float, compile_s: float, prefill_s: float, batch: int, description: str) -> str:
+    return (f"# {req['generated_tokens']} tokens in {req['seconds']:.2f} s (first token after {prefill_s:.2f} s) = "
             f"{req['tokens_per_s']:.1f} tokens/s | "
             f"load {load_s:.1f} s, compile {compile_s:.1f} s | {req['llm_passes']} LLM passes, "
             f"{req['mean_tokens_per_pass']:.2f} tokens per pass | {description}"
@@ -299,9 +297,7 @@ def _cmd_generate(args, out) -> int:
                                       "mean_accepted_tokens_per_pass": round(req["mean_tokens_per_pass"], 4),
                                       "tokens_per_pass_histogram": req["tokens_per_pass_histogram"],
                                       "tokens_per_s": round(req["tokens_per_s"], 3),
-                                      **({"prefill_seconds": round(st["prefill_seconds"], 4)}
-                                         if "prefill_seconds" in st else {}),
-                                      **_budget_record(st, req)})
+                                      "prefill_seconds": round(st["prefill_seconds"], 4), **_budget_record(st, req)})
                           + "\n")
                 out.flush()
                 continue
@@ -313,8 +309,7 @@ def _cmd_generate(args, out) -> int:
                 out.write((result.texts[i] if result.texts[i] is not None else " ".join(map(str, ids))) + "\n")
             out.flush()
             if i not in failed:
-                log(_stats_line(req, load_s, st.get("compile_seconds", 0.0), len(batch), description,
-                                st.get("prefill_seconds")))
+                log(_stats_line(req, load_s, st["compile_seconds"], st["prefill_seconds"], len(batch), description))
     if failures:
         for message in failures:
             log(f"specjax: error: {message}")

@@ -13,9 +13,10 @@ import numpy as np
 
 from specjax.attention import resolve_impl
 from specjax.decoding.buckets import _next_pow2, cache_bucket
+from specjax.decoding.host_step import report
 from specjax.decoding.incremental import (
+    decode_host_step_jit,
     decode_init_jit,
-    decode_step_jit,
     full_logits,
     generate_incremental_jit,
 )
@@ -33,8 +34,8 @@ from specjax.speculation.loop import (
     DEFAULT_DRAFT,
     SpecConfig,
     generate_speculative_jit,
+    host_step_jit,
     init_state_jit,
-    step_jit,
 )
 from specjax.speculation.state import stop_rows
 from specjax.types import Model
@@ -215,8 +216,8 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
     if plan.spec is None:  # the reference decoder
         run_all = functools.partial(generate_incremental_jit, params, *inputs, eos_ids=plan.eos_ids, **sizes)
         init = functools.partial(decode_init_jit, params, *inputs, eos_ids=plan.eos_ids, **sizes)
-        step = functools.partial(decode_step_jit, params, sampling=inputs[3], max_new_tokens=inputs[2], cfg=cfg,
-                                 eos_ids=plan.eos_ids, parallel=parallel)
+        step = functools.partial(decode_host_step_jit, params, sampling=inputs[3], max_new_tokens=inputs[2],
+                                 cfg=cfg, eos_ids=plan.eos_ids, parallel=parallel)
     else:  # the speculative loop: per-request settings live in its state
         stop_ids = stop_rows(plan.eos_ids, len(plan.lens) + (parallel.padding_for(n) if parallel else 0))
         if parallel is not None:
@@ -224,7 +225,8 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
         run_all = functools.partial(generate_speculative_jit, params, drafter_params, *inputs, stop_ids,
                                     spec=plan.spec, **sizes)
         init = functools.partial(init_state_jit, params, drafter_params, *inputs, stop_ids, spec=plan.spec, **sizes)
-        step = functools.partial(step_jit, params, drafter_params, cfg=cfg, spec=plan.spec, parallel=parallel)
+        step = functools.partial(host_step_jit, params, drafter_params, cfg=cfg, spec=plan.spec,
+                                 parallel=parallel)
     timing = {}
     if on_tokens is None:
         t0 = time.perf_counter()
@@ -256,8 +258,13 @@ def measured_budget(model: Model, plan: GenerationPlan, params=None, batch: int 
 
 def _host_loop(init, step, host, n, on_tokens, timing):
     """The jitted step called once per LLM pass from the host (its state donated), reporting newly
-    accepted tokens after every pass. ``init()`` and ``step(state)`` are the partially applied jitted
-    functions. Compilation is timed apart (AOT lower + compile; the calls then hit the same cache).
+    accepted tokens after every pass. ``init()`` and ``step(state) -> (state, StepReport)`` are the
+    partially applied jitted functions (``specjax.decoding.host_step``). Compilation is timed apart
+    (AOT lower + compile; the calls then hit the same cache).
+
+    Pipelined: step k + 1 is dispatched before step k's report is fetched, so the device goes from
+    one step to the next while the host fetches, calls ``on_tokens`` and dispatches (the step after
+    the last tokens finds every request done and does nothing).
 
     The prefill (``init``) is waited for before the step is compiled: it runs asynchronously, and a
     step compilation overlapping it had hidden the prefill's time inside ``compile_seconds`` (a cold
@@ -276,12 +283,15 @@ def _host_loop(init, step, host, n, on_tokens, timing):
     def elapsed():  # generation time: the prefill, then the loop so far (compilation excluded)
         return prefill_s + time.perf_counter() - loop_start
 
+    def fetch(rep):
+        return host(rep.num_generated)[:n], host(rep.tokens), host(rep.done)
+
     shown = np.zeros(n, np.int64)
     finish = [None] * n
+    fetched = fetch(report(state))  # the prefill's tokens, read before the state is donated
+    state, pending = step(state)
     while True:
-        counts = host(state.num_generated)[:n]
-        tokens = host(state.tokens)
-        done = host(state.done)
+        counts, tokens, done = fetched
         now = elapsed()
         for b in range(n):
             if counts[b] > shown[b]:
@@ -291,7 +301,10 @@ def _host_loop(init, step, host, n, on_tokens, timing):
         shown = counts
         if bool(np.all(done)):
             break
-        state = step(state)
+        state, following = step(state)  # queued behind the step whose report is fetched next
+        fetched = fetch(pending)
+        pending = following
+    state = jax.block_until_ready(state)  # the step in flight: a no-op, every request being done
     timing["compile_seconds"] = compile_s
     timing["prefill_seconds"] = prefill_s
     timing["seconds"] = elapsed()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from specjax.decoding.sampling import (
     SamplingArrays,
     SamplingParams,
+    first_argmax,
     gumbel_noise,
     sample_tokens,
     warp_logits,
@@ -107,3 +109,26 @@ def test_a_requests_warp_does_not_depend_on_its_batch_mates():
     np.testing.assert_array_equal(np.asarray(warp_logits(logits, both))[0],
                                   np.asarray(warp_logits(logits[:1], alone))[0])
     assert np.isfinite(np.asarray(warp_logits(logits, both))[0]).all()
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "no-jit"])
+def test_first_argmax_is_jnp_argmax_on_ties_nan_and_infinities(jit):
+    """Greedy decisions everywhere (incremental, verification, the first token) go through
+    ``first_argmax``: it must pick jnp.argmax's index in every case, or greedy outputs would differ."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 3, size=(6, 5, 257)).astype(np.float32)  # few values: many ties per row
+    x[0, 0, 7] = np.nan
+    x[0, 0, 3] = np.nan  # two NaNs: the first wins
+    x[0, 1, 200] = np.inf
+    x[0, 1, 100] = np.inf
+    x[0, 2] = -np.inf  # a row of -inf: index 0
+    x[0, 3, 0] = np.nan  # NaN at index 0 beside a large value
+    x[0, 3, 9] = 1e30
+    x[0, 4, :] = 2.0  # all equal
+    x[1, 0, 256] = 9.0  # the maximum at the last index
+    fn = jax.jit(first_argmax) if jit else first_argmax
+    got = np.asarray(fn(jnp.asarray(x)))
+    want = np.asarray(jnp.argmax(jnp.asarray(x), axis=-1))
+    assert got.dtype == np.int32
+    chex.assert_shape(got, x.shape[:-1])
+    np.testing.assert_array_equal(got, want)

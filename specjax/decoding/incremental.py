@@ -17,6 +17,7 @@ from flax import struct
 
 from specjax.attention.meta import causal_meta
 from specjax.config import ModelConfig
+from specjax.decoding.host_step import step_if_active
 from specjax.decoding.sampling import SamplingArrays, finite_rows, sample_tokens
 from specjax.models import forward
 from specjax.models.cache import KVCache, init_cache
@@ -185,6 +186,19 @@ generate_incremental_jit = jax.jit(generate_incremental,
 decode_init_jit = jax.jit(decode_init, static_argnames=("cfg", "cache_len", "max_out", "eos_ids", "parallel"))
 # The state is donated: its cache is updated in place, never copied per step.
 decode_step_jit = jax.jit(decode_step, static_argnames=("cfg", "eos_ids", "parallel"), donate_argnames=("state",))
+
+
+def decode_host_step(params, state: DecodeState, sampling: SamplingArrays, max_new_tokens: jax.Array,
+                     cfg: ModelConfig, eos_ids: tuple[int, ...], parallel=None):
+    """``decode_step`` as the streaming host loop calls it: a no-op once every request is done, and
+    returning (state, ``StepReport``) (``specjax.decoding.host_step``)."""
+    step = functools.partial(decode_step, params, sampling=sampling, max_new_tokens=max_new_tokens, cfg=cfg,
+                             eos_ids=eos_ids, parallel=parallel)
+    return step_if_active(step, state)
+
+
+decode_host_step_jit = jax.jit(decode_host_step, static_argnames=("cfg", "eos_ids", "parallel"),
+                               donate_argnames=("state",))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "parallel"))

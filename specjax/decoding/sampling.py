@@ -127,14 +127,26 @@ def finite_rows(logits: jax.Array) -> jax.Array:
     return jnp.all(jnp.isfinite(logits), axis=-1)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` as int32, the same index in every case (first index on ties; the first
+    NaN if a row has one), computed as a max, then the first index reaching it. XLA:CPU lowers argmax to
+    a variadic (value, index) reduce that does not vectorise: 1.5 ms for 17 x 49152 logits on 2 Xeon
+    cores, this form 0.8 ms (greedy verification reads one argmax per tree node every step)."""
+    nan = jnp.isnan(x)
+    peak = jnp.max(x, axis=-1, keepdims=True)
+    hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, x == peak)
+    index = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+
+
 def sample_tokens(logits: jax.Array, sampling: SamplingArrays, positions: jax.Array) -> jax.Array:
     """Sample one token per request. logits [B, V]; positions [B] = absolute position of the new token."""
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_tokens = first_argmax(logits)
 
     def with_sampling(_):
         warped = warp_logits(logits, sampling)
         noise = gumbel_noise(sampling.seed, positions, logits.shape[-1])
-        sampled = jnp.argmax(warped + noise, axis=-1).astype(jnp.int32)
+        sampled = first_argmax(warped + noise)
         return jnp.where(sampling.temperature > 0, sampled, greedy_tokens)
 
     # The noise and the softmax cost O(V) per row (threefry dominates on a CPU: at 8 requests x 17

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
+from specjax.decoding.host_step import step_if_active
 from specjax.decoding.incremental import PAD_TOKEN, prefill
-from specjax.decoding.sampling import SamplingArrays, finite_rows, sample_tokens
+from specjax.decoding.sampling import SamplingArrays, finite_rows, first_argmax, sample_tokens
 from specjax.models.cache import init_cache
 from specjax.speculation.budget import choose_level, expected_by_level
 from specjax.speculation.commit import commit_rows, tree_forward
@@ -31,7 +32,8 @@ from specjax.speculation.verify.sampled import verify_sampled
 from specjax.speculation.verify.seeded import verify_seeded
 
 __all__ = ["SpecConfig", "SpecState", "SpecOutput", "VERIFIERS", "DEFAULT_DRAFT", "spec_step", "init_state",
-           "generate_speculative", "generate_speculative_jit", "generate_stream", "step_jit", "init_state_jit"]
+           "generate_speculative", "generate_speculative_jit", "generate_stream", "step_jit", "init_state_jit",
+           "host_step_jit"]
 
 
 def propose_all(drafter_params: tuple, state: SpecState, spec: SpecConfig, sampling: SamplingArrays):
@@ -230,7 +232,7 @@ def init_state(llm_params, drafter_params: tuple, prompt_tokens, prompt_lens, ma
     ok = finite_rows(logits)
     first = sample_tokens(logits, sampling, positions=prompt_lens)
     if spec.verifier == "greedy" or spec.fault == "greedy_first_token":
-        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        first = first_argmax(logits)
     history = jnp.zeros((batch, cache_len), jnp.int32).at[:, :width].set(prompt_tokens)
     history = history.at[jnp.arange(batch), prompt_lens].set(first)
     drafter_states = []
@@ -290,6 +292,17 @@ generate_speculative_jit = jax.jit(generate_speculative,
 init_state_jit = jax.jit(init_state, static_argnames=("cfg", "spec", "cache_len", "max_out", "parallel"))
 # The state is donated: caches and buffers are updated in place, never copied per step.
 step_jit = jax.jit(spec_step, static_argnames=("cfg", "spec", "parallel"), donate_argnames=("state",))
+
+
+def host_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelConfig, spec: SpecConfig,
+              parallel=None):
+    """``spec_step`` as the streaming host loop calls it: a no-op once every request is done, and
+    returning (state, ``StepReport``) (``specjax.decoding.host_step``)."""
+    step = functools.partial(spec_step, llm_params, drafter_params, cfg=cfg, spec=spec, parallel=parallel)
+    return step_if_active(step, state)
+
+
+host_step_jit = jax.jit(host_step, static_argnames=("cfg", "spec", "parallel"), donate_argnames=("state",))
 
 
 def generate_stream(llm_params, drafter_params: tuple, prompt_tokens, prompt_lens, max_new_tokens,

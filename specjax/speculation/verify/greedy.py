@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
+from specjax.decoding.sampling import first_argmax
 from specjax.speculation.tree import TokenTree
 from specjax.speculation.verify.base import Verdict, follow
 
 
 def verify_greedy(logits: jax.Array, tree: TokenTree, max_depth: int) -> Verdict:
     """logits: [B, N, V] LLM logits at every node; max_depth: static bound on the tree depth."""
-    return follow(jnp.argmax(logits, axis=-1).astype(jnp.int32), tree, max_depth)
+    return follow(first_argmax(logits), tree, max_depth)

@@ -7,7 +7,12 @@ running the LLM:
 1. **What lookup drafting alone gives**: replay the lookup drafter's rule (the jitted
    ``find_chains`` of ``specjax.speculation.drafters.lookup``) step by step over each continuation:
    tokens per pass by corpus part / task kind and by (depth, branches).
-2. **What per-step agreement a drafter needs**: a drafter whose depth-d draft is right with
+2. **How well the tree budget chooses** (``--costs``, seconds per pass at each rung of the lookup
+   drafter's ladder, e.g. from ``specjax tree-cost``): replay the default drafter and its estimator
+   (``propose``, ``expected_accepted``, ``commit``, ``choose_level``: the jitted code itself) and
+   price every pass, against an oracle that knows each step's accepted run before choosing (the
+   bound on what better acceptance estimates could give) and against every fixed level.
+3. **What per-step agreement a drafter needs**: a drafter whose depth-d draft is right with
    probability a (given the draft so far was right) gives E[tokens per pass] = sum_{d=0..D} a^d for a
    chain of depth D; a tree that keeps the top-k at each depth gives sum_d prod_{i<=d} a_k with a_k
    its top-k agreement. Printed: the agreement needed for 2.5 / 3.0 / 3.5 tokens per pass, and, with
@@ -17,6 +22,8 @@ running the LLM:
 
     python scripts/offline_acceptance.py --corpus /work/data/feature-corpus --parts passages,tasks-greedy
     python scripts/offline_acceptance.py --prompts-file scripts/data/task_kinds.jsonl --max-new-tokens 128
+    python scripts/offline_acceptance.py --prompts-file scripts/data/grounded_copy.jsonl \
+        --costs 0.0248,0.0317,0.0423,0.0493,0.0611
 """
 
 from __future__ import annotations
@@ -64,6 +71,97 @@ def replay_lookup(sequences, depth: int, branches: int, max_ngram: int = 3) -> l
             steps[i].append(emitted)
             root[i] += emitted
     return steps
+
+
+def _accepted_by_node(tokens, parent, ok, truth):
+    """Per node of one proposal: its depth if the path from the root to it equals ``truth``, else -1."""
+    run = np.full(len(tokens), -1)
+    run[0] = 0
+    for i in range(1, len(tokens)):
+        up = run[parent[i]]
+        if ok[i] and up >= 0 and up < len(truth) and tokens[i] == truth[up]:
+            run[i] = up + 1
+    return run
+
+
+def replay_budget(sequences, costs, policy: str) -> list[tuple[int, float]]:
+    """Greedy replay of the default lookup drafter under a tree budget with these per-level ``costs``
+    (seconds per pass). policy: "budget" (the drafter's own estimates and ``choose_level``, as in the
+    loop), "oracle" (the level with the most accepted tokens per second, knowing the truth) or
+    "level=<l>" (always level l). Returns per sequence (tokens emitted, modelled seconds, passes)."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.speculation.budget import Budget, choose_level
+    from specjax.speculation.drafters.base import Accepted, DraftContext
+    from specjax.speculation.drafters.lookup import LookupDrafter
+    from specjax.speculation.state import greedy_sampling
+
+    drafter = LookupDrafter()
+    ladder = drafter.budget_ladder()
+    if len(costs) != len(ladder):
+        sys.exit(f"--costs: {len(costs)} values for the lookup ladder's {len(ladder)} levels {ladder} (nodes below "
+                 f"the root)")
+    budget = Budget(tuple((m,) for m in ladder), costs=tuple(float(c) for c in costs))
+    size = -(-(max(len(s) for s, _ in sequences) + drafter.depth + 2) // 64) * 64
+    history = np.zeros((len(sequences), size), np.int32)
+    for i, (ids, _) in enumerate(sequences):
+        history[i, :len(ids)] = ids
+    end = np.asarray([len(s) - 1 for s, _ in sequences])
+    root = np.asarray([p for _, p in sequences])
+    batch = len(sequences)
+
+    @jax.jit
+    def propose(state, visible, length):
+        ctx = DraftContext(history=visible, length=length, sampling=greedy_sampling(batch),
+                           max_depth=drafter.max_depth)
+        proposal, state = drafter.propose((), state, ctx)
+        expected = drafter.expected_accepted((), state, ladder)
+        return proposal, state, expected
+
+    commit = jax.jit(lambda state, acc: drafter.commit((), state, acc))
+    state = drafter.init((), jnp.asarray(history), jnp.asarray(root), cache_len=size)
+    emitted_total = np.zeros(batch, np.int64)
+    seconds = np.zeros(batch)
+    passes = np.zeros(batch, np.int64)
+    width = drafter.max_depth + 1
+    while (root < end).any():
+        visible = np.where(np.arange(size)[None, :] <= root[:, None], history, -1)
+        proposal, state, expected = propose(state, jnp.asarray(visible), jnp.asarray(root))
+        tokens, parent, ok = (np.asarray(x) for x in (proposal.tokens, proposal.parent, proposal.ok))
+        expected = np.asarray(expected)
+        path = np.full((batch, width), -1, np.int32)
+        emitted = np.zeros((batch, width), np.int32)
+        n_emit = np.zeros(batch, np.int32)
+        n_acc = np.zeros(batch, np.int32)
+        for i in np.nonzero(root < end)[0]:
+            truth = history[i, root[i] + 1:end[i] + 1]
+            run = _accepted_by_node(tokens[i], parent[i], ok[i], truth)
+            got = [int(run[:1 + m].max()) for m in ladder]  # kept nodes are a prefix of the proposal
+            if policy == "budget":
+                level = int(choose_level(budget, jnp.asarray(expected[i:i + 1]), jnp.ones(1, bool),
+                                         jnp.asarray([len(truth)])))
+            elif policy == "oracle":
+                level = int(np.argmax([min(g + 1, len(truth)) / c for g, c in zip(got, costs)]))
+            else:
+                level = int(policy.split("=")[1])
+            accepted = got[level]
+            node = int(np.nonzero(run[:1 + ladder[level]] == accepted)[0][0])  # the deepest path's end
+            chain = [node]
+            while parent[i][chain[-1]] >= 0:
+                chain.append(int(parent[i][chain[-1]]))
+            path[i, :len(chain)] = chain[::-1]
+            n_acc[i] = accepted
+            n_emit[i] = min(accepted + 1, len(truth))
+            emitted[i, :n_emit[i]] = truth[:n_emit[i]]
+            seconds[i] += costs[level]
+            passes[i] += 1
+        emitted_total += n_emit
+        root = root + n_emit
+        state = commit(state, Accepted(path=jnp.asarray(path), num_accepted=jnp.asarray(n_acc),
+                                       emitted=jnp.asarray(emitted), num_emitted=jnp.asarray(n_emit),
+                                       length=jnp.asarray(root)))
+    return list(zip(emitted_total.tolist(), seconds.tolist(), passes.tolist()))
 
 
 def chain_tokens(a: float, depth: int) -> float:
@@ -129,6 +227,9 @@ def main() -> None:
     ap.add_argument("--max-sequences", type=int, default=400, help="per part (a seeded sample)")
     ap.add_argument("--settings", default="8x1,8x2,16x2,8x4", help="lookup depth x branches to replay")
     ap.add_argument("--agreement", help="drafter agreement by depth, comma-separated (e.g. held-out values)")
+    ap.add_argument("--costs", help="seconds per LLM pass at each level of the lookup drafter's budget ladder "
+                                    "(none, 1, 4, 8, 16 nodes below the root): replay the tree budget against "
+                                    "an oracle")
     ap.add_argument("--json", help="write the numbers here")
     args = ap.parse_args()
     common.print_header("offline acceptance: lookup replay and the agreement a drafter needs")
@@ -157,6 +258,22 @@ def main() -> None:
             row.append(float(np.mean([x for s in steps for x in s])))
         report["lookup"][part] = dict(zip([f"{d}x{b}" for d, b in settings], row))
         print(f"| {part} | {len(seqs)} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
+    if args.costs:
+        costs = [float(x) for x in args.costs.split(",")]
+        policies = ["budget", "oracle"] + [f"level={i}" for i in range(len(costs))]
+        print(f"\n## the tree budget's level choice (costs {args.costs} s per pass): modelled speed over "
+              f"incremental decoding (one token per {costs[0]} s), tokens per pass")
+        print("| part | " + " | ".join(policies) + " |")
+        print("|---|" + "---|" * len(policies))
+        report["budget"] = {}
+        for part, seqs in data.items():
+            cells = {}
+            for policy in policies:
+                tokens, secs, passes = np.sum(replay_budget(seqs, costs, policy), axis=0)
+                cells[policy] = {"speedup": float(tokens / secs * costs[0]), "tokens_per_pass": float(tokens / passes)}
+            report["budget"][part] = cells
+            print(f"| {part} | " + " | ".join(f"{c['speedup']:.2f}x ({c['tokens_per_pass']:.2f})"
+                                               for c in cells.values()) + " |")
     print("\n## per-depth agreement a chain drafter needs (E[tokens/pass] = sum_d a^d)")
     print("| depth | 2.5 | 3.0 | 3.5 | 4.0 |")
     print("|---|---|---|---|---|")

@@ -84,6 +84,21 @@ def _accepted_by_node(tokens, parent, ok, truth):
     return run
 
 
+def _parse_costs(text: str) -> list[float]:
+    """--costs: one positive number of seconds per level of the default lookup drafter's ladder."""
+    from specjax.speculation.drafters.lookup import LookupDrafter
+
+    ladder = LookupDrafter().budget_ladder()
+    try:
+        costs = [float(x) for x in text.split(",")]
+    except ValueError:
+        sys.exit(f"--costs: not a comma-separated list of seconds: {text!r}")
+    if len(costs) != len(ladder) or not all(np.isfinite(c) and c > 0 for c in costs):
+        sys.exit(f"--costs: need {len(ladder)} positive seconds, one per level of the lookup ladder {ladder} "
+                 f"(nodes below the root), got {text!r}")
+    return costs
+
+
 def replay_budget(sequences, costs, policy: str) -> list[tuple[int, float]]:
     """Greedy replay of the default lookup drafter under a tree budget with these per-level ``costs``
     (seconds per pass). policy: "budget" (the drafter's own estimates and ``choose_level``, as in the
@@ -99,9 +114,6 @@ def replay_budget(sequences, costs, policy: str) -> list[tuple[int, float]]:
 
     drafter = LookupDrafter()
     ladder = drafter.budget_ladder()
-    if len(costs) != len(ladder):
-        sys.exit(f"--costs: {len(costs)} values for the lookup ladder's {len(ladder)} levels {ladder} (nodes below "
-                 f"the root)")
     budget = Budget(tuple((m,) for m in ladder), costs=tuple(float(c) for c in costs))
     size = -(-(max(len(s) for s, _ in sequences) + drafter.depth + 2) // 64) * 64
     history = np.zeros((len(sequences), size), np.int32)
@@ -233,6 +245,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the numbers here")
     args = ap.parse_args()
     common.print_header("offline acceptance: lookup replay and the agreement a drafter needs")
+    costs = _parse_costs(args.costs) if args.costs else None  # checked before any generation
     if args.prompts_file:
         data = _sequences_from_prompts(args.prompts_file, args.max_new_tokens)
     elif args.corpus:
@@ -258,8 +271,7 @@ def main() -> None:
             row.append(float(np.mean([x for s in steps for x in s])))
         report["lookup"][part] = dict(zip([f"{d}x{b}" for d, b in settings], row))
         print(f"| {part} | {len(seqs)} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
-    if args.costs:
-        costs = [float(x) for x in args.costs.split(",")]
+    if costs:
         policies = ["budget", "oracle"] + [f"level={i}" for i in range(len(costs))]
         print(f"\n## the tree budget's level choice (costs {args.costs} s per pass): modelled speed over "
               f"incremental decoding (one token per {costs[0]} s), tokens per pass")

@@ -31,7 +31,11 @@ from specjax.speculation.commit import tree_forward
 from specjax.speculation.tree import from_parents
 
 PREFIX = 256  # committed tokens behind the measured tree: a typical short request mid-generation
-REPEATS = 5
+# Passes timed per tree size (round-robin, median). The budget's choices turn on the ratios between
+# sizes, and five passes did not pin them: the 2-node / 1-node ratio of SmolLM2 on 2 Xeon cores came
+# out 1.12, 1.18, 1.21, 1.28 and 1.33 in five tables measured within an hour; with 15 it came out
+# 1.23-1.25 three times (about 4 s of passes, once per machine).
+REPEATS = 15
 
 
 def cache_path() -> str:
@@ -57,10 +61,10 @@ def cpu_name() -> str:
 
 
 # Bumped whenever the measured pass changes what it costs (2: block-only tree passes; 3: fused split
-# layers, cache-layout prefix views), so a table cached by an older specjax is measured again instead
-# of steering the budget with stale costs (a stale batch-2 table made the default 0.68x of
-# incremental decoding; re-measured: 1.08x).
-PASS_VERSION = 3
+# layers, cache-layout prefix views; 4: 15 timed passes per size instead of 5), so a table cached by an
+# older specjax is measured again instead of steering the budget with stale or noisy costs (a stale
+# batch-2 table made the default 0.68x of incremental decoding; re-measured: 1.08x).
+PASS_VERSION = 4
 
 
 def table_key(cfg: ModelConfig, dtype, batch: int, impl: str, parallel=None, split: bool = False) -> str:

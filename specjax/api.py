@@ -13,7 +13,7 @@ import numpy as np
 
 from specjax.attention import resolve_impl
 from specjax.decoding.buckets import _next_pow2, cache_bucket
-from specjax.decoding.host_step import report
+from specjax.decoding.host_step import lower_partial, run_host_loop
 from specjax.decoding.incremental import (
     decode_host_step_jit,
     decode_init_jit,
@@ -230,7 +230,7 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
     timing = {}
     if on_tokens is None:
         t0 = time.perf_counter()
-        _lower(run_all).compile()  # timed apart: ``seconds`` is the generation alone, as in the host loop
+        lower_partial(run_all).compile()  # timed apart: ``seconds`` is the generation alone, as in the host loop
         timing["compile_seconds"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         out = run_all()
@@ -238,7 +238,7 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
         timing["seconds"] = time.perf_counter() - t0
         finish = None
     else:
-        out, finish = _host_loop(init, step, host, n, on_tokens, timing)
+        out, finish = run_host_loop(init, step, host, n, on_tokens, timing)
         tokens = host(out.tokens)
     return _result(model, plan, out, tokens, host, n, timing, finish)
 
@@ -254,66 +254,6 @@ def measured_budget(model: Model, plan: GenerationPlan, params=None, batch: int 
         if batch is None else batch
     budget = with_costs(plan.spec.budget, params, model.config, batch, plan.spec.impl, parallel, progress)
     return dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, budget=budget))
-
-
-def _host_loop(init, step, host, n, on_tokens, timing):
-    """The jitted step called once per LLM pass from the host (its state donated), reporting newly
-    accepted tokens after every pass. ``init()`` and ``step(state) -> (state, StepReport)`` are the
-    partially applied jitted functions (``specjax.decoding.host_step``). Compilation is timed apart
-    (AOT lower + compile; the calls then hit the same cache).
-
-    Pipelined: step k + 1 is dispatched before step k's report is fetched, so the device goes from
-    one step to the next while the host fetches, calls ``on_tokens`` and dispatches (the step after
-    the last tokens finds every request done and does nothing).
-
-    The prefill (``init``) is waited for before the step is compiled: it runs asynchronously, and a
-    step compilation overlapping it had hidden the prefill's time inside ``compile_seconds`` (a cold
-    batch of 16 prompts reported 7.9 s of generation for 16.4 s of prefill + decoding)."""
-    t0 = time.perf_counter()
-    _lower(init).compile()
-    compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    state = jax.block_until_ready(init())
-    prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    _lower(step, state).compile()
-    compile_s += time.perf_counter() - t0
-    loop_start = time.perf_counter()
-
-    def elapsed():  # generation time: the prefill, then the loop so far (compilation excluded)
-        return prefill_s + time.perf_counter() - loop_start
-
-    def fetch(rep):
-        return host(rep.num_generated)[:n], host(rep.tokens), host(rep.done)
-
-    shown = np.zeros(n, np.int64)
-    finish = [None] * n
-    fetched = fetch(report(state))  # the prefill's tokens, read before the state is donated
-    state, pending = step(state)
-    while True:
-        counts, tokens, done = fetched
-        now = elapsed()
-        for b in range(n):
-            if counts[b] > shown[b]:
-                on_tokens(b, tokens[b, shown[b]:counts[b]].tolist())
-            if done[b] and finish[b] is None:
-                finish[b] = now
-        shown = counts
-        if bool(np.all(done)):
-            break
-        state, following = step(state)  # queued behind the step whose report is fetched next
-        fetched = fetch(pending)
-        pending = following
-    state = jax.block_until_ready(state)  # the step in flight: a no-op, every request being done
-    timing["compile_seconds"] = compile_s
-    timing["prefill_seconds"] = prefill_s
-    timing["seconds"] = elapsed()
-    return state, finish
-
-
-def _lower(fn: functools.partial, *args):
-    """AOT-lower a partially applied jitted function with these extra positional arguments."""
-    return fn.func.lower(*fn.args, *args, **fn.keywords)
 
 
 def _result(model: Model, plan: GenerationPlan, out, tokens, host, n: int, timing: dict, finish) -> GenerationResult:

@@ -59,8 +59,9 @@ def main() -> None:
 
     import specjax
     from specjax.decoding.buckets import _next_pow2
-    from specjax.decoding.incremental import decode_init_jit, decode_step_jit
+    from specjax.decoding.incremental import decode_init_jit, decode_step
     from specjax.decoding.incremental import prefill as prefill_fn
+    from specjax.decoding.programs import step_library, step_program
     from specjax.decoding.sampling import SamplingArrays, SamplingParams
     from specjax.io.registry import resolve
     from specjax.models.cache import init_cache
@@ -68,6 +69,9 @@ def main() -> None:
     from specjax.speculation.tree import from_parents
 
     common.print_header("base engine: specjax vs torch (float32, batch 1)")
+    # Decode steps and tree passes compiled as specjax.generate compiles its steps.
+    decode_step_jit = step_program(decode_step, 1, ("cfg", "eos_ids", "parallel"), ("state",))
+    print(f"# specjax step programs: XLA:CPU matmul library {step_library(1)} (SPECJAX_CPU_DOTS)")
     print(f"# torch {torch.__version__} ({torch.get_num_threads()} threads)")
     model = specjax.load_model(args.model, progress=False, split_layers=split_layers_arg(args))
     cfg = model.config
@@ -132,7 +136,7 @@ def main() -> None:
     _, cache = jax.jit(prefill_fn, static_argnames="cfg")(
         model.params, jnp.asarray([ids + [0] * (_next_pow2(context) - context)]), jnp.asarray([context]), cache,
         cfg=cfg)
-    fwd = jax.jit(tree_forward, static_argnames=("cfg", "impl"))
+    fwd = step_program(tree_forward, 1, ("cfg", "impl"))
     base = None
     print(f"# tree pass at a {context}-token context")
     for n in [int(x) for x in args.tree_nodes.split(",")]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import Any
 
 import jax
@@ -13,13 +12,9 @@ import numpy as np
 
 from specjax.attention import resolve_impl
 from specjax.decoding.buckets import _next_pow2, cache_bucket
-from specjax.decoding.host_step import lower_partial, run_host_loop
-from specjax.decoding.incremental import (
-    decode_host_step_jit,
-    decode_init_jit,
-    full_logits,
-    generate_incremental_jit,
-)
+from specjax.decoding.host_step import run_host_loop, run_two_programs
+from specjax.decoding.incremental import decode_host_step, decode_init_jit, finish_incremental, full_logits
+from specjax.decoding.programs import step_program
 from specjax.decoding.sampling import SamplingArrays, SamplingParams
 from specjax.errors import GenerationError, InputError
 from specjax.io import registry
@@ -30,13 +25,7 @@ from specjax.speculation.cost import with_costs
 from specjax.speculation.drafters.base import Bound
 from specjax.speculation.drafters.ssm import SSMDrafter, check_compatible
 from specjax.speculation.expansion import Expansion
-from specjax.speculation.loop import (
-    DEFAULT_DRAFT,
-    SpecConfig,
-    generate_speculative_jit,
-    host_step_jit,
-    init_state_jit,
-)
+from specjax.speculation.loop import DEFAULT_DRAFT, SpecConfig, finish_speculative, host_step, init_state_jit
 from specjax.speculation.state import stop_rows
 from specjax.types import Model
 
@@ -213,29 +202,30 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
     params, drafter_params, inputs, host = _place(parallel, model, plan, drafter_params)
     plan = measured_budget(model, plan, params, inputs[0].shape[0], parallel)
     sizes = dict(cfg=cfg, cache_len=plan.cache_len, max_out=plan.max_out, parallel=parallel)
+    # The prefill and the steps are separate programs: XLA:CPU's best matmul library differs between
+    # them (``specjax.decoding.programs``).
+    batch = inputs[0].shape[0]
     if plan.spec is None:  # the reference decoder
-        run_all = functools.partial(generate_incremental_jit, params, *inputs, eos_ids=plan.eos_ids, **sizes)
         init = functools.partial(decode_init_jit, params, *inputs, eos_ids=plan.eos_ids, **sizes)
-        step = functools.partial(decode_host_step_jit, params, sampling=inputs[3], max_new_tokens=inputs[2],
-                                 cfg=cfg, eos_ids=plan.eos_ids, parallel=parallel)
+        per_step = dict(sampling=inputs[3], max_new_tokens=inputs[2], cfg=cfg, eos_ids=plan.eos_ids, parallel=parallel)
+        statics = ("cfg", "eos_ids", "parallel")
+        finish_all = functools.partial(step_program(finish_incremental, batch, statics), params, **per_step)
+        step = functools.partial(step_program(decode_host_step, batch, statics, ("state",)), params, **per_step)
     else:  # the speculative loop: per-request settings live in its state
         stop_ids = stop_rows(plan.eos_ids, len(plan.lens) + (parallel.padding_for(n) if parallel else 0))
         if parallel is not None:
             stop_ids = parallel.put_batch(stop_ids)
-        run_all = functools.partial(generate_speculative_jit, params, drafter_params, *inputs, stop_ids,
-                                    spec=plan.spec, **sizes)
         init = functools.partial(init_state_jit, params, drafter_params, *inputs, stop_ids, spec=plan.spec, **sizes)
-        step = functools.partial(host_step_jit, params, drafter_params, cfg=cfg, spec=plan.spec,
-                                 parallel=parallel)
+        per_step = dict(cfg=cfg, spec=plan.spec, parallel=parallel)
+        statics = ("cfg", "spec", "parallel")
+        finish_all = functools.partial(step_program(finish_speculative, batch, statics), params, drafter_params,
+                                       **per_step)
+        step = functools.partial(step_program(host_step, batch, statics, ("state",)), params, drafter_params,
+                                 **per_step)
     timing = {}
     if on_tokens is None:
-        t0 = time.perf_counter()
-        lower_partial(run_all).compile()  # timed apart: ``seconds`` is the generation alone, as in the host loop
-        timing["compile_seconds"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = run_all()
-        tokens = host(out.tokens)  # blocks until done
-        timing["seconds"] = time.perf_counter() - t0
+        out = run_two_programs(init, finish_all, host, timing)
+        tokens = host(out.tokens)
         finish = None
     else:
         out, finish = run_host_loop(init, step, host, n, on_tokens, timing)

@@ -81,11 +81,11 @@ def test_drafter_flag_builds_registered_drafters(tiny_llama_dir, tmp_path):
     bad = cli(*common, "--drafter", "nope:1")
     assert bad.returncode == 2 and "expected NAME:ARG with NAME one of ['feature', 'lookup', 'ssm']" in bad.stderr
     lookup = cli("generate", "--model", tiny_llama_dir, "--prompts-file", str(prompts), "--max-new-tokens", "8",
-                 "--drafter", "lookup:depth=2,branches=1", "--json", env={"SPECJAX_CACHE_DIR": str(tmp_path)})
+                 "--drafter", "lookup:depth=4,branches=1", "--json", env={"SPECJAX_CACHE_DIR": str(tmp_path)})
     assert lookup.returncode == 0, lookup.stderr
     record = json.loads(lookup.stdout)
     budget = record["tree_budget"]
-    assert budget["tree_nodes"] == [1, 2, 3] and len(budget["ms_per_pass"]) == 3
+    assert budget["tree_nodes"] == [1, 3, 5] and len(budget["ms_per_pass"]) == 3
     assert sum(budget["passes_at_level"]) == record["llm_passes"] - 1  # every loop pass ran at some level
     assert record["prefill_seconds"] > 0  # the time to the first token, apart from the rate
 

@@ -26,7 +26,7 @@ def _engine(llama, drafting: str, slots: int = 3) -> Engine:
     drafters, budget = (), None
     if drafting == "lookup":
         d = LookupDrafter(depth=3)
-        drafters, budget = [(d, ())], Budget(default_levels((d,)), costs=(1.0, 1.1, 1.2, 1.4, 2.0))
+        drafters, budget = [(d, ())], Budget(default_levels((d,)), costs=(1.0, 1.1, 1.4, 2.0))
     if drafting == "ssm":
         ssm = derive_ssm(llama, 1)
         drafters = [(d, ssm.params) for d in ssm_drafters([ssm.config], [(2, 1)], "coupled")]

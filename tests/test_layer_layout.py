@@ -210,3 +210,23 @@ def test_hf_export_and_students_read_either_layout(tiny_llama_dir, tmp_path):
     sequences = [(random_ids(rng, stacked.config.vocab_size, 12), 4) for _ in range(4)]  # (ids, prompt length)
     students = [make_student(m, sequences, layers=(1,), draft_vocab_size=16) for m in (stacked, split)]
     chex.assert_trees_all_equal(students[0].params, students[1].params)
+
+
+def test_a_tied_head_is_read_from_its_transposed_copy_in_the_split_layout(tiny_opt_dir):
+    """The tiny OPT ties its head to the embedding: the split layout adds the [E, V] copy the logits
+    read (``TIED_HEAD``), checked like any parameter, and never saved (stacking drops it)."""
+    from specjax.models.params import TIED_HEAD
+
+    split = specjax.load_model(tiny_opt_dir, progress=False, split_layers=True)
+    stacked = specjax.load_model(tiny_opt_dir, progress=False, split_layers=False)
+    assert split.config.tie_word_embeddings and TIED_HEAD not in stacked.params
+    np.testing.assert_array_equal(np.asarray(split.params[TIED_HEAD]), np.asarray(split.params["embed"]).T)
+    check_params(split.config, split.params)
+    with pytest.raises(CheckpointError, match=rf"parameter \['{TIED_HEAD}'\] is missing"):
+        check_params(split.config, {k: v for k, v in split.params.items() if k != TIED_HEAD})
+    chex.assert_trees_all_equal(stack_layers(split.params), stacked.params)
+    # the forward really reads the copy: a different copy gives different logits
+    ids = jnp.asarray([[3, 4, 5]])
+    moved = {**split.params, TIED_HEAD: split.params[TIED_HEAD] * 2.0}
+    got, doubled = full_logits(split.params, ids, cfg=split.config), full_logits(moved, ids, cfg=split.config)
+    np.testing.assert_allclose(np.asarray(doubled), 2.0 * np.asarray(got), rtol=1e-5, atol=1e-5)

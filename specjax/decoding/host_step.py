@@ -110,6 +110,29 @@ def run_host_loop(init, step, host, n, on_tokens, timing):
     return state, finish
 
 
+def run_two_programs(init, finish, host, timing):
+    """``specjax.generate`` without ``on_tokens``: the prefill program ``init()``, then the whole loop
+    as one program ``finish(state)``, each compiled with its own options
+    (``specjax.decoding.programs``). Compilation is timed apart as in ``run_host_loop``: the prefill
+    is waited for before the loop is compiled. Returns the loop's output."""
+    t0 = time.perf_counter()
+    lower_partial(init).compile()
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(init())
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    lower_partial(finish, state).compile()
+    compile_s += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = finish(state)
+    host(out.tokens)  # blocks until done
+    timing["compile_seconds"] = compile_s
+    timing["prefill_seconds"] = prefill_s
+    timing["seconds"] = prefill_s + time.perf_counter() - t0
+    return out
+
+
 def lower_partial(fn: functools.partial, *args):
     """AOT-lower a partially applied jitted function with these extra positional arguments."""
     return fn.func.lower(*fn.args, *args, **fn.keywords)

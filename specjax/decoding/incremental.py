@@ -170,6 +170,13 @@ def generate_incremental(params, prompt_tokens: jax.Array, prompt_lens: jax.Arra
     """
     state = decode_init(params, prompt_tokens, prompt_lens, max_new_tokens, sampling, cfg=cfg, cache_len=cache_len,
                         max_out=max_out, eos_ids=eos_ids, parallel=parallel)
+    return finish_incremental(params, state, sampling, max_new_tokens, cfg=cfg, eos_ids=eos_ids, parallel=parallel)
+
+
+def finish_incremental(params, state: DecodeState, sampling: SamplingArrays, max_new_tokens: jax.Array,
+                       cfg: ModelConfig, eos_ids: tuple[int, ...] = (), parallel=None) -> GenerateOutput:
+    """The loop of ``generate_incremental`` after ``decode_init``: one step per token until every
+    request is done (its own program in ``specjax.generate``, see ``specjax.decoding.programs``)."""
 
     def cond(state: DecodeState):
         return jnp.any(~state.done)  # some request still needs tokens

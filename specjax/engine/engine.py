@@ -23,12 +23,13 @@ import numpy as np
 
 from specjax.attention import resolve_impl
 from specjax.decoding.buckets import _next_pow2
+from specjax.decoding.programs import step_program
 from specjax.decoding.sampling import SamplingArrays, SamplingParams
 from specjax.errors import InputError
 from specjax.speculation.budget import Budget, default_levels
 from specjax.speculation.cost import with_costs
 from specjax.speculation.drafters.base import Bound
-from specjax.speculation.loop import init_state, init_state_jit, step_jit
+from specjax.speculation.loop import init_state, init_state_jit, spec_step
 from specjax.speculation.spec import SpecConfig
 from specjax.speculation.state import NO_STOP, SpecState, release_row, write_row
 from specjax.types import Model
@@ -121,7 +122,8 @@ class Engine:
 
     def step(self, state: SpecState) -> SpecState:
         """One speculative step (one LLM pass) of every slot; finished and free slots stay as they are."""
-        return step_jit(self.model.params, self.drafter_params, state, cfg=self.model.config, spec=self.spec)
+        step = step_program(spec_step, self.slots, ("cfg", "spec", "parallel"), ("state",))
+        return step(self.model.params, self.drafter_params, state, cfg=self.model.config, spec=self.spec)
 
     def release(self, state: SpecState, slot: int) -> SpecState:
         """Free slot ``slot`` (a finished or cancelled request): later steps skip it."""

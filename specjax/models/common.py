@@ -14,6 +14,7 @@ from specjax.attention import resolve_impl, tree_attention
 from specjax.attention.meta import AttentionMeta
 from specjax.attention.xla import attend, attend_written_token
 from specjax.config import ModelConfig
+from specjax.models.params import TIED_HEAD
 from specjax.models.weights import weight_einsum
 
 
@@ -21,6 +22,18 @@ def compute_dtype(dtype) -> jnp.dtype:
     """Where accuracy matters (norms, RoPE angles, softmax, logits): float32 for float32 and bfloat16
     activations, float64 for a float64 run (the tests' reference: the same math, exact enough)."""
     return jnp.promote_types(dtype, jnp.float32)
+
+
+def head_logits(h: jax.Array, params: dict, cfg: ModelConfig) -> jax.Array:
+    """[B, T, D] final hidden states -> [B, T, V] logits in the compute dtype: ``lm_head`` [D, V], or for
+    a tied model the embedding, read from its transposed copy where the split layout keeps one
+    (``specjax.models.params.TIED_HEAD``)."""
+    out = compute_dtype(h.dtype)
+    if not cfg.tie_word_embeddings:
+        return jnp.einsum("btd,dv->btv", h, params["lm_head"], preferred_element_type=out)
+    if TIED_HEAD in params:
+        return jnp.einsum("btd,dv->btv", h, params[TIED_HEAD], preferred_element_type=out)
+    return jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=out)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -11,7 +11,7 @@ import numpy as np
 from specjax.attention.meta import AttentionMeta
 from specjax.config import ModelConfig
 from specjax.models.cache import KVCache
-from specjax.models.common import attention_block, compute_dtype, rms_norm, rope_inv_freq
+from specjax.models.common import attention_block, head_logits, rms_norm, rope_inv_freq
 from specjax.models.layers import hidden_output, run_layers
 from specjax.models.output import ForwardOutput, select_positions
 from specjax.models.weights import weight_einsum
@@ -77,10 +77,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
     every_h = h
     final_h = select_positions(h, logits_indices)  # the input of the final norm
     h = rms_norm(final_h, params["final_norm"], cfg.norm_eps)
-    if cfg.tie_word_embeddings:
-        logits = jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=compute_dtype(h.dtype))
-    else:
-        logits = jnp.einsum("btd,dv->btv", h, params["lm_head"], preferred_element_type=compute_dtype(h.dtype))
+    logits = head_logits(h, params, cfg)
     if cfg.draft_vocab is not None and not row_logits:
         # The "other" row is dropped: it stands for many tokens, none of which the SSM can name.
         full = jnp.full(logits.shape[:-1] + (cfg.vocab_size,), -jnp.inf, logits.dtype)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from specjax.attention.meta import AttentionMeta
 from specjax.config import ModelConfig
 from specjax.models.cache import KVCache
-from specjax.models.common import attention_block, compute_dtype, layer_norm
+from specjax.models.common import attention_block, head_logits, layer_norm
 from specjax.models.layers import hidden_output, run_layers
 from specjax.models.output import ForwardOutput, select_positions
 from specjax.models.weights import weight_einsum
@@ -53,9 +52,6 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
         h = layer_norm(h, params["final_norm_scale"], params["final_norm_bias"], eps)
     if cfg.has_projections:
         h = h @ params["project_out"]  # [B, K, E]
-    if cfg.tie_word_embeddings:
-        logits = jnp.einsum("bte,ve->btv", h, params["embed"], preferred_element_type=compute_dtype(h.dtype))
-    else:
-        logits = jnp.einsum("bte,ev->btv", h, params["lm_head"], preferred_element_type=compute_dtype(h.dtype))
+    logits = head_logits(h, params, cfg)
     states = hidden_output(hidden, captured, every_h if all_hidden else final_h, cfg.num_layers)
     return ForwardOutput(logits, cache, states)

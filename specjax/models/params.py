@@ -147,6 +147,8 @@ def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None
         per_layer = jax.tree.map(lambda s: ParamSpec(s.shape[1:], s.axes[1:], s.init), specs["layers"],
                                  is_leaf=is_param_spec)
         specs = {**specs, "layers": (_fused_specs(per_layer),) * cfg.num_layers}
+        if cfg.tie_word_embeddings:
+            specs[TIED_HEAD] = ParamSpec(specs["embed"].shape[::-1], specs["embed"].axes[::-1])
     flat_specs = {jax.tree_util.keystr(p): s for p, s in
                   jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_param_spec)[0]}
     flat_params = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
@@ -187,6 +189,15 @@ def _fused_specs(per_layer: dict) -> dict:
             shape = specs[0].shape[:1] + (sum(s.shape[1] for s in specs),) + specs[0].shape[2:]
             out[fused] = ParamSpec(shape, specs[0].axes)
     return out
+
+
+# The split layout (one CPU device) also keeps a tied model's head as a transposed copy of the
+# embedding, [D, V] like an untied ``lm_head``: the logits then contract the weight's leading axis as
+# every other matmul does. Read as [V, D] (contracting its minor axis) the head of SmolLM2 took
+# 4.4 ms at 2-3 rows with YNNPACK and 106 ms with Eigen (XLA:CPU's two matmul libraries, see
+# ``specjax.decoding.programs``), against 2.9 ms from the copy; it costs the embedding's memory once
+# more (113 MB for SmolLM2 in float32). Derived, never saved: ``stack_layers`` drops it.
+TIED_HEAD = "embed_t"
 
 
 def layers_split(params: dict) -> bool:
@@ -231,7 +242,11 @@ def split_layers(params: dict) -> dict:
         return params
     stacked = params["layers"]
     count = jax.tree.leaves(stacked)[0].shape[0]
-    return {**params, "layers": tuple(fuse_layer(jax.tree.map(lambda a, i=i: a[i], stacked)) for i in range(count))}
+    out = {**params, "layers": tuple(fuse_layer(jax.tree.map(lambda a, i=i: a[i], stacked)) for i in range(count))}
+    if "lm_head" not in params:  # tied: the head's own [D, V] copy (TIED_HEAD)
+        embed = params["embed"]
+        out[TIED_HEAD] = np.ascontiguousarray(embed.T) if isinstance(embed, np.ndarray) else jnp.asarray(embed.T)
+    return out
 
 
 def stack_layers(params: dict) -> dict:
@@ -240,7 +255,8 @@ def stack_layers(params: dict) -> dict:
         return params
     if not params["layers"]:
         raise CheckpointError("params['layers'] is an empty tuple: a model needs at least one layer")
-    return {**params, "layers": take_layers(params, range(len(params["layers"])))}
+    out = {k: v for k, v in params.items() if k != TIED_HEAD}
+    return {**out, "layers": take_layers(params, range(len(params["layers"])))}
 
 
 def take_layers(params: dict, idx) -> dict:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
+from specjax.decoding.programs import step_compiler_options, step_library
 from specjax.errors import InputError
 from specjax.models.cache import init_cache
 from specjax.models.params import layers_split
@@ -63,8 +64,10 @@ def cpu_name() -> str:
 # Bumped whenever the measured pass changes what it costs (2: block-only tree passes; 3: fused split
 # layers, cache-layout prefix views; 4: 15 timed passes per size instead of 5), so a table cached by an
 # older specjax is measured again instead of steering the budget with stale or noisy costs (a stale
-# batch-2 table made the default 0.68x of incremental decoding; re-measured: 1.08x).
-PASS_VERSION = 4
+# batch-2 table made the default 0.68x of incremental decoding; re-measured: 1.08x; 5: the pass compiled
+# as the loop compiles it, with ``specjax.decoding.programs``' matmul library, and the tied head read
+# from its transposed copy).
+PASS_VERSION = 5
 
 
 def table_key(cfg: ModelConfig, dtype, batch: int, impl: str, parallel=None, split: bool = False) -> str:
@@ -72,7 +75,7 @@ def table_key(cfg: ModelConfig, dtype, batch: int, impl: str, parallel=None, spl
     mesh = "none" if parallel is None else str(dict(parallel.mesh.shape))
     model = hashlib.sha256(repr(cfg).encode()).hexdigest()[:16]
     return (f"{model}|{jnp.dtype(dtype).name}|{machine_key()}|mesh={mesh}|batch={batch}|impl={impl}"
-            f"|layers={'split' if split else 'stacked'}|pass=v{PASS_VERSION}")
+            f"|layers={'split' if split else 'stacked'}|dots={step_library(batch)}|pass=v{PASS_VERSION}")
 
 
 def _chain(batch: int, nodes: int):
@@ -93,7 +96,7 @@ def measure_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: 
             cache = parallel.constrain_cache(cache, cfg)
         return tree_forward(params, tree, cache, cfg, impl, parallel, block_only=True).logits  # as the loop runs it
 
-    fwd = jax.jit(one_pass)
+    fwd = jax.jit(one_pass, compiler_options=step_compiler_options(batch))  # compiled as the loop's steps are
     inputs = {}
     for n in counts:
         if progress is not None:

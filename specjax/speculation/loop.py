@@ -276,6 +276,14 @@ def generate_speculative(llm_params, drafter_params: tuple, prompt_tokens: jax.A
     stop_ids = stop_rows(eos_ids, batch) if stop_ids is None else stop_ids
     state = init_state(llm_params, drafter_params, prompt_tokens, prompt_lens, max_new_tokens, sampling, stop_ids,
                        cfg=cfg, spec=spec, cache_len=cache_len, max_out=max_out, parallel=parallel)
+    return finish_speculative(llm_params, drafter_params, state, cfg=cfg, spec=spec, parallel=parallel)
+
+
+def finish_speculative(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelConfig, spec: SpecConfig,
+                       parallel=None) -> SpecOutput:
+    """The loop of ``generate_speculative`` after ``init_state``: steps until every request is done.
+    Its own program in ``specjax.generate``, so the prefill and the steps can be compiled with
+    different options (``specjax.decoding.programs``)."""
 
     def cond(state: SpecState):
         return jnp.any(~state.done)  # some request still needs tokens

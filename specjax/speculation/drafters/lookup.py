@@ -80,14 +80,18 @@ class LookupDrafter(Drafter):
         return tuple(parents)
 
     def budget_ladder(self) -> tuple[int, ...]:
-        """Node counts (below the root) worth compiling a pass for: none, the best chain's first token,
-        its first two, all of it, then every chain (chain-major order keeps each a prefix). Each level is
-        one more compiled pass (~2-3 s of compilation each for SmolLM2 on a CPU), so the ladder is short.
-        Two tokens rather than half the chain: most passes verify one or two drafted tokens, where a rung
-        is cheapest (SmolLM2 on 2 Xeon cores: 3 nodes 1.41x a one-node pass, 5 nodes 1.68x). Replayed
-        with the budget on greedy outputs of the grounded dev prompts (``scripts/offline_acceptance.py
-        --costs``): 1.47x -> 1.49x modelled speed over incremental decoding, other kinds unchanged."""
-        ladder = [0, 1, min(2, self.depth), self.depth, self.num_nodes]
+        """Node counts (below the root) worth compiling a pass for: none, the best chain's first two
+        tokens, its first four, all of it, then every chain (chain-major order keeps each a prefix). Each
+        level is one more compiled pass (~2-3 s of compilation each for SmolLM2 on a CPU), so the ladder
+        is short. Most passes verify one to three drafted tokens, where rungs are cheapest; with the step
+        programs' matmuls in Eigen (``specjax.decoding.programs``) SmolLM2's 3-node pass costs what its
+        2-node one does on 2 Xeon cores (34.7 vs 34.6 ms, 1 node 27.9, 5 nodes 41.4), so the rungs are 3
+        and 5 nodes rather than 2 and 3. Replayed with the budget on greedy outputs
+        (``scripts/offline_acceptance.py --costs``, that cost table): grounded dev prompts 1.32-1.82x ->
+        1.32-1.82x modelled speed over incremental decoding by kind (summarisation 1.55 -> 1.57x, RAG-QA
+        1.62 -> 1.70x, code edits 1.75 -> 1.82x), the other task kinds -1% to +3%; with YNNPACK's costs
+        (bigger batches) -4% to +3% by kind. A sixth rung (2 nodes) changed nothing in either replay."""
+        ladder = [0, min(2, self.depth), min(4, self.depth), self.depth, self.num_nodes]
         return tuple(sorted(set(ladder)))
 
     def describe(self) -> str:

@@ -1,0 +1,107 @@
+"""XLA:CPU's matmul library per program (``specjax.decoding.programs``): the rule, its one setting
+(``SPECJAX_CPU_DOTS``), and that the compiled programs really carry it: the prefill keeps XLA's
+default (YNNPACK), the stepping programs of a small batch run their dots in Eigen, in the one-jit
+path and the streaming loop alike, with the same tokens either way."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import specjax
+import specjax.decoding.host_step as host_step
+from specjax.decoding.programs import (
+    EIGEN_MAX_BATCH,
+    ENV,
+    step_compiler_options,
+    step_library,
+    step_program,
+)
+from specjax.errors import InputError
+from specjax.speculation.cost import table_key
+from specjax.speculation.drafters.lookup import LookupDrafter
+from tests.conftest import random_ids
+
+YNN = "__ynn_fusion"  # how XLA:CPU names a dot handed to YNNPACK in the compiled HLO
+
+
+def test_the_rule_and_its_setting(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert [step_library(b, "cpu") for b in (1, EIGEN_MAX_BATCH, EIGEN_MAX_BATCH + 1, 16)] == \
+        ["eigen", "eigen", "ynnpack", "ynnpack"]
+    assert step_compiler_options(1, "cpu") == {"xla_cpu_experimental_ynn_fusion_type": ""}
+    assert step_compiler_options(16, "cpu") is None
+    assert step_library(1, "gpu") == "default" and step_compiler_options(1, "gpu") is None
+    for value, expected in (("eigen", "eigen"), ("YNNPACK", "ynnpack"), (" auto ", "eigen"), ("", "eigen")):
+        monkeypatch.setenv(ENV, value)
+        assert step_library(1, "cpu") == expected, value
+    monkeypatch.setenv(ENV, "eigen")
+    assert step_library(16, "cpu") == "eigen" and step_library(16, "gpu") == "default"
+    monkeypatch.setenv(ENV, "mkl")
+    with pytest.raises(InputError, match=rf"{ENV}='mkl': expected one of auto, eigen, ynnpack"):
+        step_library(1, "cpu")
+
+
+def _double(x, scale):
+    return x * scale
+
+
+def test_one_jitted_object_per_function_and_options(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    a = step_program(_double, 1, ("scale",))
+    assert step_program(_double, 2, ("scale",)) is a  # same options: the same jit (and compile cache)
+    assert step_program(_double, 8, ("scale",)) is not a
+    assert float(a(np.float32(1.5), scale=2.0)) == 3.0
+
+
+def test_cost_tables_are_kept_per_library(tiny_llama_dir, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    cfg = specjax.load_model(tiny_llama_dir, progress=False).config
+    assert "|dots=eigen|" in table_key(cfg, np.float32, 1, "xla")
+    assert "|dots=ynnpack|" in table_key(cfg, np.float32, 8, "xla")
+
+
+@pytest.fixture()
+def compiled_texts(monkeypatch):
+    """The HLO of every program specjax.generate compiles, in order (prefill first)."""
+    texts = []
+    lower = host_step.lower_partial
+
+    def spy(fn, *args):
+        lowered = lower(fn, *args)
+
+        class Recorded:
+            def compile(self):
+                compiled = lowered.compile()
+                texts.append(compiled.as_text())
+                return compiled
+        return Recorded()
+
+    monkeypatch.setattr(host_step, "lower_partial", spy)
+    return texts
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["one-jit", "streaming"])
+def test_prefill_keeps_ynnpack_and_small_batch_steps_run_in_eigen(tiny_llama_dir, compiled_texts, monkeypatch,
+                                                                   stream):
+    model = specjax.load_model(tiny_llama_dir, progress=False)
+    kw = dict(max_new_tokens=10, chat_template=False, ignore_eos=True,
+              on_tokens=(lambda i, ids: None) if stream else None)
+    tokens = {}
+    for setting in ("auto", "ynnpack"):
+        monkeypatch.setenv(ENV, setting)
+        for batch in (1, 8):
+            prompts = [random_ids(np.random.RandomState(batch), model.config.vocab_size, 6) for _ in range(batch)]
+            for mode in ("incremental", "lookup"):
+                extra = (dict(drafters=[specjax.Bound(LookupDrafter())]) if mode == "lookup"
+                         else dict(mode="incremental"))
+                compiled_texts.clear()
+                out = specjax.generate(model, prompts, **kw, **extra)
+                prefill, steps = compiled_texts
+                assert YNN in prefill, (setting, batch, mode)
+                eigen = setting == "auto" and batch <= EIGEN_MAX_BATCH
+                assert (YNN not in steps) == eigen, (setting, batch, mode)
+                tokens.setdefault((batch, mode), out.token_ids)
+                assert out.token_ids == tokens[(batch, mode)], (setting, batch, mode)
+    for batch in (1, 8):
+        assert tokens[(batch, "lookup")] == tokens[(batch, "incremental")]

@@ -106,7 +106,7 @@ def _given_pass_costs(model, cache_dir: str, slots: int) -> None:
     from specjax.models.params import layers_split
     from specjax.speculation.cost import table_key
 
-    costs = {1: 1e-3, 2: 1.1e-3, 3: 1.2e-3, 9: 1.8e-3, 17: 3e-3}
+    costs = {1: 1e-3, 2: 1.1e-3, 3: 1.2e-3, 5: 1.4e-3, 9: 1.8e-3, 17: 3e-3}
     key = table_key(model.config, jnp.float32, slots, "xla", split=layers_split(model.params))
     with open(os.path.join(cache_dir, "tree_costs.json"), "w") as f:
         json.dump({key: {str(n): c for n, c in costs.items()}}, f)

@@ -179,9 +179,9 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
     dp x microbatches; the output is the same as on one device.
     on_tokens: ``on_tokens(request_index, new_token_ids)`` is called as tokens are accepted (after
     every LLM pass, several at once when speculation succeeds): the host-loop twin of the jitted
-    loop runs the same step function, and ``stats`` then also has ``prefill_seconds`` (the time to
-    the first tokens) and each request's own finish time. ``stats["seconds"]`` (prefill + decoding)
-    never includes compilation, which ``stats["compile_seconds"]`` reports apart.
+    loop runs the same step function, and each request's own finish time is reported. Either way
+    ``stats`` has ``prefill_seconds`` (the time to the first tokens); ``stats["seconds"]`` (prefill +
+    decoding) never includes compilation, which ``stats["compile_seconds"]`` reports apart.
 
     A request whose LLM logits turn non-finite (NaN weights, overflow) stops without emitting a
     token from that pass: ``GenerationError`` names it, with the whole result attached.
@@ -200,11 +200,11 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
     n = len(plan.ids)
     drafter_params = tuple(s.params for s in ssms) + tuple(_bound(d).params for d in drafters)
     params, drafter_params, inputs, host = _place(parallel, model, plan, drafter_params)
-    plan = measured_budget(model, plan, params, inputs[0].shape[0], parallel)
+    batch = inputs[0].shape[0]
+    plan = measured_budget(model, plan, params, batch, parallel)
     sizes = dict(cfg=cfg, cache_len=plan.cache_len, max_out=plan.max_out, parallel=parallel)
     # The prefill and the steps are separate programs: XLA:CPU's best matmul library differs between
     # them (``specjax.decoding.programs``).
-    batch = inputs[0].shape[0]
     if plan.spec is None:  # the reference decoder
         init = functools.partial(decode_init_jit, params, *inputs, eos_ids=plan.eos_ids, **sizes)
         per_step = dict(sampling=inputs[3], max_new_tokens=inputs[2], cfg=cfg, eos_ids=plan.eos_ids, parallel=parallel)

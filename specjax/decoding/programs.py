@@ -4,7 +4,9 @@ XLA:CPU (jax 0.10) hands f32 dots to YNNPACK by default, otherwise to Eigen. Whi
 the rows a matmul multiplies: the weight matmuls of a decode or tree pass over a few rows run faster
 in Eigen, a prefill's hundreds of rows (and big batches) faster in YNNPACK. Measured side by side in
 one process on 2 Intel Xeon cores (SmolLM2-135M, float32, the tied head read from its transposed
-copy in both, ms per LLM pass at a 300-token prefix, ``/work/data/s37/bopts.py`` at stop 37):
+copy in both, ms per LLM pass at a 300-token prefix, a scratch script of stop 37; the same table per
+library, 256-token prefix: ``SPECJAX_CPU_DOTS=eigen specjax tree-cost --batch-sizes 1,4,8,16
+--remeasure``, then ``=ynnpack``):
 
     batch  library   1 node  2      3      5      9      17
     1      YNNPACK   28.9    35.0   42.7   50.3   60.7   76.7

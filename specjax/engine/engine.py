@@ -91,6 +91,8 @@ class Engine:
         self.prompt_width = _next_pow2(max_prompt_tokens)
         self.cache_len = self.prompt_width + self.max_out + self.spec.num_nodes
         self._sizes = dict(cfg=model.config, spec=self.spec, cache_len=self.cache_len, max_out=self.max_out)
+        # Compiled with the matmul library for this many slots (``specjax.decoding.programs``).
+        self._step = step_program(spec_step, slots, ("cfg", "spec", "parallel"), ("state",))
 
     # -- device work --------------------------------------------------------------------------
 
@@ -122,8 +124,7 @@ class Engine:
 
     def step(self, state: SpecState) -> SpecState:
         """One speculative step (one LLM pass) of every slot; finished and free slots stay as they are."""
-        step = step_program(spec_step, self.slots, ("cfg", "spec", "parallel"), ("state",))
-        return step(self.model.params, self.drafter_params, state, cfg=self.model.config, spec=self.spec)
+        return self._step(self.model.params, self.drafter_params, state, cfg=self.model.config, spec=self.spec)
 
     def release(self, state: SpecState, slot: int) -> SpecState:
         """Free slot ``slot`` (a finished or cancelled request): later steps skip it."""

@@ -15,6 +15,7 @@ from specjax.errors import (
 from specjax.io.loader import describe_model, load_model
 from specjax.speculation.budget import Budget
 from specjax.speculation.drafters.base import Bound, Drafter
+from specjax.speculation.drafters.corpus import CorpusDrafter, corpus_drafter
 from specjax.speculation.drafters.lookup import LookupDrafter
 from specjax.speculation.drafters.ssm import SSMDrafter, derive_ssm
 from specjax.types import Model
@@ -24,4 +25,4 @@ __version__ = "0.1.0"
 __all__ = ["load_model", "describe_model", "generate", "logits", "Model", "GenerationResult", "ModelConfig",
            "SamplingParams", "SamplingArrays", "generate_incremental", "SpecjaxError", "ConfigError", "CheckpointError",
            "InputError", "ShardingError", "GenerationError", "derive_ssm", "Bound", "Drafter", "SSMDrafter",
-           "LookupDrafter", "Budget"]
+           "LookupDrafter", "CorpusDrafter", "corpus_drafter", "Budget"]

@@ -79,7 +79,8 @@ def test_drafter_flag_builds_registered_drafters(tiny_llama_dir, tmp_path):
     a, b = json.loads(via_flag.stdout), json.loads(via_ssm.stdout)
     assert a["token_ids"] == b["token_ids"] and a["llm_passes"] == b["llm_passes"]
     bad = cli(*common, "--drafter", "nope:1")
-    assert bad.returncode == 2 and "expected NAME:ARG with NAME one of ['feature', 'lookup', 'ssm']" in bad.stderr
+    assert bad.returncode == 2
+    assert "expected NAME:ARG with NAME one of ['corpus', 'feature', 'lookup', 'ssm']" in bad.stderr
     lookup = cli("generate", "--model", tiny_llama_dir, "--prompts-file", str(prompts), "--max-new-tokens", "8",
                  "--drafter", "lookup:depth=4,branches=1", "--json", env={"SPECJAX_CACHE_DIR": str(tmp_path)})
     assert lookup.returncode == 0, lookup.stderr

@@ -1,6 +1,7 @@
 """The engine: a request inserted into a batch that is already mid-generation yields exactly the tokens
-it yields alone (greedy and seeded sampling, with and without speculation), whatever its slot, its
-batch mates, their settings and when it joined; released slots take new requests."""
+it yields alone (greedy and seeded sampling, with and without speculation: SSM, lookup and corpus
+drafters), whatever its slot, its batch mates, their settings and when it joined; released slots take
+new requests."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import specjax
 from specjax.engine import Engine
 from specjax.errors import InputError
 from specjax.speculation.budget import Budget, default_levels
+from specjax.speculation.drafters.corpus import CorpusDrafter, build_index
 from specjax.speculation.drafters.lookup import LookupDrafter
 from specjax.speculation.drafters.ssm import derive_ssm, ssm_drafters
 from specjax.speculation.loop import init_state_jit
@@ -27,6 +29,12 @@ def _engine(llama, drafting: str, slots: int = 3) -> Engine:
     if drafting == "lookup":
         d = LookupDrafter(depth=3)
         drafters, budget = [(d, ())], Budget(default_levels((d,)), costs=(1.0, 1.1, 1.4, 2.0))
+    if drafting == "corpus":  # random documents over the requests' vocabulary: short matches
+        rng = np.random.RandomState(2)
+        d = CorpusDrafter(depth=3, corpus_min_ngram=1)
+        index = build_index([random_ids(rng, 128, 60) for _ in range(3)], d.corpus_max_ngram, d.depth,
+                            llama.config.vocab_size)
+        drafters, budget = [(d, index)], Budget(default_levels((d,)), costs=(1.0, 1.1, 1.4, 2.0))
     if drafting == "ssm":
         ssm = derive_ssm(llama, 1)
         drafters = [(d, ssm.params) for d in ssm_drafters([ssm.config], [(2, 1)], "coupled")]
@@ -45,7 +53,7 @@ def _alone(llama, prompt, sampling, budget, stop_ids=()):
     return tokens
 
 
-@pytest.mark.parametrize("drafting", ["none", "ssm", "lookup"])
+@pytest.mark.parametrize("drafting", ["none", "ssm", "lookup", "corpus"])
 def test_inserted_mid_generation_equals_alone(llama, drafting):
     rng = np.random.RandomState(11)
     greedy, hot = specjax.SamplingParams(), specjax.SamplingParams(temperature=0.8, top_p=0.9, seed=5)

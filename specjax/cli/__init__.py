@@ -100,7 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a registered drafter: feature:auto, feature:NAME or feature:PATH[,depth=D,beam=K,nodes=N] "
                         "(reads the LLM's hidden states, dynamic tree), lookup:auto, lookup:D or "
                         "lookup:depth=D,branches=K,ngram=N (copies continuations of the request's own text, no "
-                        "weights), ssm:derived:4 or ssm:PATH (drafts --expansion); repeat to merge several (default "
+                        "weights), corpus:PATH[,depth=D,branches=K,ngram=N,corpus-ngram=N,window=W] (lookup that also "
+                        "copies from the documents in PATH: a .jsonl of {\"text\": ...} or {\"token_ids\": [...]}, "
+                        "a text file or a directory; indexed once at start), ssm:derived:4 or ssm:PATH (drafts "
+                        "--expansion); repeat to merge several (default "
                         f"when neither --ssm nor --drafter is given: {registry.describe_default_drafters()})")
     g.add_argument("--budget", default=None, choices=["auto", "off"],
                    help="auto: each step verifies as much of the drafted tree as pays, from this machine's measured "

@@ -6,6 +6,6 @@ the static part only (configs, for checks before any weights load). Adding a dra
 line is its module plus one line here; the Python API takes any ``Bound`` directly.
 """
 
-from specjax.speculation.drafters import feature, lookup, ssm
+from specjax.speculation.drafters import corpus, feature, lookup, ssm
 
-FACTORIES = {"ssm": ssm.from_arg, "lookup": lookup.from_arg, "feature": feature.from_arg}
+FACTORIES = {"ssm": ssm.from_arg, "lookup": lookup.from_arg, "feature": feature.from_arg, "corpus": corpus.from_arg}

@@ -1,0 +1,336 @@
+"""The corpus drafter: lookup drafting with a second source, a user-given corpus (documents requests quote).
+
+The lookup drafter (``lookup.py``) copies continuations from a request's own prompt and output. This
+one also copies them from a corpus fixed before serving: documents a deployment's requests are likely
+to quote or repeat (a code base, a manual, earlier answers to recurring questions). It replaces the
+lookup drafter rather than merging with it: both sources' candidates compete for the same
+``branches`` chains (longest match first, the request's own text first at equal length), so it
+proposes no more nodes than the lookup drafter and climbs the same budget ladder.
+
+The corpus is tokenized and indexed once on the host (``build_index``); every step, inside the jitted
+loop, each request's last tokens are looked up in it with static shapes and no host round trip:
+
+1. for every n-gram length n the index holds the corpus positions p whose n tokens ending at p lie in
+   one document and are followed by at least one token of it, sorted by those n tokens read
+   backwards from p, then by how often the next token follows that n-gram in the corpus (most
+   frequent first), then by position;
+2. a binary search finds the first entry whose n-gram equals the request's last n tokens; the next
+   ``window`` entries are the candidates of that n (entries beyond the match are masked);
+3. the longest n with a match wins; its candidates are taken in index order, each with a first
+   continuation token different from those already taken;
+4. each chain is the candidate's continuation ``corpus[p + 1 : p + 1 + depth]``, cut at the end of
+   its document.
+
+Like the lookup drafter every entry is a deterministic function of committed tokens and the fixed
+corpus (law ``"onehot"``): greedy, seeded, naive, MSS and RRS verification stay exact. Its acceptance
+statistics (for the tree budget) are kept per source and match length.
+
+The index is the drafter's params (arrays passed to the loop, not constants compiled into it):
+``tokens`` [C + depth + 1] int32 (documents separated by -1, padded with -1), ``index`` [N, C]
+int32 (per n, valid entries first) and ``count`` [N] int32 (valid entries per n).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.errors import InputError
+from specjax.speculation.drafters.base import Bound, DraftContext, Proposal
+from specjax.speculation.drafters.lookup import LookupDrafter, find_chains
+
+SEPARATOR = -1  # between documents and after the corpus: no n-gram or continuation crosses it
+MAX_CORPUS_TOKENS = 1 << 26  # int32 positions, and a 16-byte-per-token host index under 1 GiB
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusDrafter(LookupDrafter):
+    """The lookup drafter with a second source: ``branches`` chains of ``depth`` tokens copied from the
+    request's own text (matches of ``min_ngram``..``max_ngram`` tokens, as ``LookupDrafter``) or from
+    a fixed corpus (matches of ``corpus_min_ngram``..``corpus_max_ngram`` tokens; its index is the
+    params). Candidates of both sources are ranked by match length, then the request's own text
+    first, then the most committed continuation; chains start with different tokens. So a corpus
+    match wins only where it is longer than any match in the request's own text, and the drafter
+    proposes no more nodes than the lookup drafter it replaces (the same budget ladder).
+
+    ``window``: corpus entries read after the first match of an n-gram (entries sharing an n-gram are
+    ordered most frequent next token first, so a small window already holds the common ones).
+    Acceptance statistics are kept per source and match length."""
+
+    corpus_max_ngram: int = 4
+    corpus_min_ngram: int = 2  # one-token matches in a corpus are mostly noise
+    window: int = 8
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("corpus_max_ngram", "corpus_min_ngram", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise InputError(f"corpus drafter: {name} must be a positive int, got {value!r}")
+        if self.corpus_min_ngram > self.corpus_max_ngram:
+            raise InputError(f"corpus drafter: corpus_min_ngram {self.corpus_min_ngram} exceeds corpus_max_ngram "
+                             f"{self.corpus_max_ngram}")
+
+    @property
+    def _rows(self) -> int:
+        """Statistics rows per source: match lengths 0..max."""
+        return max(self.max_ngram, self.corpus_max_ngram) + 1
+
+    def describe(self) -> str:
+        return (f"lookup+corpus(depth {self.depth}, branches {self.branches}, "
+                f"n-grams {self.max_ngram}..{self.min_ngram}, "
+                f"corpus n-grams {self.corpus_max_ngram}..{self.corpus_min_ngram}, window {self.window})")
+
+    def init(self, params, prompt_tokens, prompt_lens, *, cache_len: int, parallel=None, hidden=None,
+             first=None) -> dict:
+        state = super().init(params, prompt_tokens, prompt_lens, cache_len=cache_len)
+        return dict(state, counts=jnp.zeros((prompt_tokens.shape[0], 2 * self._rows, 2), jnp.float32))
+
+    def propose(self, params, state: dict, ctx: DraftContext) -> tuple[Proposal, dict]:
+        own = find_chains(ctx.history, ctx.length, self.depth, self.branches, self.max_ngram, self.min_ngram)
+        quoted = find_in_corpus(params, ctx.history, ctx.length, self.depth, self.branches, self.corpus_max_ngram,
+                                self.corpus_min_ngram, self.window)
+        chains, known, ngram, source = pick_chains(own, quoted, self.depth, self.branches)
+        batch = chains.shape[0]
+        root = jnp.take_along_axis(ctx.history, ctx.length[:, None], axis=1)
+        tokens = jnp.concatenate([root, chains.reshape(batch, -1)], axis=1).astype(jnp.int32)
+        drafted = jnp.arange(self.depth)[None, None, :] < known[:, :, None]  # [B, K, D]
+        ok = jnp.concatenate([jnp.ones((batch, 1), bool), drafted.reshape(batch, -1)], axis=1)
+        parents = jnp.broadcast_to(jnp.asarray(self.static_parents(), jnp.int32), tokens.shape)
+        proposal = Proposal(tokens=tokens, parent=parents, ok=ok, law_row=jnp.full(tokens.shape, -1, jnp.int32))
+        # The statistics row of each chain: its match length, in the corpus rows for corpus chains
+        # (LookupDrafter.commit and expected_accepted read state["ngram"] as the row; 0 = no chain).
+        row = jnp.where(ngram > 0, ngram + source * self._rows, 0)
+        return proposal, dict(state, chains=chains, known=known, ngram=row)
+
+
+def pick_chains(own, quoted, depth: int, branches: int):
+    """Chains of both sources ranked by (match length, own text first, committed continuation), each
+    starting with a different token: (chains [B, K, D], known [B, K], ngram [B, K], source [B, K] 0 =
+    the request's own text, 1 = the corpus)."""
+    chains = jnp.concatenate([own[0], quoted[0]], axis=1)  # [B, 2K, D]
+    known = jnp.concatenate([own[1], quoted[1]], axis=1)
+    ngram = jnp.concatenate([own[2], quoted[2]], axis=1)
+    source = jnp.concatenate([jnp.zeros_like(own[1]), jnp.ones_like(quoted[1])], axis=1)
+    score = jnp.where(known > 0, (ngram * 2 + 1 - source) * (depth + 1) + known, -1)  # ties: the earlier
+    first = chains[:, :, 0]
+    rows = jnp.arange(chains.shape[0])
+    out = [], [], [], []
+    for _ in range(branches):
+        best = jnp.argmax(score, axis=1)
+        found = jnp.max(score, axis=1) >= 0
+        for acc, x in zip(out, (chains, known, ngram, source)):
+            taken = x[rows, best]
+            acc.append(taken if x is chains else jnp.where(found, taken, 0))
+        score = jnp.where(first == first[rows, best][:, None], -1, score)
+    return tuple(jnp.stack(x, 1).astype(jnp.int32) for x in out)
+
+
+def build_index(documents, max_ngram: int, depth: int, vocab_size: int, capacity: int | None = None) -> dict:
+    """The corpus index (the drafter's params) from documents given as token-id sequences.
+
+    ``capacity``: size the arrays for this many corpus tokens (separators included) instead of exactly
+    this corpus, so that another corpus of at most that size runs in the same compiled loop.
+    Checked before any work: at least one document with two tokens, every id in [0, vocab_size),
+    at most MAX_CORPUS_TOKENS tokens in all and no more than ``capacity``."""
+    docs = [np.asarray(d, np.int64).reshape(-1) for d in documents]
+    if not any(d.size >= 2 for d in docs):
+        raise InputError("corpus drafter: the corpus needs a document of at least two tokens (nothing to copy)")
+    for i, d in enumerate(docs):
+        bad = d[(d < 0) | (d >= vocab_size)]
+        if bad.size:
+            raise InputError(f"corpus drafter: document {i} has token id {int(bad[0])}, not in [0, {vocab_size})")
+    total = sum(d.size + 1 for d in docs)
+    if total > MAX_CORPUS_TOKENS:
+        raise InputError(f"corpus drafter: {total} corpus tokens (with separators), more than {MAX_CORPUS_TOKENS}")
+    if capacity is not None and total > capacity:
+        raise InputError(f"corpus drafter: {total} corpus tokens (with separators) exceed the capacity {capacity}")
+    parts = []
+    for d in docs:
+        parts += [d, np.asarray([SEPARATOR])]
+    corpus = np.concatenate(parts)  # ends with a separator
+    if capacity is not None:  # more separators: positions no entry ever reads
+        corpus = np.concatenate([corpus, np.full(capacity - total, SEPARATOR)])
+    size = corpus.size
+    pos = np.arange(size)
+    index = np.zeros((max_ngram, size), np.int32)
+    count = np.zeros(max_ngram, np.int32)
+    nxt = np.append(corpus[1:], SEPARATOR)
+    ok = (corpus != SEPARATOR) & (nxt != SEPARATOR)  # a token with a continuation in its document
+    for n in range(1, max_ngram + 1):
+        if n > 1:  # the n-gram ending at p starts at or after the corpus start and stays in one document
+            back = np.concatenate([np.full(n - 1, SEPARATOR), corpus[:-(n - 1)]])
+            ok = ok & (back != SEPARATOR)
+        p = pos[ok]
+        cols = [corpus[p - j] for j in range(n)]  # the n-gram read backwards from p
+        rows = np.stack(cols + [nxt[p]], axis=1)
+        _, inverse, counts = np.unique(rows, axis=0, return_inverse=True, return_counts=True)
+        freq = counts[inverse.reshape(-1)]
+        order = np.lexsort((p, -freq) + tuple(cols[::-1]))  # the last key is the primary one
+        index[n - 1, :p.size] = p[order]
+        count[n - 1] = p.size
+    tokens = np.concatenate([corpus, np.full(depth + 1, SEPARATOR)]).astype(np.int32)
+    return {"tokens": jnp.asarray(tokens), "index": jnp.asarray(index), "count": jnp.asarray(count)}
+
+
+def find_in_corpus(params: dict, history: jax.Array, length: jax.Array, depth: int, branches: int,
+                   max_ngram: int, min_ngram: int, window: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The corpus rule (module docstring). history [B, S], history[b, length[b]] = the root. Returns
+    (chains [B, K, D] int32, known [B, K] drafted tokens per chain (0 = none), ngram [B, K] the match
+    length of each chain (0 = none)), as ``lookup.find_chains``."""
+    corpus, index, count = params["tokens"], params["index"], params["count"]
+    if index.shape[0] < max_ngram:
+        raise InputError(f"corpus drafter: the index holds n-grams up to {index.shape[0]}, the drafter asks for "
+                         f"{max_ngram} (build the index with max_ngram >= {max_ngram})")
+    batch = history.shape[0]
+    size = index.shape[1]
+    steps = max(1, int(size).bit_length())
+    back = jnp.arange(max_ngram)
+    key = jnp.take_along_axis(history, jnp.maximum(length[:, None] - back[None, :], 0), axis=1)  # [B, N]
+    key_ok = (length[:, None] - back[None, :]) >= 0  # [B, N]
+
+    def gram(entry, n):
+        """[B, ..., n] the n-gram read backwards from each entry's corpus position."""
+        p = index[n - 1][jnp.clip(entry, 0, size - 1)]
+        return corpus[jnp.maximum(p[..., None] - jnp.arange(n), 0)], p
+
+    best_n = jnp.zeros(batch, jnp.int32)
+    cand = jnp.zeros((batch, window), jnp.int32)  # corpus positions of the chosen n's candidates
+    cand_ok = jnp.zeros((batch, window), bool)
+    for n in range(min_ngram, max_ngram + 1):  # longer matches overwrite shorter ones
+        k = key[:, :n]
+
+        def less(entry, k=k, n=n):  # entry's n-gram < the key, lexicographically
+            g, _ = gram(entry, n)
+            diff = g != k
+            first = jnp.argmax(diff, axis=1)
+            return jnp.any(diff, axis=1) & (jnp.take_along_axis(g, first[:, None], 1)[:, 0]
+                                            < jnp.take_along_axis(k, first[:, None], 1)[:, 0])
+
+        def search(_, lohi, less=less):
+            lo, hi = lohi
+            mid = (lo + hi) // 2
+            go_right = (lo < hi) & less(mid)
+            return jnp.where(go_right, mid + 1, lo), jnp.where((lo < hi) & ~go_right, mid, hi)
+
+        start = (jnp.zeros(batch, jnp.int32), jnp.broadcast_to(count[n - 1], (batch,)))
+        lo, _ = jax.lax.fori_loop(0, steps, search, start)
+        entries = lo[:, None] + jnp.arange(window)[None, :]  # [B, W]
+        g, p = gram(entries, n)  # [B, W, n], [B, W]
+        match = (entries < count[n - 1]) & jnp.all(g == k[:, None, :], axis=2) & jnp.all(key_ok[:, :n], axis=1)[:, None]
+        found = jnp.any(match, axis=1)
+        best_n = jnp.where(found, n, best_n)
+        cand = jnp.where(found[:, None], p, cand)
+        cand_ok = jnp.where(found[:, None], match, cand_ok)
+
+    # Up to ``branches`` candidates in index order, each starting with a new token (as find_chains).
+    first_tok = corpus[cand + 1]  # [B, W]
+    rows = jnp.arange(batch)
+    chains, known, ngram = [], [], []
+    avail = cand_ok
+    steps_d = jnp.arange(1, depth + 1)
+    for _ in range(branches):
+        pick = jnp.argmax(avail, axis=1)
+        found = jnp.any(avail, axis=1)
+        start = cand[rows, pick]
+        chain = corpus[start[:, None] + steps_d[None, :]]  # [B, D]
+        inside = jnp.cumprod(chain != SEPARATOR, axis=1)  # stop at the document's end
+        chains.append(jnp.where(inside > 0, chain, 0))
+        known.append(jnp.where(found, jnp.sum(inside, axis=1), 0))
+        ngram.append(jnp.where(found, best_n, 0))
+        avail = avail & (first_tok != first_tok[rows, pick][:, None])
+    return jnp.stack(chains, 1).astype(jnp.int32), jnp.stack(known, 1).astype(jnp.int32), jnp.stack(ngram, 1)
+
+
+def read_documents(path: str) -> list:
+    """Corpus documents: a .jsonl file (one per line: its "text" string or its "token_ids" list), another
+    file (one document, its UTF-8 text), or a directory (every regular file in it, sorted by name, each
+    as above)."""
+    if not os.path.exists(path):
+        raise InputError(f"corpus drafter: {path!r} does not exist")
+    if os.path.isdir(path):
+        names = sorted(n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n)))
+        if not names:
+            raise InputError(f"corpus drafter: directory {path!r} holds no files")
+        return [doc for n in names for doc in read_documents(os.path.join(path, n))]
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"corpus drafter: cannot read {path!r} as UTF-8 text: {e}") from e
+    if not path.endswith(".jsonl"):
+        return [text]
+    docs = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"corpus drafter: {path}:{i} is not JSON: {e}") from e
+        if isinstance(rec, dict) and isinstance(rec.get("text"), str):
+            docs.append(rec["text"])
+        elif isinstance(rec, dict) and isinstance(rec.get("token_ids"), list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in rec["token_ids"]):
+            docs.append(rec["token_ids"])
+        else:
+            raise InputError(f"corpus drafter: {path}:{i} needs a string field \"text\" or a list of ints "
+                             f"\"token_ids\"")
+    if not docs:
+        raise InputError(f"corpus drafter: {path!r} holds no documents")
+    return docs
+
+
+def corpus_drafter(model, texts, capacity: int | None = None, **settings) -> Bound:
+    """A ``Bound`` corpus drafter over documents (strings, tokenized with the model's tokenizer without
+    special tokens, or token-id lists); ``settings`` are ``CorpusDrafter`` fields, ``capacity`` as in
+    ``build_index``."""
+    drafter = CorpusDrafter(**settings)
+    if isinstance(texts, str):
+        raise InputError("corpus drafter: pass a list of documents, not one string")
+    docs = []
+    for i, t in enumerate(texts):
+        if isinstance(t, str):
+            if model.tokenizer is None:
+                raise InputError(f"corpus document {i} is a string but the model has no tokenizer; pass token ids")
+            docs.append(model.tokenizer(t, add_special_tokens=False)["input_ids"])
+        else:
+            docs.append(list(t))
+    return Bound(drafter, build_index(docs, drafter.corpus_max_ngram, drafter.depth, model.config.vocab_size, capacity))
+
+
+_NAMES = {"depth": "depth", "branches": "branches", "ngram": "max_ngram", "min-ngram": "min_ngram",
+          "corpus-ngram": "corpus_max_ngram", "corpus-min-ngram": "corpus_min_ngram", "window": "window"}
+
+
+def parse_arg(arg: str) -> tuple[str, dict]:
+    """``corpus:PATH`` or ``corpus:PATH,depth=D,branches=K,ngram=N,min-ngram=M,corpus-ngram=N,corpus-min-ngram=M,
+    window=W`` (ngram / min-ngram: matches in the request's own text; corpus-ngram / corpus-min-ngram: in the
+    corpus)."""
+    path, *items = arg.split(",")
+    if not path:
+        raise InputError("--drafter corpus:PATH needs the corpus path (a .jsonl, a text file or a directory)")
+    values = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in _NAMES or not (value.isascii() and value.isdigit()):
+            raise InputError(f"--drafter corpus:{arg}: expected corpus:PATH then comma-separated "
+                             f"{'/'.join(_NAMES)}=N items, got {item!r}")
+        values[_NAMES[key]] = int(value)
+    CorpusDrafter(**values)  # settings checked before the corpus is read
+    return path, values
+
+
+def from_arg(arg: str, llm, *, load: bool, expansion, draft: str) -> Bound:
+    """``--drafter corpus:ARG`` (see ``parse_arg``); without ``load`` the corpus is only checked to exist."""
+    path, values = parse_arg(arg)
+    if not load:
+        if not os.path.exists(path):
+            raise InputError(f"corpus drafter: {path!r} does not exist")
+        return Bound(CorpusDrafter(**values), ())
+    return corpus_drafter(llm, read_documents(path), **values)

@@ -1,0 +1,261 @@
+"""The corpus drafter (lookup with a user-given corpus as a second source): its on-device index search
+equals a plain-Python scan of the corpus and both sources' chains are ranked as documented;
+speculation with it, whole tree or budgeted, alone or merged with an SSM, is exactly incremental
+decoding (greedy and seeded) and really copies what the corpus holds; it samples the exact law under
+MSS, RRS and naive verification; it runs in the serving engine (tests/test_engine.py); bad corpora and
+settings are refused by name."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax.errors import InputError
+from specjax.speculation.budget import Budget, default_levels
+from specjax.speculation.drafters.corpus import (
+    SEPARATOR,
+    CorpusDrafter,
+    build_index,
+    corpus_drafter,
+    find_in_corpus,
+    parse_arg,
+    pick_chains,
+    read_documents,
+)
+from specjax.speculation.drafters.lookup import LookupDrafter
+from specjax.speculation.loop import SpecConfig, generate_speculative_jit
+from tests.conftest import random_ids
+from tests.stats import assert_fits
+from tests.toy import exact_sequence_law, sampling_arrays, toy_model
+
+
+def reference_chains(documents, history, length, depth, branches, max_ngram, min_ngram, window):
+    """The corpus rule of specjax/speculation/drafters/corpus.py, one request, by scanning the corpus."""
+    corpus = [t for d in documents for t in list(d) + [SEPARATOR]]
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if length - n + 1 < 0:
+            continue
+        key = [history[length - j] for j in range(n)]
+        entries = [p for p in range(n - 1, len(corpus) - 1)
+                   if corpus[p + 1] != SEPARATOR and [corpus[p - j] for j in range(n)] == key]
+        if not entries:
+            continue
+        freq = collections.Counter(corpus[p + 1] for p in entries)
+        entries = sorted(entries, key=lambda p: (-freq[corpus[p + 1]], p))[:window]
+        chains, used = [], set()
+        for p in entries:
+            if len(chains) == branches:
+                break
+            if corpus[p + 1] in used:
+                continue
+            used.add(corpus[p + 1])
+            chain = []
+            for t in corpus[p + 1:p + 1 + depth]:
+                if t == SEPARATOR:
+                    break
+                chain.append(t)
+            chains.append((chain, n))
+        return chains
+    return []
+
+
+class TestCorpusRule(chex.TestCase):
+    """The binary search over the index equals the scan, traced and eagerly, on small vocabularies (many
+    matches, ties broken by frequency then position) and with several documents (no n-gram and no
+    continuation crosses a document's end)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_matches_the_reference(self):
+        rng = np.random.RandomState(0)
+        for trial in range(12):
+            vocab = int(rng.randint(3, 9))
+            depth, branches, max_n, window = int(rng.randint(1, 6)), int(rng.randint(1, 4)), int(rng.randint(1, 4)), \
+                int(rng.randint(1, 10))
+            docs = [rng.randint(0, vocab, rng.randint(2, 30)).tolist() for _ in range(rng.randint(1, 4))]
+            total = sum(len(d) + 1 for d in docs)
+            params = build_index(docs, max_n, depth, vocab, capacity=total + trial % 3 * 7)  # padded or exact
+            batch, size = 6, 16
+            history = rng.randint(0, vocab, (batch, size)).astype(np.int32)
+            length = rng.randint(0, size - 1, batch).astype(np.int32)
+            find = self.variant(lambda h, n: find_in_corpus(params, h, n, depth, branches, max_n, 1, window))
+            chains, known, ngram = (np.asarray(x) for x in find(jnp.asarray(history), jnp.asarray(length)))
+            chex.assert_shape(chains, (batch, branches, depth))
+            for b in range(batch):
+                want = reference_chains(docs, history[b].tolist(), int(length[b]), depth, branches, max_n, 1, window)
+                got = [(chains[b, c, :known[b, c]].tolist(), int(ngram[b, c])) for c in range(branches)
+                       if known[b, c] > 0]
+                assert got == want, f"trial {trial}, request {b}"
+                assert (known[b, len(want):] == 0).all() and (ngram[b, len(want):] == 0).all()
+
+
+def test_the_most_frequent_continuation_comes_first():
+    # "1 2" is followed by 3 once (first) and by 4 twice: with one branch the drafter copies "4 ..".
+    docs = [[1, 2, 3, 9], [1, 2, 4, 5], [7, 1, 2, 4, 6]]
+    params = build_index(docs, 2, 3, 10)
+    chains, known, ngram = find_in_corpus(params, jnp.asarray([[1, 2]]), jnp.asarray([1]), 3, 2, 2, 1, 8)
+    assert chains[0, 0, :known[0, 0]].tolist() == [4, 5]  # cut at its document's end
+    assert chains[0, 1, :known[0, 1]].tolist() == [3, 9]
+    assert ngram[0].tolist() == [2, 2]
+    # The corpus's first token has no token before it: "1 1" matches only at position 1 (next 2), never at
+    # position 0 (which would copy "1 2").
+    params = build_index([[1, 1, 2]], 2, 3, 10)
+    chains, known, ngram = find_in_corpus(params, jnp.asarray([[1, 1]]), jnp.asarray([1]), 3, 2, 2, 1, 8)
+    assert chains[0, 0, :known[0, 0]].tolist() == [2] and known[0, 1] == 0 and ngram[0, 0] == 2
+
+
+def test_bad_corpora_and_settings_are_refused(tmp_path):
+    with pytest.raises(InputError, match="a document of at least two tokens"):
+        build_index([[1], []], 3, 4, 10)
+    with pytest.raises(InputError, match="document 1 has token id 10, not in"):
+        build_index([[1, 2], [3, 10]], 3, 4, 10)
+    params = build_index([[1, 2, 3]], 2, 4, 10)
+    with pytest.raises(InputError, match="n-grams up to 2, the drafter asks for 3"):
+        find_in_corpus(params, jnp.zeros((1, 4), jnp.int32), jnp.zeros(1, jnp.int32), 4, 1, 3, 1, 4)
+    with pytest.raises(InputError, match="4 corpus tokens \\(with separators\\) exceed the capacity 3"):
+        build_index([[1, 2, 3]], 2, 4, 10, capacity=3)
+    with pytest.raises(InputError, match="window must be a positive int"):
+        CorpusDrafter(window=0)
+    with pytest.raises(InputError, match="corpus_min_ngram 3 exceeds corpus_max_ngram 2"):
+        CorpusDrafter(corpus_max_ngram=2, corpus_min_ngram=3)
+    with pytest.raises(InputError, match="needs the corpus path"):
+        parse_arg(",depth=3")
+    with pytest.raises(InputError, match="expected corpus:PATH then comma-separated"):
+        parse_arg("docs.jsonl,deep=3")
+    with pytest.raises(InputError, match="beyond the tree limit of 64"):
+        parse_arg("docs.jsonl,depth=40,branches=2")
+    with pytest.raises(InputError, match="does not exist"):
+        read_documents(str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n{"nope": 1}\n')
+    with pytest.raises(InputError, match="bad.jsonl:2 needs a string field"):
+        read_documents(str(bad))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(InputError, match="holds no files"):
+        read_documents(str(empty))
+
+
+def test_documents_are_read_from_jsonl_text_files_and_directories(tmp_path):
+    d = tmp_path / "docs"
+    d.mkdir()
+    (d / "a.jsonl").write_text('{"text": "first"}\n\n{"token_ids": [1, 2, 3]}\n')
+    (d / "b.txt").write_text("second document\nwith two lines")
+    assert read_documents(str(d)) == ["first", [1, 2, 3], "second document\nwith two lines"]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    return specjax.load_model(tiny_llama_dir, progress=False)
+
+
+def _prompts(vocab):
+    rng = np.random.RandomState(5)
+    return [random_ids(rng, vocab, 7), random_ids(rng, vocab, 5), random_ids(rng, vocab, 9)]
+
+
+def test_chains_of_both_sources_are_ranked_by_match_length_then_own_text_first():
+    """pick_chains: a longer corpus match beats the request's own text; at equal length its own text
+    wins; chains start with different tokens; the statistics rows tell the sources apart."""
+    own = (jnp.asarray([[[5, 6], [7, 8]]]), jnp.asarray([[2, 1]]), jnp.asarray([[2, 1]]))
+    quoted = (jnp.asarray([[[9, 9], [5, 1]]]), jnp.asarray([[2, 2]]), jnp.asarray([[3, 2]]))
+    chains, known, ngram, source = (np.asarray(x) for x in pick_chains(own, quoted, 2, 3))
+    # corpus 3-gram [9 9] first; own 2-gram [5 6] before the corpus 2-gram [5 1] (same first token:
+    # dropped); then own 1-gram [7 8]
+    assert chains[0].tolist() == [[9, 9], [5, 6], [7, 8]] and known[0].tolist() == [2, 2, 1]
+    assert ngram[0].tolist() == [3, 2, 1] and source[0].tolist() == [1, 0, 0]
+    d = CorpusDrafter(depth=2, branches=3)
+    assert d._rows == 5 and d.budget_ladder() == LookupDrafter(depth=2, branches=3).budget_ladder()
+
+
+@pytest.mark.parametrize("budget", [None, "finish"])
+def test_corpus_speculation_equals_incremental_and_copies_the_corpus(llama, budget):
+    """A corpus holding the LLM's own greedy continuations (as a deployment would hold earlier answers):
+    its drafts are accepted (more tokens per pass than the lookup drafter alone), and the output is
+    incremental decoding's, greedy and seeded, whole tree or budgeted, with a corpus that helps and
+    one that does not, alone and merged with an SSM."""
+    vocab = llama.config.vocab_size
+    prompts = _prompts(vocab)
+    want = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True)
+    rng = np.random.RandomState(9)
+    answers = [p + t for p, t in zip(prompts, want.token_ids)]
+    unrelated = [random_ids(rng, vocab, 40) for _ in range(3)]
+    costs = (1.0, 1.1, 1.4, 1.8, 2.5)
+    levels = default_levels((CorpusDrafter(),))
+    lookup = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True,
+                              drafters=[specjax.Bound(LookupDrafter())],
+                              budget=Budget(levels, costs=costs, goal=budget) if budget else None)
+    assert lookup.token_ids == want.token_ids
+    for docs, copies in ((unrelated + answers, True), (unrelated, False)):
+        bound = corpus_drafter(llama, docs)
+        b = Budget(levels, costs=costs, goal=budget) if budget else None
+        got = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, drafters=[bound], budget=b)
+        assert got.token_ids == want.token_ids
+        if copies:
+            assert got.stats["mean_tokens_per_pass"] > max(4.0, lookup.stats["mean_tokens_per_pass"] + 1), (
+                got.stats["mean_tokens_per_pass"], lookup.stats["mean_tokens_per_pass"])
+    ssm = specjax.derive_ssm(llama, 1)
+    got = specjax.generate(llama, prompts, max_new_tokens=20, ignore_eos=True, ssms=[ssm], expansion=(2,),
+                           drafters=[corpus_drafter(llama, unrelated + answers, depth=4)])
+    assert got.token_ids == [t[:20] for t in want.token_ids]
+    seeded = specjax.SamplingParams(temperature=0.9, top_k=30, seed=4)
+    inc = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, sampling=seeded)
+    spec = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, sampling=seeded,
+                            drafters=[corpus_drafter(llama, unrelated + answers)], verifier="seeded")
+    assert spec.token_ids == inc.token_ids
+
+
+def test_generate_command_takes_a_corpus_drafter(tiny_llama_dir, tmp_path):
+    from tests.test_cli import cli
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": [1, 2, 3]}\n')
+    common = ("generate", "--model", tiny_llama_dir, "--prompts-file", str(prompts), "--max-new-tokens", "12",
+              "--json")
+    plain = cli(*common, "--mode", "incremental")
+    assert plain.returncode == 0, plain.stderr
+    answer = json.loads(plain.stdout)["token_ids"]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"token_ids": [1, 2, 3] + answer}) + "\n")
+    r = cli(*common, "--drafter", f"corpus:{corpus},depth=6,branches=1", "--budget", "off")
+    assert r.returncode == 0, r.stderr
+    record = json.loads(r.stdout)
+    assert record["token_ids"] == answer
+    # Incremental decoding takes 12 passes (the prefill's and 11 more); copying up to 7 tokens a pass takes
+    # 3 when every copy is right, a few more when the answer repeats an n-gram with another continuation.
+    assert record["llm_passes"] <= 6, record["llm_passes"]
+    missing = cli(*common, "--drafter", f"corpus:{tmp_path / 'missing.jsonl'}")
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and "loading" not in missing.stderr
+
+
+# -- exact laws under every verifier the corpus drafter allows ------------------------------------------
+
+VOCAB, PROMPT, NUM_TOKENS = 6, [3, 2, 4, 2, 3, 2, 4], 4
+
+
+@pytest.mark.parametrize("verifier", ["mss", "rrs", "naive"])
+def test_corpus_samples_the_exact_law(verifier):
+    """Deterministic entries (declared one-hot) from a corpus of likely continuations under the sampled
+    verifiers: the first NUM_TOKENS tokens follow the LLM's exact sequence law (chi-square, alpha 1e-6),
+    under a tree budget that switches levels."""
+    cfg, params = toy_model(VOCAB, 0, sharpness=1.5)
+    d = CorpusDrafter(depth=2, branches=2, max_ngram=2, corpus_max_ngram=3, corpus_min_ngram=1)
+    index = build_index([[4, 2, 3, 2, 4, 2], [2, 4, 5, 1], [4, 0, 4, 1]], d.corpus_max_ngram, d.depth, VOCAB)
+    spec = SpecConfig((d,), impl="xla", verifier=verifier,
+                      budget=Budget(default_levels((d,)), costs=(1.0, 1.01, 1.02), goal="rate"))
+    n, width = 60_000, len(PROMPT) + 1
+    prompts = np.zeros((n, width), np.int32)
+    prompts[:, :len(PROMPT)] = PROMPT
+    out = generate_speculative_jit(params, (index,), jnp.asarray(prompts), jnp.full((n,), len(PROMPT), jnp.int32),
+                                   jnp.full((n,), NUM_TOKENS, jnp.int32),
+                                   sampling_arrays(n, 1.0, seeds=np.arange(n) + 7), cfg=cfg, spec=spec,
+                                   cache_len=width + NUM_TOKENS + spec.num_nodes + 2, max_out=NUM_TOKENS)
+    assert not np.asarray(out.failed).any()
+    assert np.asarray(out.tokens_per_pass)[:, 2:].sum() > 1000  # drafts were accepted, not just refused
+    assert np.asarray(out.level_passes)[:, 1:].sum() > 0
+    samples = list(map(tuple, np.asarray(out.tokens).tolist()))
+    assert_fits(samples, exact_sequence_law(cfg, params, PROMPT, NUM_TOKENS, 1.0), f"corpus + {verifier}")

@@ -36,7 +36,9 @@ from tests.toy import exact_sequence_law, sampling_arrays, toy_model
 
 
 def reference_chains(documents, history, length, depth, branches, max_ngram, min_ngram, window):
-    """The corpus rule of specjax/speculation/drafters/corpus.py, one request, by scanning the corpus."""
+    """The corpus rule of specjax/speculation/drafters/corpus.py, one request, by scanning the corpus:
+    for the longest matching n, the distinct next tokens after the request's last n tokens, most
+    frequent first (then the earliest), each copied from its earliest occurrence."""
     corpus = [t for d in documents for t in list(d) + [SEPARATOR]]
     for n in range(max_ngram, min_ngram - 1, -1):
         if length - n + 1 < 0:
@@ -47,14 +49,12 @@ def reference_chains(documents, history, length, depth, branches, max_ngram, min
         if not entries:
             continue
         freq = collections.Counter(corpus[p + 1] for p in entries)
-        entries = sorted(entries, key=lambda p: (-freq[corpus[p + 1]], p))[:window]
-        chains, used = [], set()
+        first = {}
         for p in entries:
-            if len(chains) == branches:
-                break
-            if corpus[p + 1] in used:
-                continue
-            used.add(corpus[p + 1])
+            first.setdefault(corpus[p + 1], p)
+        groups = sorted(first.values(), key=lambda p: (-freq[corpus[p + 1]], p))[:window]
+        chains = []
+        for p in groups[:branches]:
             chain = []
             for t in corpus[p + 1:p + 1 + depth]:
                 if t == SEPARATOR:
@@ -73,21 +73,24 @@ class TestCorpusRule(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_matches_the_reference(self):
         rng = np.random.RandomState(0)
-        for trial in range(12):
+        for trial in range(16):
             vocab = int(rng.randint(3, 9))
-            depth, branches, max_n, window = int(rng.randint(1, 6)), int(rng.randint(1, 4)), int(rng.randint(1, 4)), \
+            depth, branches, max_n, window = int(rng.randint(1, 6)), int(rng.randint(1, 4)), int(rng.randint(1, 5)), \
                 int(rng.randint(1, 10))
-            docs = [rng.randint(0, vocab, rng.randint(2, 30)).tolist() for _ in range(rng.randint(1, 4))]
+            min_n = int(rng.randint(1, max_n + 1))
+            docs = [rng.randint(0, vocab, rng.randint(2, 30)).tolist()]  # one copyable document, then any
+            docs += [rng.randint(0, vocab, rng.randint(0, 30)).tolist() for _ in range(rng.randint(0, 3))]
             total = sum(len(d) + 1 for d in docs)
             params = build_index(docs, max_n, depth, vocab, capacity=total + trial % 3 * 7)  # padded or exact
             batch, size = 6, 16
             history = rng.randint(0, vocab, (batch, size)).astype(np.int32)
             length = rng.randint(0, size - 1, batch).astype(np.int32)
-            find = self.variant(lambda h, n: find_in_corpus(params, h, n, depth, branches, max_n, 1, window))
+            find = self.variant(lambda h, n: find_in_corpus(params, h, n, depth, branches, max_n, min_n, window))
             chains, known, ngram = (np.asarray(x) for x in find(jnp.asarray(history), jnp.asarray(length)))
             chex.assert_shape(chains, (batch, branches, depth))
             for b in range(batch):
-                want = reference_chains(docs, history[b].tolist(), int(length[b]), depth, branches, max_n, 1, window)
+                want = reference_chains(docs, history[b].tolist(), int(length[b]), depth, branches, max_n, min_n,
+                                        window)
                 got = [(chains[b, c, :known[b, c]].tolist(), int(ngram[b, c])) for c in range(branches)
                        if known[b, c] > 0]
                 assert got == want, f"trial {trial}, request {b}"
@@ -139,14 +142,46 @@ def test_bad_corpora_and_settings_are_refused(tmp_path):
     empty.mkdir()
     with pytest.raises(InputError, match="holds no files"):
         read_documents(str(empty))
+    with pytest.raises(InputError, match="document 0 must be a flat list of int token ids, got dtype float64"):
+        build_index([[1.7, 2.0]], 2, 4, 10)
+    with pytest.raises(InputError, match="must be a flat list of int token ids, got dtype bool"):
+        build_index([[True, False, True]], 2, 4, 10)
+    with pytest.raises(InputError, match="shape \\(2, 2\\)"):
+        build_index([[[1, 2], [3, 4]]], 2, 4, 10)
+    with pytest.raises(InputError, match="a.jsonl:3 is bytes, not a list of token ids"):
+        build_index([[1, 2], b"\x01\x02"], 2, 4, 10, labels=["a.jsonl:1", "a.jsonl:3"])
+    with pytest.raises(InputError, match="capacity must be an int of at most"):
+        build_index([[1, 2, 3]], 2, 4, 10, capacity=1 << 40)
+    with pytest.raises(InputError, match="continuations of 4 tokens, the drafter asks for 5"):
+        find_in_corpus(params, jnp.zeros((1, 4), jnp.int32), jnp.zeros(1, jnp.int32), 5, 1, 2, 1, 4)
+    with pytest.raises(InputError, match="depth given twice"):
+        parse_arg("docs.jsonl,depth=3,depth=4")
+    labelled = tmp_path / "ids.jsonl"
+    labelled.write_text('{"token_ids": [1, 2]}\n\n{"token_ids": [3, 99]}\n')
+    named = read_documents(str(labelled), labels=True)
+    with pytest.raises(InputError, match="ids.jsonl:3 has token id 99, not in \\[0, 10\\)"):
+        build_index([d for _, d in named], 2, 4, 10, labels=[label for label, _ in named])
 
 
 def test_documents_are_read_from_jsonl_text_files_and_directories(tmp_path):
     d = tmp_path / "docs"
     d.mkdir()
-    (d / "a.jsonl").write_text('{"text": "first"}\n\n{"token_ids": [1, 2, 3]}\n')
+    # a JSON string may hold U+2028 unescaped: one line of the file, not two
+    (d / "a.jsonl").write_text('{"text": "first\u2028part"}\n\n{"token_ids": [1, 2, 3]}\n', encoding="utf-8")
     (d / "b.txt").write_text("second document\nwith two lines")
-    assert read_documents(str(d)) == ["first", [1, 2, 3], "second document\nwith two lines"]
+    (d / ".hidden").write_bytes(b"\xff\xfe not text")  # hidden files are not documents
+    (d / "sub").mkdir()  # nor are subdirectories
+    assert read_documents(str(d)) == ["first\u2028part", [1, 2, 3], "second document\nwith two lines"]
+    assert [label for label, _ in read_documents(str(d), labels=True)] == [
+        f"{d}/a.jsonl:1", f"{d}/a.jsonl:3", f"{d}/b.txt"]
+
+
+def test_short_corpora_and_long_ngrams_index_without_error():
+    """An n-gram length beyond every document: its index row is empty, nothing matches, no crash."""
+    params = build_index([[1, 2]], 5, 3, 10)
+    assert np.asarray(params["count"]).tolist() == [1, 0, 0, 0, 0]
+    chains, known, ngram = find_in_corpus(params, jnp.asarray([[0, 0, 0, 1]]), jnp.asarray([3]), 3, 1, 5, 1, 4)
+    assert chains[0, 0, :known[0, 0]].tolist() == [2] and ngram[0, 0] == 1
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +204,43 @@ def test_chains_of_both_sources_are_ranked_by_match_length_then_own_text_first()
     # dropped); then own 1-gram [7 8]
     assert chains[0].tolist() == [[9, 9], [5, 6], [7, 8]] and known[0].tolist() == [2, 2, 1]
     assert ngram[0].tolist() == [3, 2, 1] and source[0].tolist() == [1, 0, 0]
-    d = CorpusDrafter(depth=2, branches=3)
-    assert d._rows == 5 and d.budget_ladder() == LookupDrafter(depth=2, branches=3).budget_ladder()
+
+
+def _context(history, length):
+    from specjax.speculation.drafters.base import DraftContext
+    from specjax.speculation.state import greedy_sampling
+    return DraftContext(history=jnp.asarray(history, jnp.int32), length=jnp.asarray(length, jnp.int32),
+                        sampling=greedy_sampling(len(length)))
+
+
+def test_corpus_chains_keep_the_most_frequent_first_and_learn_in_their_own_rows():
+    """Through propose: among corpus chains of one match length the most frequent continuation comes
+    first, however far the rarer one's document goes on; commit scores corpus and own-text chains in
+    different statistics rows, and expected_accepted reads them back."""
+    from specjax.speculation.drafters.base import Accepted
+    d = CorpusDrafter(depth=4, branches=2, max_ngram=2, corpus_max_ngram=2)
+    index = build_index([[1, 2, 3], [1, 2, 3], [1, 2, 4, 5, 6, 7]], d.corpus_max_ngram, d.depth, 10)
+    # request 0: "8 1 2" -> only the corpus knows "1 2"; request 1: "1 2 9 1 2" -> its own text too
+    history = [[8, 1, 2, 0, 0, 0, 0, 0], [1, 2, 9, 1, 2, 0, 0, 0]]
+    length = [2, 4]
+    state = d.init((), jnp.zeros((2, 8), jnp.int32), jnp.asarray(length), cache_len=16)
+    assert state["counts"].shape == (2, 2 * d._rows, 2)
+    proposal, state = d.propose(index, state, _context(history, length))
+    tokens, ok = np.asarray(proposal.tokens), np.asarray(proposal.ok)
+    assert tokens[0, 1:2].tolist() == [3] and ok[0, 1:5].tolist() == [True, False, False, False]  # [3] first
+    assert tokens[0, 5:9].tolist() == [4, 5, 6, 7] and ok[0, 5:9].all()
+    rows = np.asarray(state["ngram"])
+    assert rows[0].tolist() == [2 + d._rows, 2 + d._rows]  # both corpus chains, 2-token matches
+    assert rows[1, 0] == 2  # own text "1 2" -> 9 beats the corpus at equal length
+    # the LLM emits 3 then something else for request 0, 9 1 for request 1
+    emitted = jnp.asarray([[3, 0, 0, 0, 0], [9, 1, 0, 0, 0]], jnp.int32)
+    accepted = Accepted(path=jnp.zeros((2, 5), jnp.int32), num_accepted=jnp.asarray([1, 2]), emitted=emitted,
+                        num_emitted=jnp.asarray([2, 3]), length=jnp.asarray([4, 7]))
+    counts = np.asarray(d.commit(index, state, accepted)["counts"])
+    assert counts[0, 2 + d._rows, 0] > 0 and counts[0, :d._rows].sum() == 0  # corpus row only
+    assert counts[1, 2, 0] > 0  # own-text row
+    expected = np.asarray(d.expected_accepted(index, dict(state, counts=jnp.asarray(counts)), (0, 4, 8)))
+    assert expected.shape == (2, 3) and (expected[:, 0] == 0).all() and (expected[:, 1:] > 0).all()
 
 
 @pytest.mark.parametrize("budget", [None, "finish"])
@@ -245,6 +315,10 @@ def test_corpus_samples_the_exact_law(verifier):
     cfg, params = toy_model(VOCAB, 0, sharpness=1.5)
     d = CorpusDrafter(depth=2, branches=2, max_ngram=2, corpus_max_ngram=3, corpus_min_ngram=1)
     index = build_index([[4, 2, 3, 2, 4, 2], [2, 4, 5, 1], [4, 0, 4, 1]], d.corpus_max_ngram, d.depth, VOCAB)
+    # the prompt's last 3 tokens are in the corpus: its first chain is the corpus's (longer than any own match)
+    state = d.init((), jnp.zeros((1, 8), jnp.int32), jnp.asarray([6]), cache_len=16)
+    _, state = d.propose(index, state, _context([PROMPT + [0]], [len(PROMPT) - 1]))
+    assert int(state["ngram"][0, 0]) == 3 + d._rows
     spec = SpecConfig((d,), impl="xla", verifier=verifier,
                       budget=Budget(default_levels((d,)), costs=(1.0, 1.01, 1.02), goal="rate"))
     n, width = 60_000, len(PROMPT) + 1

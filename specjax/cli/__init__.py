@@ -100,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a registered drafter: feature:auto, feature:NAME or feature:PATH[,depth=D,beam=K,nodes=N] "
                         "(reads the LLM's hidden states, dynamic tree), lookup:auto, lookup:D or "
                         "lookup:depth=D,branches=K,ngram=N (copies continuations of the request's own text, no "
-                        "weights), corpus:PATH[,depth=D,branches=K,ngram=N,corpus-ngram=N,window=W] (lookup that also "
-                        "copies from the documents in PATH: a .jsonl of {\"text\": ...} or {\"token_ids\": [...]}, "
+                        "weights), corpus:PATH[,depth=D,branches=K,ngram=N,min-ngram=M,corpus-ngram=N,"
+                        "corpus-min-ngram=M,window=W] (lookup that also copies from the documents in PATH: a "
+                        ".jsonl of {\"text\": ...} or {\"token_ids\": [...]}, "
                         "a text file or a directory; indexed once at start), ssm:derived:4 or ssm:PATH (drafts "
                         "--expansion); repeat to merge several (default "
                         f"when neither --ssm nor --drafter is given: {registry.describe_default_drafters()})")

@@ -10,14 +10,14 @@ proposes no more nodes than the lookup drafter and climbs the same budget ladder
 The corpus is tokenized and indexed once on the host (``build_index``); every step, inside the jitted
 loop, each request's last tokens are looked up in it with static shapes and no host round trip:
 
-1. for every n-gram length n the index holds the corpus positions p whose n tokens ending at p lie in
-   one document and are followed by at least one token of it, sorted by those n tokens read
-   backwards from p, then by how often the next token follows that n-gram in the corpus (most
-   frequent first), then by position;
+1. for every n-gram length n the index holds, for each (n-gram, next token) pair of the corpus, the
+   first position p where that n-gram (lying in one document) ends and is followed by that token,
+   sorted by the n tokens read backwards from p, then by how often the next token follows that
+   n-gram in the corpus (most frequent first), then by position;
 2. a binary search finds the first entry whose n-gram equals the request's last n tokens; the next
    ``window`` entries are the candidates of that n (entries beyond the match are masked);
-3. the longest n with a match wins; its candidates are taken in index order, each with a first
-   continuation token different from those already taken;
+3. the longest n with a match wins; its candidates (each a different next token) are taken in index
+   order;
 4. each chain is the candidate's continuation ``corpus[p + 1 : p + 1 + depth]``, cut at the end of
    its document.
 
@@ -45,7 +45,9 @@ from specjax.speculation.drafters.base import Bound, DraftContext, Proposal
 from specjax.speculation.drafters.lookup import LookupDrafter, find_chains
 
 SEPARATOR = -1  # between documents and after the corpus: no n-gram or continuation crosses it
-MAX_CORPUS_TOKENS = 1 << 26  # int32 positions, and a 16-byte-per-token host index under 1 GiB
+# int32 positions; the device index is 4 bytes per token and n-gram length (16 at the default 4), the
+# host's sort ~40 bytes per token while it builds
+MAX_CORPUS_TOKENS = 1 << 26
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +60,8 @@ class CorpusDrafter(LookupDrafter):
     match wins only where it is longer than any match in the request's own text, and the drafter
     proposes no more nodes than the lookup drafter it replaces (the same budget ladder).
 
-    ``window``: corpus entries read after the first match of an n-gram (entries sharing an n-gram are
-    ordered most frequent next token first, so a small window already holds the common ones).
+    ``window``: corpus entries read after the first match of an n-gram: its `window` most frequent
+    next tokens.
     Acceptance statistics are kept per source and match length."""
 
     corpus_max_ngram: int = 4
@@ -110,14 +112,18 @@ class CorpusDrafter(LookupDrafter):
 
 
 def pick_chains(own, quoted, depth: int, branches: int):
-    """Chains of both sources ranked by (match length, own text first, committed continuation), each
-    starting with a different token: (chains [B, K, D], known [B, K], ngram [B, K], source [B, K] 0 =
-    the request's own text, 1 = the corpus)."""
+    """Chains of both sources ranked by match length, then the request's own text (most committed
+    continuation first) before the corpus (in the index's order), each starting with a different
+    token: (chains [B, K, D], known [B, K], ngram [B, K], source [B, K]: 0 = the request's own text,
+    1 = the corpus)."""
     chains = jnp.concatenate([own[0], quoted[0]], axis=1)  # [B, 2K, D]
     known = jnp.concatenate([own[1], quoted[1]], axis=1)
     ngram = jnp.concatenate([own[2], quoted[2]], axis=1)
     source = jnp.concatenate([jnp.zeros_like(own[1]), jnp.ones_like(quoted[1])], axis=1)
-    score = jnp.where(known > 0, (ngram * 2 + 1 - source) * (depth + 1) + known, -1)  # ties: the earlier
+    # known breaks ties only among the request's own chains (the most committed continuation, as the
+    # lookup drafter ranks); corpus chains keep the index's order (most frequent continuation first):
+    # their known is only how far their document goes on. Remaining ties: the earlier candidate.
+    score = jnp.where(known > 0, (ngram * 2 + 1 - source) * (depth + 1) + jnp.where(source == 0, known, 0), -1)
     first = chains[:, :, 0]
     rows = jnp.arange(chains.shape[0])
     out = [], [], [], []
@@ -131,28 +137,47 @@ def pick_chains(own, quoted, depth: int, branches: int):
     return tuple(jnp.stack(x, 1).astype(jnp.int32) for x in out)
 
 
-def build_index(documents, max_ngram: int, depth: int, vocab_size: int, capacity: int | None = None) -> dict:
-    """The corpus index (the drafter's params) from documents given as token-id sequences.
+def build_index(documents, max_ngram: int, depth: int, vocab_size: int, capacity: int | None = None,
+                labels=None) -> dict:
+    """The corpus index (the drafter's params) from documents given as 1-D token-id sequences.
 
     ``capacity``: size the arrays for this many corpus tokens (separators included) instead of exactly
     this corpus, so that another corpus of at most that size runs in the same compiled loop.
-    Checked before any work: at least one document with two tokens, every id in [0, vocab_size),
-    at most MAX_CORPUS_TOKENS tokens in all and no more than ``capacity``."""
-    docs = [np.asarray(d, np.int64).reshape(-1) for d in documents]
-    if not any(d.size >= 2 for d in docs):
-        raise InputError("corpus drafter: the corpus needs a document of at least two tokens (nothing to copy)")
-    for i, d in enumerate(docs):
-        bad = d[(d < 0) | (d >= vocab_size)]
+    ``labels``: what to call each document in errors (default "document i"). Checked before any work:
+    integer ids in [0, vocab_size), 1-D documents, at least one of two tokens, at most
+    MAX_CORPUS_TOKENS tokens in all and no more than ``capacity``.
+
+    Each index row holds one entry per (n-gram, next token) group, at the group's first position: a
+    window of entries then always offers as many different continuations as it holds."""
+    docs = list(documents)
+    labels = list(labels) if labels is not None else [f"document {i}" for i in range(len(docs))]
+    arrays = []
+    for label, d in zip(labels, docs):
+        if isinstance(d, (str, bytes)):
+            raise InputError(f"corpus drafter: {label} is {type(d).__name__}, not a list of token ids")
+        a = np.asarray(d)
+        if a.ndim != 1 or (a.size and (a.dtype.kind not in "iu" or a.dtype == bool)):
+            raise InputError(f"corpus drafter: {label} must be a flat list of int token ids, got dtype {a.dtype} "
+                             f"and shape {a.shape}")
+        a = a.astype(np.int64)
+        bad = a[(a < 0) | (a >= vocab_size)]
         if bad.size:
-            raise InputError(f"corpus drafter: document {i} has token id {int(bad[0])}, not in [0, {vocab_size})")
-    total = sum(d.size + 1 for d in docs)
+            raise InputError(f"corpus drafter: {label} has token id {int(bad[0])}, not in [0, {vocab_size})")
+        arrays.append(a)
+    if not any(a.size >= 2 for a in arrays):
+        raise InputError("corpus drafter: the corpus needs a document of at least two tokens (nothing to copy)")
+    total = sum(a.size + 1 for a in arrays)
     if total > MAX_CORPUS_TOKENS:
         raise InputError(f"corpus drafter: {total} corpus tokens (with separators), more than {MAX_CORPUS_TOKENS}")
-    if capacity is not None and total > capacity:
-        raise InputError(f"corpus drafter: {total} corpus tokens (with separators) exceed the capacity {capacity}")
+    if capacity is not None:
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity > MAX_CORPUS_TOKENS:
+            raise InputError(f"corpus drafter: capacity must be an int of at most {MAX_CORPUS_TOKENS}, "
+                             f"got {capacity!r}")
+        if total > capacity:
+            raise InputError(f"corpus drafter: {total} corpus tokens (with separators) exceed the capacity {capacity}")
     parts = []
-    for d in docs:
-        parts += [d, np.asarray([SEPARATOR])]
+    for a in arrays:
+        parts += [a, np.asarray([SEPARATOR])]
     corpus = np.concatenate(parts)  # ends with a separator
     if capacity is not None:  # more separators: positions no entry ever reads
         corpus = np.concatenate([corpus, np.full(capacity - total, SEPARATOR)])
@@ -164,13 +189,15 @@ def build_index(documents, max_ngram: int, depth: int, vocab_size: int, capacity
     ok = (corpus != SEPARATOR) & (nxt != SEPARATOR)  # a token with a continuation in its document
     for n in range(1, max_ngram + 1):
         if n > 1:  # the n-gram ending at p starts at or after the corpus start and stays in one document
-            back = np.concatenate([np.full(n - 1, SEPARATOR), corpus[:-(n - 1)]])
+            back = np.full(size, SEPARATOR)
+            back[n - 1:] = corpus[:max(size - (n - 1), 0)]
             ok = ok & (back != SEPARATOR)
         p = pos[ok]
         cols = [corpus[p - j] for j in range(n)]  # the n-gram read backwards from p
-        rows = np.stack(cols + [nxt[p]], axis=1)
-        _, inverse, counts = np.unique(rows, axis=0, return_inverse=True, return_counts=True)
-        freq = counts[inverse.reshape(-1)]
+        rows = np.stack(cols + [nxt[p]], axis=1).reshape(p.size, n + 1)
+        _, first, counts = np.unique(rows, axis=0, return_index=True, return_counts=True)  # first: smallest p
+        p, freq = p[first], counts
+        cols = [c[first] for c in cols]
         order = np.lexsort((p, -freq) + tuple(cols[::-1]))  # the last key is the primary one
         index[n - 1, :p.size] = p[order]
         count[n - 1] = p.size
@@ -189,6 +216,9 @@ def find_in_corpus(params: dict, history: jax.Array, length: jax.Array, depth: i
                          f"{max_ngram} (build the index with max_ngram >= {max_ngram})")
     batch = history.shape[0]
     size = index.shape[1]
+    if corpus.shape[0] < size + depth + 1:
+        raise InputError(f"corpus drafter: the index was built for continuations of {corpus.shape[0] - size - 1} "
+                         f"tokens, the drafter asks for {depth} (build the index with depth >= {depth})")
     steps = max(1, int(size).bit_length())
     back = jnp.arange(max_ngram)
     key = jnp.take_along_axis(history, jnp.maximum(length[:, None] - back[None, :], 0), axis=1)  # [B, N]
@@ -247,26 +277,29 @@ def find_in_corpus(params: dict, history: jax.Array, length: jax.Array, depth: i
     return jnp.stack(chains, 1).astype(jnp.int32), jnp.stack(known, 1).astype(jnp.int32), jnp.stack(ngram, 1)
 
 
-def read_documents(path: str) -> list:
+def read_documents(path: str, labels: bool = False) -> list:
     """Corpus documents: a .jsonl file (one per line: its "text" string or its "token_ids" list), another
-    file (one document, its UTF-8 text), or a directory (every regular file in it, sorted by name, each
-    as above)."""
+    file (one document, its UTF-8 text), or a directory (every regular file at its top level whose name
+    does not start with ".", sorted by name, each as above). With ``labels``, (label, document) pairs,
+    the label naming the file (and line) for errors."""
     if not os.path.exists(path):
         raise InputError(f"corpus drafter: {path!r} does not exist")
     if os.path.isdir(path):
-        names = sorted(n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n)))
+        names = sorted(n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n)) and not n.startswith("."))
         if not names:
             raise InputError(f"corpus drafter: directory {path!r} holds no files")
-        return [doc for n in names for doc in read_documents(os.path.join(path, n))]
+        out = [doc for n in names for doc in read_documents(os.path.join(path, n), labels=True)]
+        return out if labels else [d for _, d in out]
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"corpus drafter: cannot read {path!r} as UTF-8 text: {e}") from e
-    if not path.endswith(".jsonl"):
-        return [text]
-    docs = []
-    for i, line in enumerate(text.splitlines(), 1):
+    if not path.lower().endswith(".jsonl"):
+        out = [(path, text)]
+        return out if labels else [text]
+    out = []
+    for i, line in enumerate(text.split("\n"), 1):  # not splitlines: JSON strings may hold U+2028 etc.
         if not line.strip():
             continue
         try:
@@ -274,34 +307,37 @@ def read_documents(path: str) -> list:
         except json.JSONDecodeError as e:
             raise InputError(f"corpus drafter: {path}:{i} is not JSON: {e}") from e
         if isinstance(rec, dict) and isinstance(rec.get("text"), str):
-            docs.append(rec["text"])
+            out.append((f"{path}:{i}", rec["text"]))
         elif isinstance(rec, dict) and isinstance(rec.get("token_ids"), list) and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in rec["token_ids"]):
-            docs.append(rec["token_ids"])
+            out.append((f"{path}:{i}", rec["token_ids"]))
         else:
             raise InputError(f"corpus drafter: {path}:{i} needs a string field \"text\" or a list of ints "
                              f"\"token_ids\"")
-    if not docs:
+    if not out:
         raise InputError(f"corpus drafter: {path!r} holds no documents")
-    return docs
+    return out if labels else [d for _, d in out]
 
 
-def corpus_drafter(model, texts, capacity: int | None = None, **settings) -> Bound:
+def corpus_drafter(model, texts, capacity: int | None = None, labels=None, **settings) -> Bound:
     """A ``Bound`` corpus drafter over documents (strings, tokenized with the model's tokenizer without
-    special tokens, or token-id lists); ``settings`` are ``CorpusDrafter`` fields, ``capacity`` as in
-    ``build_index``."""
+    special tokens, or token-id lists); ``settings`` are ``CorpusDrafter`` fields, ``capacity`` and
+    ``labels`` (names for errors) as in ``build_index``."""
     drafter = CorpusDrafter(**settings)
-    if isinstance(texts, str):
+    if isinstance(texts, (str, bytes)):
         raise InputError("corpus drafter: pass a list of documents, not one string")
+    texts = list(texts)
+    labels = list(labels) if labels is not None else [f"document {i}" for i in range(len(texts))]
     docs = []
-    for i, t in enumerate(texts):
+    for label, t in zip(labels, texts):
         if isinstance(t, str):
             if model.tokenizer is None:
-                raise InputError(f"corpus document {i} is a string but the model has no tokenizer; pass token ids")
+                raise InputError(f"corpus drafter: {label} is a string but the model has no tokenizer; pass token ids")
             docs.append(model.tokenizer(t, add_special_tokens=False)["input_ids"])
         else:
-            docs.append(list(t))
-    return Bound(drafter, build_index(docs, drafter.corpus_max_ngram, drafter.depth, model.config.vocab_size, capacity))
+            docs.append(t)
+    index = build_index(docs, drafter.corpus_max_ngram, drafter.depth, model.config.vocab_size, capacity, labels)
+    return Bound(drafter, index)
 
 
 _NAMES = {"depth": "depth", "branches": "branches", "ngram": "max_ngram", "min-ngram": "min_ngram",
@@ -320,17 +356,19 @@ def parse_arg(arg: str) -> tuple[str, dict]:
         key, _, value = item.partition("=")
         if key not in _NAMES or not (value.isascii() and value.isdigit()):
             raise InputError(f"--drafter corpus:{arg}: expected corpus:PATH then comma-separated "
-                             f"{'/'.join(_NAMES)}=N items, got {item!r}")
+                             f"{'/'.join(_NAMES)}=N items, got {item!r} (a path may not contain commas)")
+        if _NAMES[key] in values:
+            raise InputError(f"--drafter corpus:{arg}: {key} given twice")
         values[_NAMES[key]] = int(value)
     CorpusDrafter(**values)  # settings checked before the corpus is read
     return path, values
 
 
 def from_arg(arg: str, llm, *, load: bool, expansion, draft: str) -> Bound:
-    """``--drafter corpus:ARG`` (see ``parse_arg``); without ``load`` the corpus is only checked to exist."""
+    """``--drafter corpus:ARG`` (see ``parse_arg``). Without ``load`` (the checks before the weights load)
+    the corpus files are read and checked too, not yet tokenized and indexed."""
     path, values = parse_arg(arg)
+    named = read_documents(path, labels=True)
     if not load:
-        if not os.path.exists(path):
-            raise InputError(f"corpus drafter: {path!r} does not exist")
         return Bound(CorpusDrafter(**values), ())
-    return corpus_drafter(llm, read_documents(path), **values)
+    return corpus_drafter(llm, [d for _, d in named], labels=[label for label, _ in named], **values)

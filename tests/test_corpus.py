@@ -29,10 +29,8 @@ from specjax.speculation.drafters.corpus import (
     read_documents,
 )
 from specjax.speculation.drafters.lookup import LookupDrafter
-from specjax.speculation.loop import SpecConfig, generate_speculative_jit
 from tests.conftest import random_ids
-from tests.stats import assert_fits
-from tests.toy import exact_sequence_law, sampling_arrays, toy_model
+from tests.toy import LAW_PROMPT, LAW_VOCAB, assert_drafter_samples_the_exact_law
 
 
 def reference_chains(documents, history, length, depth, branches, max_ngram, min_ngram, window):
@@ -304,32 +302,15 @@ def test_generate_command_takes_a_corpus_drafter(tiny_llama_dir, tmp_path):
 
 # -- exact laws under every verifier the corpus drafter allows ------------------------------------------
 
-VOCAB, PROMPT, NUM_TOKENS = 6, [3, 2, 4, 2, 3, 2, 4], 4
-
-
 @pytest.mark.parametrize("verifier", ["mss", "rrs", "naive"])
 def test_corpus_samples_the_exact_law(verifier):
-    """Deterministic entries (declared one-hot) from a corpus of likely continuations under the sampled
-    verifiers: the first NUM_TOKENS tokens follow the LLM's exact sequence law (chi-square, alpha 1e-6),
-    under a tree budget that switches levels."""
-    cfg, params = toy_model(VOCAB, 0, sharpness=1.5)
+    """Deterministic entries (declared one-hot) from a corpus of likely continuations follow the LLM's
+    exact sequence law under the sampled verifiers and a tree budget that switches levels
+    (``tests.toy.assert_drafter_samples_the_exact_law``)."""
     d = CorpusDrafter(depth=2, branches=2, max_ngram=2, corpus_max_ngram=3, corpus_min_ngram=1)
-    index = build_index([[4, 2, 3, 2, 4, 2], [2, 4, 5, 1], [4, 0, 4, 1]], d.corpus_max_ngram, d.depth, VOCAB)
+    index = build_index([[4, 2, 3, 2, 4, 2], [2, 4, 5, 1], [4, 0, 4, 1]], d.corpus_max_ngram, d.depth, LAW_VOCAB)
     # the prompt's last 3 tokens are in the corpus: its first chain is the corpus's (longer than any own match)
     state = d.init((), jnp.zeros((1, 8), jnp.int32), jnp.asarray([6]), cache_len=16)
-    _, state = d.propose(index, state, _context([PROMPT + [0]], [len(PROMPT) - 1]))
+    _, state = d.propose(index, state, _context([LAW_PROMPT + [0]], [len(LAW_PROMPT) - 1]))
     assert int(state["ngram"][0, 0]) == 3 + d._rows
-    spec = SpecConfig((d,), impl="xla", verifier=verifier,
-                      budget=Budget(default_levels((d,)), costs=(1.0, 1.01, 1.02), goal="rate"))
-    n, width = 60_000, len(PROMPT) + 1
-    prompts = np.zeros((n, width), np.int32)
-    prompts[:, :len(PROMPT)] = PROMPT
-    out = generate_speculative_jit(params, (index,), jnp.asarray(prompts), jnp.full((n,), len(PROMPT), jnp.int32),
-                                   jnp.full((n,), NUM_TOKENS, jnp.int32),
-                                   sampling_arrays(n, 1.0, seeds=np.arange(n) + 7), cfg=cfg, spec=spec,
-                                   cache_len=width + NUM_TOKENS + spec.num_nodes + 2, max_out=NUM_TOKENS)
-    assert not np.asarray(out.failed).any()
-    assert np.asarray(out.tokens_per_pass)[:, 2:].sum() > 1000  # drafts were accepted, not just refused
-    assert np.asarray(out.level_passes)[:, 1:].sum() > 0
-    samples = list(map(tuple, np.asarray(out.tokens).tolist()))
-    assert_fits(samples, exact_sequence_law(cfg, params, PROMPT, NUM_TOKENS, 1.0), f"corpus + {verifier}")
+    assert_drafter_samples_the_exact_law(d, index, verifier, f"corpus + {verifier}")

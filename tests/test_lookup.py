@@ -23,8 +23,7 @@ from specjax.speculation.drafters.ssm import SSMDrafter
 from specjax.speculation.expansion import Expansion
 from specjax.speculation.loop import SpecConfig, generate_speculative_jit
 from tests.conftest import random_ids
-from tests.stats import assert_fits
-from tests.toy import exact_sequence_law, sampling_arrays, toy_model
+from tests.toy import assert_drafter_samples_the_exact_law, toy_model
 
 
 def reference_chains(history, length, depth, branches, max_ngram, min_ngram):
@@ -200,31 +199,12 @@ def test_budget_refuses_drafters_without_estimates(llama):
 
 # -- exact laws under every verifier the lookup drafter allows ------------------------------------------
 
-VOCAB, PROMPT, NUM_TOKENS = 6, [3, 2, 4, 2, 3, 2, 4], 4  # the toy LLM often goes on repeating it
-
-
 @pytest.mark.parametrize("verifier", ["mss", "rrs", "naive"])
 def test_lookup_samples_the_exact_law(verifier):
-    """Deterministic entries (declared one-hot) under the sampled verifiers: the first NUM_TOKENS
-    tokens follow the LLM's exact sequence law (chi-square, alpha 1e-6), under a tree budget. The costs
-    are nearly flat and the goal is "rate": the budget decides for the whole batch, and at 60k requests
-    a costlier tree would only run when most of them have a match ("finish" would wait for all)."""
-    cfg, params = toy_model(VOCAB, 0, sharpness=1.5)
-    d = LookupDrafter(depth=2, branches=2, max_ngram=2)
-    spec = SpecConfig((d,), impl="xla", verifier=verifier,
-                      budget=Budget(default_levels((d,)), costs=(1.0, 1.01, 1.02), goal="rate"))
-    n, width = 60_000, len(PROMPT) + 1
-    prompts = np.zeros((n, width), np.int32)
-    prompts[:, :len(PROMPT)] = PROMPT
-    out = generate_speculative_jit(params, ((),), jnp.asarray(prompts), jnp.full((n,), len(PROMPT), jnp.int32),
-                                   jnp.full((n,), NUM_TOKENS, jnp.int32),
-                                   sampling_arrays(n, 1.0, seeds=np.arange(n) + 7), cfg=cfg, spec=spec,
-                                   cache_len=width + NUM_TOKENS + spec.num_nodes + 2, max_out=NUM_TOKENS)
-    assert not np.asarray(out.failed).any()
-    assert np.asarray(out.tokens_per_pass)[:, 2:].sum() > 1000  # drafts were accepted, not just refused
-    assert np.asarray(out.level_passes)[:, 1:].sum() > 0
-    samples = list(map(tuple, np.asarray(out.tokens).tolist()))
-    assert_fits(samples, exact_sequence_law(cfg, params, PROMPT, NUM_TOKENS, 1.0), f"lookup + {verifier}")
+    """Deterministic entries (declared one-hot) under the sampled verifiers follow the LLM's exact
+    sequence law under a tree budget (``tests.toy.assert_drafter_samples_the_exact_law``)."""
+    assert_drafter_samples_the_exact_law(LookupDrafter(depth=2, branches=2, max_ngram=2), (), verifier,
+                                         f"lookup + {verifier}")
 
 
 # -- the cost table -------------------------------------------------------------------------------------------
@@ -265,7 +245,7 @@ def test_a_cost_table_read_back_does_not_recompile_the_loop(llama, tmp_path, mon
     part of the budget's hash: every second call recompiled, and the first call's prefill then ran
     hidden under that compilation.) Both paths compile apart from ``seconds``; the host loop's
     ``seconds`` counts the prefill, whatever compiles."""
-    from specjax.speculation.loop import generate_speculative_jit, step_jit
+    from specjax.speculation.loop import step_jit
 
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
     assert Budget(((0,), (1,)), (1.0, 2.0), source="a") == Budget(((0,), (1,)), (1.0, 2.0), source="b")

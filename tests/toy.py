@@ -90,3 +90,39 @@ def mesh_model(family: str):
 def mesh_prompts(vocab: int, lens=(7, 3, 12, 5)) -> list[list[int]]:
     rng = np.random.RandomState(0)
     return [rng.randint(0, vocab, n).tolist() for n in lens]
+
+
+# A toy LLM that often goes on repeating its prompt: lookup-style drafts are accepted often enough for
+# the chi-square test below to see them.
+LAW_VOCAB, LAW_PROMPT, LAW_TOKENS = 6, [3, 2, 4, 2, 3, 2, 4], 4
+
+
+def law_model():
+    return toy_model(LAW_VOCAB, 0, sharpness=1.5)
+
+
+def assert_drafter_samples_the_exact_law(drafter, drafter_params, verifier: str, label: str) -> None:
+    """60k requests of LAW_PROMPT through the speculative loop with this one drafter under a tree budget
+    (nearly flat costs, goal "rate": the budget decides for the whole batch, and a costlier tree runs
+    when most requests have a draft; "finish" would wait for all): drafts were accepted, the budget
+    left level 0, and the first LAW_TOKENS tokens follow the LLM's exact sequence law (chi-square,
+    alpha 1e-6)."""
+    from specjax.speculation.budget import Budget, default_levels
+    from specjax.speculation.loop import SpecConfig, generate_speculative_jit
+    from tests.stats import assert_fits
+
+    cfg, params = law_model()
+    spec = SpecConfig((drafter,), impl="xla", verifier=verifier,
+                      budget=Budget(default_levels((drafter,)), costs=(1.0, 1.01, 1.02), goal="rate"))
+    n, width = 60_000, len(LAW_PROMPT) + 1
+    prompts = np.zeros((n, width), np.int32)
+    prompts[:, :len(LAW_PROMPT)] = LAW_PROMPT
+    out = generate_speculative_jit(params, (drafter_params,), jnp.asarray(prompts),
+                                   jnp.full((n,), len(LAW_PROMPT), jnp.int32), jnp.full((n,), LAW_TOKENS, jnp.int32),
+                                   sampling_arrays(n, 1.0, seeds=np.arange(n) + 7), cfg=cfg, spec=spec,
+                                   cache_len=width + LAW_TOKENS + spec.num_nodes + 2, max_out=LAW_TOKENS)
+    assert not np.asarray(out.failed).any()
+    assert np.asarray(out.tokens_per_pass)[:, 2:].sum() > 1000  # drafts were accepted, not just refused
+    assert np.asarray(out.level_passes)[:, 1:].sum() > 0
+    samples = list(map(tuple, np.asarray(out.tokens).tolist()))
+    assert_fits(samples, exact_sequence_law(cfg, params, LAW_PROMPT, LAW_TOKENS, 1.0), label)

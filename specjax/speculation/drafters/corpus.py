@@ -60,7 +60,7 @@ class CorpusDrafter(LookupDrafter):
     match wins only where it is longer than any match in the request's own text, and the drafter
     proposes no more nodes than the lookup drafter it replaces (the same budget ladder).
 
-    ``window``: corpus entries read after the first match of an n-gram: its `window` most frequent
+    ``window``: corpus entries read after the first match of an n-gram: its ``window`` most frequent
     next tokens.
     Acceptance statistics are kept per source and match length."""
 
@@ -83,28 +83,22 @@ class CorpusDrafter(LookupDrafter):
         """Statistics rows per source: match lengths 0..max."""
         return max(self.max_ngram, self.corpus_max_ngram) + 1
 
+    @property
+    def stat_rows(self) -> int:
+        """The request's own text in rows 0.._rows-1, the corpus in the next _rows (see ``propose``)."""
+        return 2 * self._rows
+
     def describe(self) -> str:
         return (f"lookup+corpus(depth {self.depth}, branches {self.branches}, "
                 f"n-grams {self.max_ngram}..{self.min_ngram}, "
                 f"corpus n-grams {self.corpus_max_ngram}..{self.corpus_min_ngram}, window {self.window})")
-
-    def init(self, params, prompt_tokens, prompt_lens, *, cache_len: int, parallel=None, hidden=None,
-             first=None) -> dict:
-        state = super().init(params, prompt_tokens, prompt_lens, cache_len=cache_len)
-        return dict(state, counts=jnp.zeros((prompt_tokens.shape[0], 2 * self._rows, 2), jnp.float32))
 
     def propose(self, params, state: dict, ctx: DraftContext) -> tuple[Proposal, dict]:
         own = find_chains(ctx.history, ctx.length, self.depth, self.branches, self.max_ngram, self.min_ngram)
         quoted = find_in_corpus(params, ctx.history, ctx.length, self.depth, self.branches, self.corpus_max_ngram,
                                 self.corpus_min_ngram, self.window)
         chains, known, ngram, source = pick_chains(own, quoted, self.depth, self.branches)
-        batch = chains.shape[0]
-        root = jnp.take_along_axis(ctx.history, ctx.length[:, None], axis=1)
-        tokens = jnp.concatenate([root, chains.reshape(batch, -1)], axis=1).astype(jnp.int32)
-        drafted = jnp.arange(self.depth)[None, None, :] < known[:, :, None]  # [B, K, D]
-        ok = jnp.concatenate([jnp.ones((batch, 1), bool), drafted.reshape(batch, -1)], axis=1)
-        parents = jnp.broadcast_to(jnp.asarray(self.static_parents(), jnp.int32), tokens.shape)
-        proposal = Proposal(tokens=tokens, parent=parents, ok=ok, law_row=jnp.full(tokens.shape, -1, jnp.int32))
+        proposal = self.chain_proposal(ctx, chains, known)
         # The statistics row of each chain: its match length, in the corpus rows for corpus chains
         # (LookupDrafter.commit and expected_accepted read state["ngram"] as the row; 0 = no chain).
         row = jnp.where(ngram > 0, ngram + source * self._rows, 0)

@@ -97,25 +97,36 @@ class LookupDrafter(Drafter):
     def describe(self) -> str:
         return f"lookup(depth {self.depth}, branches {self.branches}, n-grams {self.max_ngram}..{self.min_ngram})"
 
+    @property
+    def stat_rows(self) -> int:
+        """Rows of the acceptance statistics ``counts``: one per match length 0..max_ngram. The state's
+        ``ngram`` is each chain's row (0 = no chain), so a subclass with more kinds of match maps them
+        to more rows."""
+        return self.max_ngram + 1
+
     def init(self, params, prompt_tokens, prompt_lens, *, cache_len: int, parallel=None, hidden=None,
              first=None) -> dict:
         batch = prompt_tokens.shape[0]
         k, d = self.branches, self.depth
         return {"chains": jnp.zeros((batch, k, d), jnp.int32), "known": jnp.zeros((batch, k), jnp.int32),
                 "ngram": jnp.zeros((batch, k), jnp.int32),
-                "counts": jnp.zeros((batch, self.max_ngram + 1, 2), jnp.float32)}
+                "counts": jnp.zeros((batch, self.stat_rows, 2), jnp.float32)}
 
     def propose(self, params, state: dict, ctx: DraftContext) -> tuple[Proposal, dict]:
         chains, known, ngram = find_chains(ctx.history, ctx.length, self.depth, self.branches, self.max_ngram,
                                            self.min_ngram)
+        return self.chain_proposal(ctx, chains, known), dict(state, chains=chains, known=known, ngram=ngram)
+
+    def chain_proposal(self, ctx: DraftContext, chains: jax.Array, known: jax.Array) -> Proposal:
+        """The proposal of ``branches`` chains [B, K, D] below the root, chain k's first ``known[:, k]``
+        tokens drafted (chain-major, ``static_parents``), every entry one-hot."""
         batch = chains.shape[0]
         root = jnp.take_along_axis(ctx.history, ctx.length[:, None], axis=1)
         tokens = jnp.concatenate([root, chains.reshape(batch, -1)], axis=1).astype(jnp.int32)
         drafted = jnp.arange(self.depth)[None, None, :] < known[:, :, None]  # [B, K, D]
         ok = jnp.concatenate([jnp.ones((batch, 1), bool), drafted.reshape(batch, -1)], axis=1)
         parents = jnp.broadcast_to(jnp.asarray(self.static_parents(), jnp.int32), tokens.shape)
-        proposal = Proposal(tokens=tokens, parent=parents, ok=ok, law_row=jnp.full(tokens.shape, -1, jnp.int32))
-        return proposal, dict(state, chains=chains, known=known, ngram=ngram)
+        return Proposal(tokens=tokens, parent=parents, ok=ok, law_row=jnp.full(tokens.shape, -1, jnp.int32))
 
     def commit(self, params, state: dict, accepted: Accepted) -> dict:
         """Score this step's chains against the tokens the LLM emitted (as far as they go)."""

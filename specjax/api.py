@@ -14,7 +14,7 @@ from specjax.attention import resolve_impl
 from specjax.decoding.buckets import _next_pow2, cache_bucket
 from specjax.decoding.host_step import run_host_loop, run_two_programs
 from specjax.decoding.incremental import decode_host_step, decode_init_jit, finish_incremental, full_logits
-from specjax.decoding.programs import step_program
+from specjax.decoding.programs import step_matmuls, step_program
 from specjax.decoding.sampling import SamplingArrays, SamplingParams
 from specjax.errors import GenerationError, InputError
 from specjax.io import registry
@@ -222,7 +222,7 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
                                        **per_step)
         step = functools.partial(step_program(host_step, batch, statics, ("state",)), params, drafter_params,
                                  **per_step)
-    timing = {}
+    timing = {"step_matmuls": step_matmuls(params, batch, parallel)}
     if on_tokens is None:
         out = run_two_programs(init, finish_all, host, timing)
         tokens = host(out.tokens)
@@ -257,7 +257,7 @@ def _result(model: Model, plan: GenerationPlan, out, tokens, host, n: int, timin
     stats = {"mode": plan.mode, "llm_passes": int(host(out.llm_passes)), "generated_tokens": total,
              "seconds": seconds, "tokens_per_s": total / seconds if seconds > 0 else float("inf"),
              "cache_len": plan.cache_len}
-    for key in ("compile_seconds", "prefill_seconds"):
+    for key in ("compile_seconds", "prefill_seconds", "step_matmuls"):
         if key in timing:
             stats[key] = timing[key]
     # Histograms count the loop's passes (tokens each emitted); the prefill pass, which emits the

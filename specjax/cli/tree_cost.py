@@ -26,6 +26,7 @@ def _cmd_tree_cost(args, out) -> int:
     batches = _ints("--batch-sizes", args.batch_sizes)
     import specjax
     from specjax.attention import resolve_impl
+    from specjax.decoding.programs import step_library
     from specjax.models.params import layers_split
     from specjax.speculation.cost import cached_pass_costs, machine_key
 
@@ -43,11 +44,14 @@ def _cmd_tree_cost(args, out) -> int:
     if args.json:
         out.write(json.dumps({"model": args.model, "machine": machine_key(), "dtype": args.dtype,
                               "layers": "split" if split else "stacked",
+                              "step_matmuls": {str(b): step_library(b) for b in batches},
                               "seconds_per_pass": {str(b): {str(n): s for n, s in r.items()} for b, r in rows.items()}})
                   + "\n")
         return 0
     layers = "split layers" if split else "stacked layers"
     out.write(f"# LLM pass time by tree size: {args.model}, {args.dtype}, {layers}, {machine_key()}\n")
+    out.write("# step matmuls ($SPECJAX_CPU_DOTS): "
+              + ", ".join(f"batch {b} {step_library(b)}" for b in batches) + "\n")
     out.write(f"# ms per pass (x = relative to one node at the same batch size); {source.split(',')[-1].strip()}\n")
     out.write(f"{'nodes':>6} " + " ".join(f"{'batch ' + str(b):>18}" for b in batches) + "\n")
     for n in nodes:

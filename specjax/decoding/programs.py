@@ -24,23 +24,40 @@ that step (one LLM pass per step, or the loop of them) use Eigen up to ``EIGEN_M
 Eigen's batched attention dots are the slower ones (30 layers of [3, 27, 64] x [3, 64, 384] scores
 and values: 4.9 ms against 2.0 with YNNPACK), which is why 9 nodes at batch 1 lose a little.
 
-The setting: environment variable ``SPECJAX_CPU_DOTS`` = ``auto`` (the rule above, the default),
-``eigen`` or ``ynnpack`` (every step program), read when a program is picked. Other backends are
-untouched. A caller jitting ``generate_speculative`` or ``spec_step`` itself passes
-``step_compiler_options(batch)`` to its own ``jax.jit(..., compiler_options=...)`` to get the same.
+Both libraries repack every weight on every call, so a pass over 2-17 rows still cost up to 2.5x a
+one-row pass. The step programs therefore multiply 2 or more rows by specjax's own kernel
+(``specjax.kernels.cpu_matmul``) over weights packed once (``step_params``: each matmul weight and the
+head as a ``specjax.models.weights.PackedWeight``, the plain copy kept for one-row products); the
+rule above still picks the library for the rest (one-row products, attention).
+
+The setting: environment variable ``SPECJAX_CPU_DOTS`` = ``auto`` (the default: the kernel where it
+can run, i.e. a float32 model with split layers on one x86-64 CPU device with AVX-512, and the rule
+above; a kernel that cannot be built there is reported once as a warning and the rule above runs
+alone; ``step_matmuls`` in the stats and ``specjax tree-cost`` say which ran), ``kernel`` (the same,
+but a kernel that cannot be built is an error), ``eigen`` or ``ynnpack`` (no kernel, that library
+for every step program), read when a program is picked. Other backends are untouched. A caller
+jitting ``generate_speculative`` or ``spec_step`` itself passes ``step_compiler_options(batch)`` to
+its own ``jax.jit(..., compiler_options=...)`` and ``step_params(params, batch)`` as the params to
+get the same.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import warnings
+import weakref
 
 import jax
+import jax.numpy as jnp
 
 from specjax.errors import InputError
+from specjax.kernels import cpu_matmul
+from specjax.models.params import TIED_HEAD, layers_split
+from specjax.models.weights import MATMUL_WEIGHTS, PackedWeight
 
 ENV = "SPECJAX_CPU_DOTS"
-CHOICES = ("auto", "eigen", "ynnpack")
+CHOICES = ("auto", "kernel", "eigen", "ynnpack")
 EIGEN_MAX_BATCH = 4  # batch 8 one-node passes are level, bigger trees and batches favour YNNPACK
 # An empty list of YNNPACK fusion kinds: every dot goes to Eigen.
 _EIGEN = (("xla_cpu_experimental_ynn_fusion_type", ""),)
@@ -54,20 +71,98 @@ def cpu_dots() -> str:
     return value
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_unavailable(why: str) -> None:
+    warnings.warn(f"specjax: the CPU matmul kernel is unavailable, step programs use XLA's matmuls "
+                  f"({ENV}=auto): {why}", RuntimeWarning, stacklevel=3)
+
+
+def kernel_enabled(backend: str | None = None) -> bool:
+    """Whether step programs multiply 2+ rows with ``specjax.kernels.cpu_matmul`` (CPU backend, the
+    setting ``auto`` or ``kernel``, and the kernel built); ``kernel`` with no kernel raises."""
+    if (backend or jax.default_backend()) != "cpu" or cpu_dots() in ("eigen", "ynnpack"):
+        return False
+    why = cpu_matmul.status()
+    if why is None:
+        return True
+    if cpu_dots() == "kernel":
+        raise InputError(f"{ENV}=kernel: {why}")
+    if not cpu_matmul.unsupported_cpu(why):  # a CPU it is not tuned for is the rule, not a fault
+        _warn_unavailable(why)
+    return False
+
+
 def step_library(batch: int, backend: str | None = None) -> str:
-    """"eigen", "ynnpack" (XLA:CPU's matmul library for a step program of ``batch`` requests) or
-    "default" (not a CPU backend: XLA decides)."""
+    """"eigen", "ynnpack" (XLA:CPU's matmul library for a step program of ``batch`` requests), either
+    prefixed with "kernel+" when 2+ rows go to specjax's kernel, or "default" (not a CPU backend:
+    XLA decides)."""
     if (backend or jax.default_backend()) != "cpu":
         return "default"
     choice = cpu_dots()
-    if choice == "auto":
-        return "eigen" if batch <= EIGEN_MAX_BATCH else "ynnpack"
-    return choice
+    library = ("eigen" if batch <= EIGEN_MAX_BATCH else "ynnpack") if choice in ("auto", "kernel") else choice
+    return f"kernel+{library}" if kernel_enabled(backend) else library
 
 
 def step_compiler_options(batch: int, backend: str | None = None) -> dict | None:
     """The XLA compiler options of a program that steps ``batch`` requests (None: XLA's defaults)."""
-    return dict(_EIGEN) if step_library(batch, backend) == "eigen" else None
+    return dict(_EIGEN) if step_library(batch, backend).endswith("eigen") else None
+
+
+_PACKED: dict[tuple, tuple] = {}  # (id(plain weight), contracted) -> (weakref to it, its packed array)
+
+
+def _packed(w, contracted: int = 1) -> PackedWeight:
+    """w with its packed copy, packed once while w lives (keyed by the array itself, so params that
+    share some weights and differ in others never mix). The cache holds the packed array only: a
+    reference to w would keep every model ever stepped alive."""
+    if isinstance(w, jax.core.Tracer):  # inside a caller's own jit: nothing to keep
+        return PackedWeight(w, cpu_matmul.pack(w, contracted))
+    key = (id(w), contracted)
+    hit = _PACKED.get(key)
+    if hit is not None and hit[0]() is w:
+        return PackedWeight(w, hit[1])
+    packed = cpu_matmul.pack(w, contracted)
+    _PACKED[key] = (weakref.ref(w), packed)
+    weakref.finalize(w, _drop, key)
+    return PackedWeight(w, packed)
+
+
+def _drop(key: tuple) -> None:
+    hit = _PACKED.get(key)
+    if hit is not None and hit[0]() is None:
+        del _PACKED[key]
+
+
+# The einsum specs of the layers contract a weight's leading axes: one, or two for the output
+# projection [heads, head_dim, D].
+_CONTRACTED = {"wo": 2}
+
+
+def step_params(params: dict, batch: int, parallel=None) -> dict:
+    """The params a step program of ``batch`` requests multiplies by: with the kernel on (see
+    ``kernel_enabled``) and a float32 model with split layers on one device, every matmul weight and
+    the head as a ``PackedWeight`` (each packed once and kept while its plain array lives: the packed
+    copies cost the weights' memory once more); otherwise ``params`` itself."""
+    if (parallel is not None or not isinstance(params, dict) or not layers_split(params) or not kernel_enabled()
+            or params["embed"].dtype != jnp.float32):
+        return params
+    layers = tuple({n: _packed(w, _CONTRACTED.get(n, 1)) if n in MATMUL_WEIGHTS else w for n, w in lp.items()}
+                   for lp in params["layers"])
+    out = {**params, "layers": layers}
+    for head in ("lm_head", TIED_HEAD):  # whichever the model's head_logits reads
+        if head in params:
+            out[head] = _packed(params[head])
+    return out
+
+
+def step_matmuls(params: dict, batch: int, parallel=None) -> str:
+    """What a step program of ``batch`` requests multiplies with for these params, as
+    ``step_library`` names it ("kernel+eigen", "ynnpack", ...): "kernel+" only where ``step_params``
+    packs them."""
+    library = step_library(batch)
+    if library.startswith("kernel+") and step_params(params, batch, parallel) is params:
+        return library.removeprefix("kernel+")
+    return library
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,9 +171,37 @@ def _jit(fn, options: tuple | None, static_argnames: tuple, donate_argnames: tup
                    compiler_options=dict(options) if options else None)
 
 
-def step_program(fn, batch: int, static_argnames=(), donate_argnames=()):
-    """``jax.jit(fn, ...)`` compiled with ``step_compiler_options(batch)``; one jitted object per
-    (function, options, argument names), so calls share its compilation cache."""
+class StepProgram:
+    """A jitted step function called with ``step_params(params, batch, parallel)`` in place of its
+    first argument (the LLM's params); ``lower`` (AOT) does the same."""
+
+    def __init__(self, jitted, batch: int):
+        self.jitted, self.batch = jitted, batch
+        # A host loop steps the same params every call: step_params' result is kept for them (checked
+        # entry by entry, so a dict changed in place is packed again), saving ~0.1 ms per step.
+        self._last = None
+
+    def _params(self, params, kwargs):
+        parallel = kwargs.get("parallel")
+        entries = tuple(params.values()) if isinstance(params, dict) else (params,)
+        last = self._last
+        if (last is not None and last[0] is parallel and len(last[1]) == len(entries)
+                and all(a is b for a, b in zip(last[1], entries)) and last[2] == cpu_dots()):
+            return last[3]
+        out = step_params(params, self.batch, parallel)
+        self._last = (parallel, entries, cpu_dots(), out)
+        return out
+
+    def __call__(self, params, *args, **kwargs):
+        return self.jitted(self._params(params, kwargs), *args, **kwargs)
+
+    def lower(self, params, *args, **kwargs):
+        return self.jitted.lower(self._params(params, kwargs), *args, **kwargs)
+
+
+def step_program(fn, batch: int, static_argnames=(), donate_argnames=()) -> StepProgram:
+    """``jax.jit(fn, ...)`` compiled with ``step_compiler_options(batch)`` and fed ``step_params``; one
+    jitted object per (function, options, argument names), so calls share its compilation cache."""
     options = step_compiler_options(batch)
-    return _jit(fn, tuple(sorted(options.items())) if options else None, tuple(static_argnames),
-                tuple(donate_argnames))
+    return StepProgram(_jit(fn, tuple(sorted(options.items())) if options else None, tuple(static_argnames),
+                            tuple(donate_argnames)), batch)

@@ -15,7 +15,7 @@ from specjax.attention.meta import AttentionMeta
 from specjax.attention.xla import attend, attend_written_token
 from specjax.config import ModelConfig
 from specjax.models.params import TIED_HEAD
-from specjax.models.weights import weight_einsum
+from specjax.models.weights import PackedWeight, matmul_rows, weight_einsum
 
 
 def compute_dtype(dtype) -> jnp.dtype:
@@ -29,10 +29,13 @@ def head_logits(h: jax.Array, params: dict, cfg: ModelConfig) -> jax.Array:
     a tied model the embedding, read from its transposed copy where the split layout keeps one
     (``specjax.models.params.TIED_HEAD``)."""
     out = compute_dtype(h.dtype)
-    if not cfg.tie_word_embeddings:
-        return jnp.einsum("btd,dv->btv", h, params["lm_head"], preferred_element_type=out)
-    if TIED_HEAD in params:
-        return jnp.einsum("btd,dv->btv", h, params[TIED_HEAD], preferred_element_type=out)
+    head = params["lm_head"] if not cfg.tie_word_embeddings else params.get(TIED_HEAD)
+    if isinstance(head, PackedWeight):  # a step program's copy for the CPU matmul kernel
+        rows = h.reshape(-1, h.shape[-1])
+        flat = rows[0] if rows.shape[0] == 1 else rows
+        return matmul_rows(flat, head).reshape(h.shape[:-1] + (-1,)).astype(out)
+    if head is not None:
+        return jnp.einsum("btd,dv->btv", h, head, preferred_element_type=out)
     return jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=out)
 
 

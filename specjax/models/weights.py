@@ -17,10 +17,41 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.kernels import cpu_matmul
+
 # The weights the layers multiply by (through weight_einsum): switched. Norms and biases are small:
 # stacked once per pass and indexed.
 MATMUL_WEIGHTS = frozenset({"wq", "wk", "wv", "wqkv", "wo", "w_gate", "w_up", "w_gate_up", "w_down", "fc1",
                             "fc2"})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A weight as XLA reads it (``plain``, [K..., N...]) and packed for the CPU matmul kernel
+    (``packed``, [P, K, CW], ``specjax.kernels.cpu_matmul.pack``). Only the step programs see these
+    (``specjax.decoding.programs.step_params``): 2 to ``KERNEL_MAX_ROWS`` rows are multiplied by
+    ``packed``, one row (XLA's vector product is faster there) and more rows by ``plain``."""
+
+    plain: jax.Array
+    packed: jax.Array
+
+
+# Rows the CPU kernel multiplies: from 2 (one row: XLA's vector product is faster) up to this many.
+# Past it YNNPACK catches up (2 Intel Xeon cores, SmolLM2 passes: batch 8 x 17 nodes = 136 rows
+# 235.7 vs 233.0 ms, batch 16 x 17 = 272 rows 455.6 vs 433.0; below it the kernel wins, 20-40% at
+# 2-68 rows).
+KERNEL_MAX_ROWS = 128
+
+
+def matmul_rows(flat: jax.Array, w) -> jax.Array:
+    """flat [K] or [M, K] @ w ([K..., N...] or a PackedWeight) -> [N] or [M, N]."""
+    if isinstance(w, PackedWeight):
+        n = int(np.prod(w.plain.shape)) // flat.shape[-1]
+        if flat.ndim == 2 and 2 <= flat.shape[0] <= KERNEL_MAX_ROWS and flat.dtype == jnp.float32:
+            return cpu_matmul.matmul(flat, w.packed, n)
+        w = w.plain
+    return flat @ w.reshape(flat.shape[-1], -1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +77,9 @@ def weight_einsum(spec: str, x: jax.Array, w) -> jax.Array:
     # around each branch's dot (a one-row matrix got two, per branch per weight: 240 kernels in a
     # decode step's program, about a third of its compile time), and the vector product ran faster.
     flat = x.reshape(int(np.prod(inner))) if rows == 1 else x.reshape(rows, int(np.prod(inner)))
-    out = jax.lax.switch(w.index, [lambda a, b=b: a @ b.reshape(a.shape[-1], -1) for b in w.buffers], flat)
-    return out.reshape(lead + w.buffers[0].shape[contracted:])
+    out = jax.lax.switch(w.index, [lambda a, b=b: matmul_rows(a, b) for b in w.buffers], flat)
+    first = w.buffers[0]
+    return out.reshape(lead + (first.plain if isinstance(first, PackedWeight) else first).shape[contracted:])
 
 
 def switched_layers(layer_params) -> tuple[dict, dict]:

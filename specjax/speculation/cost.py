@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.decoding.programs import step_compiler_options, step_library
+from specjax.decoding.programs import step_compiler_options, step_library, step_params
 from specjax.errors import InputError
 from specjax.models.cache import init_cache
 from specjax.models.params import layers_split
@@ -97,6 +97,7 @@ def measure_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: 
         return tree_forward(params, tree, cache, cfg, impl, parallel, block_only=True).logits  # as the loop runs it
 
     fwd = jax.jit(one_pass, compiler_options=step_compiler_options(batch))  # compiled as the loop's steps are
+    params = step_params(params, batch, parallel)  # and multiplying by the same weights
     inputs = {}
     for n in counts:
         if progress is not None:

@@ -1,0 +1,163 @@
+// y[M, N] = x[M, K] @ W for float32, W packed once as panels [P, K, CW] (P = ceil(N / CW), columns
+// zero-padded): the weight matmuls of decode and tree passes on XLA:CPU (specjax/kernels/cpu_matmul).
+//
+// Why a kernel of our own: a pass over 2-17 rows streams every weight once, so it should cost what a
+// one-row pass costs; XLA:CPU's libraries (Eigen, YNNPACK) repack the weights on every call and
+// change their threading at 8 rows, so 17 rows cost 3x one row there. Here the weights are packed
+// once at load: each panel of CW columns is one contiguous stream (prefetched ahead), read from
+// memory once and reused from L1 by every group of MR rows while the accumulators stay in registers.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+// Tuned for AVX-512 (32 vector registers hold the 4 x 4 accumulator tile and a panel row). Built for
+// AVX2 the same code spills its tile to the stack and ran 3x slower than XLA's matmuls (a Xeon with
+// -march=haswell): the Python side builds it only where the CPU has AVX-512F.
+#if !defined(__AVX512F__)
+#error "specjax's CPU matmul kernel needs AVX-512F"
+#endif
+constexpr int VW = 16;  // floats per vector register
+constexpr int NR = 4;            // vectors per panel row: CW = NR * VW columns per panel
+constexpr int CW = NR * VW;
+constexpr int MR = 4;            // rows per register tile (MR x NR accumulators); unit() handles 1-3 left
+constexpr long KC = 64;          // panel rows per L1-resident chunk
+constexpr long PREFETCH = 32;    // panel rows read ahead by the first row tile
+constexpr long MB = 64;          // rows per work unit (a prefill's hundreds of rows are split)
+
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+static inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+static inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+static_assert(MR == 4, "unit() dispatches remainders of 1-3 rows");
+
+// Rows [0, R) of x (row stride K) times panel rows [k0, k0 + kn) into y (row stride ys).
+template <int R, bool FETCH>
+static inline void tile(const float* __restrict x, long K, const float* __restrict w, float* __restrict y, long ys,
+                        long k0, long kn, bool first) {
+  vf acc[R][NR];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = first ? vf{} : load(y + r * ys + j * VW);
+  for (long i = 0; i < kn; ++i) {
+    const float* wr = w + i * CW;
+    if (FETCH)
+      for (int j = 0; j < CW; j += 64 / sizeof(float)) __builtin_prefetch(wr + PREFETCH * CW + j, 0, 3);
+    vf wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = load(wr + j * VW);
+    for (int r = 0; r < R; ++r) {
+      const float xs = x[r * K + k0 + i];
+      for (int j = 0; j < NR; ++j) acc[r][j] += xs * wv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) store(y + r * ys + j * VW, acc[r][j]);
+}
+
+template <int R>
+static inline void tile_at(const float* x, long K, const float* w, float* y, long ys, long k0, long kn, bool first,
+                           bool fetch) {
+  if (fetch) tile<R, true>(x, K, w, y, ys, k0, kn, first);
+  else tile<R, false>(x, K, w, y, ys, k0, kn, first);
+}
+
+// One work unit: rows [m0, m1) times panel p.
+static void unit(const float* x, const float* w, float* y, long M, long K, long N, long p, long m0, long m1) {
+  const float* panel = w + p * K * CW;
+  const long c = p * CW;
+  const bool partial = c + CW > N;  // the last panel of an N that is not a multiple of CW
+  float scratch[MB * CW];
+  float* out = partial ? scratch : y + m0 * N + c;
+  const long ys = partial ? CW : N;
+  for (long k0 = 0; k0 < K; k0 += KC) {
+    const long kn = std::min(KC, K - k0);
+    const float* wk = panel + k0 * CW;
+    const bool first = k0 == 0;
+    long r = m0;
+    for (; r + MR <= m1; r += MR)
+      tile_at<MR>(x + r * K, K, wk, out + (r - m0) * ys, ys, k0, kn, first, r == m0);
+    const float* xr = x + r * K;
+    float* yr = out + (r - m0) * ys;
+    switch (m1 - r) {
+      case 1: tile_at<1>(xr, K, wk, yr, ys, k0, kn, first, r == m0); break;
+      case 2: tile_at<2>(xr, K, wk, yr, ys, k0, kn, first, r == m0); break;
+      case 3: tile_at<3>(xr, K, wk, yr, ys, k0, kn, first, r == m0); break;
+      default: break;
+    }
+  }
+  if (partial)
+    for (long r = m0; r < m1; ++r) std::memcpy(y + r * N + c, scratch + (r - m0) * CW, (N - c) * sizeof(float));
+}
+
+// Work units are claimed one at a time from a shared counter, by the calling thread and by tasks on
+// XLA's intra-op thread pool. The caller waits only for units a running task has claimed, so it never
+// waits for a task that has not started (no deadlock when the pool is busy), and a task that starts
+// late finds nothing left. (Threads of our own that spin between calls were slower: they compete
+// with XLA's threads for the same cores.)
+struct Job {
+  const float* x;
+  const float* w;
+  float* y;
+  long M, K, N, P, units;
+  std::atomic<long> next{0};
+  std::atomic<long> done{0};
+
+  void work() {
+    for (long u = next.fetch_add(1, std::memory_order_relaxed); u < units;
+         u = next.fetch_add(1, std::memory_order_relaxed)) {
+      const long p = u % P, b = u / P;  // panels first: one row block's units are adjacent
+      const long m0 = b * MB, m1 = std::min(M, m0 + MB);
+      unit(x, w, y, M, K, N, p, m0, m1);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+template <typename Schedule>
+static void matmul(const float* x, const float* w, float* y, long M, long K, long N, long threads,
+                   Schedule schedule) {
+  auto job = std::make_shared<Job>();
+  job->x = x; job->w = w; job->y = y; job->M = M; job->K = K; job->N = N;
+  job->P = (N + CW - 1) / CW;
+  job->units = job->P * ((M + MB - 1) / MB);
+  const long helpers = std::min(threads - 1, job->units - 1);
+  for (long i = 0; i < helpers; ++i) schedule([job] { job->work(); });
+  job->work();
+  while (job->done.load(std::memory_order_acquire) < job->units) std::this_thread::yield();
+}
+
+extern "C" int specjax_cpu_matmul_panel_width() { return CW; }
+
+// For tests and benchmarks without XLA: one thread.
+extern "C" void specjax_cpu_matmul_reference(const float* x, const float* w, float* y, long M, long K, long N) {
+  matmul(x, w, y, M, K, N, 1, [](auto&&) {});
+}
+
+#ifndef SPECJAX_NO_FFI
+#include "xla/ffi/api/ffi.h"
+namespace ffi = xla::ffi;
+
+static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                             ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("specjax_cpu_matmul: expected x [M, K], packed w [P, K, CW], y [M, N]");
+  const long M = xd[0], K = xd[1], N = yd[1];
+  if (yd[0] != M || wd[1] != K || wd[2] != CW || wd[0] != (N + CW - 1) / CW)
+    return ffi::Error::InvalidArgument("specjax_cpu_matmul: shapes do not match the panel layout");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) { std::memset(y->typed_data(), 0, sizeof(float) * M * N); return ffi::Error::Success(); }
+  const long threads = std::max<int64_t>(1, pool.num_threads());
+  matmul(x.typed_data(), w.typed_data(), y->typed_data(), M, K, N, threads,
+         [&pool](auto&& task) { pool.Schedule(std::move(task)); });
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuMatmul, MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+#endif

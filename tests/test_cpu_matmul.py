@@ -1,0 +1,197 @@
+"""specjax's CPU matmul kernel (``specjax.kernels.cpu_matmul``) and where the step programs use it
+(``specjax.decoding.programs.step_params``): against a float64 reference with a floor from XLA's own
+float32 matmul, over shapes that exercise every path (one row, row tiles and their remainders, row
+blocks, a last panel narrower than the others, K not a multiple of the L1 chunk); the packed layout;
+the packed params of a step program; a tree pass through them; and a kernel that cannot be built
+reported by name."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax.decoding.programs import ENV, step_library, step_params
+from specjax.kernels import cpu_matmul
+from specjax.models.params import TIED_HEAD, stack_layers
+from specjax.models.weights import MATMUL_WEIGHTS, PackedWeight
+from tests import precision
+
+# Where the kernel is not built (no AVX-512F, no compiler) only the last test, which checks that case
+# is named, runs.
+needs_kernel = pytest.mark.skipif(cpu_matmul.status() is not None, reason=f"kernel unavailable: {cpu_matmul.status()}")
+
+# (rows, K, N): one row; row tiles of 4 and a remainder of 1-3; a row block of 64 and a second one;
+# N below, at and past a panel's width and not a multiple of it; K below and past the 64-row chunk.
+SHAPES = [(1, 64, 64), (2, 100, 70), (3, 130, 200), (5, 33, 129), (17, 200, 130), (64, 65, 64), (65, 64, 257),
+          (130, 150, 100)]
+
+
+@needs_kernel
+class TestKernel(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_matches_float64_within_xla_float32_floor(self):
+        rng = np.random.default_rng(0)
+        for m, k, n in SHAPES:
+            x = rng.standard_normal((m, k), dtype=np.float32)
+            w = rng.standard_normal((k, n), dtype=np.float32) / np.sqrt(k)
+            exact = x.astype(np.float64) @ w.astype(np.float64)
+            packed = cpu_matmul.pack(jnp.asarray(w))
+            chex.assert_shape(packed, (-(-n // cpu_matmul.panel_width()), k, cpu_matmul.panel_width()))
+            got = self.variant(lambda x, p, n=n: cpu_matmul.matmul(x, p, n))(jnp.asarray(x), packed)
+            chex.assert_shape(got, (m, n))
+            floor = precision.error(jnp.asarray(x) @ jnp.asarray(w), exact)
+            precision.assert_within(got, exact, floor, what=f"kernel {m}x{k}x{n}")
+
+    def test_threads_do_not_change_results(self):
+        """Each output element is summed by one thread in one order: repeated calls are bitwise equal."""
+        rng = np.random.default_rng(1)
+        x = jnp.asarray(rng.standard_normal((17, 576), dtype=np.float32))
+        packed = cpu_matmul.pack(jnp.asarray(rng.standard_normal((576, 3000), dtype=np.float32)))
+        run = jax.jit(lambda x, p: cpu_matmul.matmul(x, p, 3000))
+        first = np.asarray(run(x, packed))
+        for _ in range(5):
+            np.testing.assert_array_equal(np.asarray(run(x, packed)), first)
+
+
+@needs_kernel
+def test_pack_layout_and_checks():
+    width = cpu_matmul.panel_width()
+    w = np.arange(3 * 2 * (width + 5), dtype=np.float32).reshape(3, 2, width + 5)  # an output projection [H, Dh, D]
+    packed = np.asarray(cpu_matmul.pack(jnp.asarray(w), contracted=2))
+    flat = w.reshape(6, width + 5)
+    assert packed.shape == (2, 6, width)
+    np.testing.assert_array_equal(packed[0], flat[:, :width])
+    np.testing.assert_array_equal(packed[1, :, :5], flat[:, width:])
+    assert not packed[1, :, 5:].any()  # the last panel's columns past N are zero
+    with pytest.raises(TypeError, match="float32 only"):
+        cpu_matmul.matmul(jnp.zeros((2, 6), jnp.bfloat16), jnp.asarray(packed), width + 5)
+    with pytest.raises(ValueError, match="does not match packed weight"):
+        cpu_matmul.matmul(jnp.zeros((2, 7)), jnp.asarray(packed), width + 5)
+
+
+@needs_kernel
+def test_rows_the_kernel_takes():
+    """2..KERNEL_MAX_ROWS rows go to the kernel; one row and more rows to XLA's dot (plain weight)."""
+    from specjax.models.weights import KERNEL_MAX_ROWS, matmul_rows
+
+    w = jnp.ones((8, 16), jnp.float32)
+    both = PackedWeight(w, cpu_matmul.pack(w))
+    for rows, kernel in ((1, False), (2, True), (KERNEL_MAX_ROWS, True), (KERNEL_MAX_ROWS + 1, False)):
+        x = jnp.ones((8,) if rows == 1 else (rows, 8), jnp.float32)
+        text = str(jax.make_jaxpr(matmul_rows)(x, both))
+        assert (cpu_matmul.TARGET in text) == kernel, rows
+        np.testing.assert_allclose(np.asarray(matmul_rows(x, both)), np.asarray(x @ w), rtol=1e-6)
+    assert cpu_matmul.TARGET not in str(jax.make_jaxpr(matmul_rows)(jnp.ones((2, 8), jnp.bfloat16), both))
+
+
+@needs_kernel
+def test_step_params_pack_every_matmul_weight_once(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv(ENV, "auto")
+    model = specjax.load_model(tiny_llama_dir, progress=False)
+    assert step_library(1).startswith("kernel+")
+    packed = step_params(model.params, 1)
+    again = step_params(model.params, 1)
+    for lp, plain, lp2 in zip(packed["layers"], model.params["layers"], again["layers"]):
+        for name, w in lp.items():
+            assert isinstance(w, PackedWeight) == (name in MATMUL_WEIGHTS), name
+            if isinstance(w, PackedWeight):
+                assert w.plain is plain[name] and lp2[name].packed is w.packed  # each weight packed once
+            else:
+                assert w is plain[name]
+    head = "lm_head" if "lm_head" in model.params else TIED_HEAD
+    assert isinstance(packed[head], PackedWeight)
+    # Params that share the packed weights and differ elsewhere keep their own entries.
+    other = {**model.params, "final_norm": model.params["final_norm"] * 2}
+    assert step_params(other, 1)["final_norm"] is other["final_norm"]
+    assert step_params(other, 1)["layers"][0]["wqkv"].packed is packed["layers"][0]["wqkv"].packed
+    # Not packed: XLA's libraries chosen, stacked layers, a mesh, bfloat16 weights.
+    assert step_params(stack_layers(model.params), 1)["layers"] is not packed["layers"]
+    assert step_params(model.params, 1, parallel=object()) is model.params
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), model.params)
+    assert step_params(bf16, 1) is bf16
+    monkeypatch.setenv(ENV, "eigen")
+    assert step_params(model.params, 1) is model.params and step_library(1) == "eigen"
+    # The cache keeps packed copies only while their plain weights live.
+    import gc
+
+    from specjax.decoding import programs
+
+    before = len(programs._PACKED)
+    del model, packed, again, other, plain, lp, lp2, w, bf16
+    gc.collect()
+    assert len(programs._PACKED) < before
+
+
+@needs_kernel
+@pytest.mark.parametrize("nodes", [1, 2, 5, 17])
+def test_tree_pass_through_packed_weights(tiny_llama_dir, nodes, monkeypatch):
+    """A tree pass multiplying by the packed weights (2+ rows through the kernel, 1 row through XLA)
+    gives the float64 logits within the floor of the same pass over plain weights."""
+    from specjax.models.cache import init_cache
+    from specjax.speculation.commit import tree_forward
+    from specjax.speculation.tree import from_parents
+
+    monkeypatch.setenv(ENV, "auto")
+    model = specjax.load_model(tiny_llama_dir, progress=False)
+    cfg = model.config
+    rng = np.random.RandomState(nodes)
+    parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]
+    tree = from_parents([rng.randint(0, cfg.vocab_size, nodes).tolist()], [parents], n_max=nodes)
+    cache = init_cache(cfg, 1, 8 + nodes)
+
+    def logits(params):
+        return np.asarray(tree_forward(params, tree, cache, cfg, "xla").logits)
+
+    with precision.float64():
+        exact = np.asarray(tree_forward(precision.params64(model.params), tree, init_cache(cfg, 1, 8 + nodes,
+                                                                                            jnp.float64),
+                                        cfg, "xla").logits)
+    plain = logits(model.params)
+    packed = logits(step_params(model.params, 1))
+    precision.assert_within(packed, exact, precision.error(plain, exact), what=f"{nodes}-node pass")
+
+
+CHECK = """
+import os, sys, warnings
+from specjax.kernels import cpu_matmul
+from specjax.decoding import programs
+from specjax.errors import InputError
+if sys.argv[1] == "no-avx512":
+    cpu_matmul._cpu_flags = lambda: "fpu sse2 avx avx2 fma"
+why = cpu_matmul.status()
+assert why and sys.argv[2] in why, why
+os.environ["SPECJAX_CPU_DOTS"] = "kernel"
+try:
+    programs.step_library(1, "cpu")
+    raise SystemExit("kernel setting accepted without a kernel")
+except InputError as e:
+    assert "SPECJAX_CPU_DOTS=kernel" in str(e) and sys.argv[2] in str(e), e
+os.environ["SPECJAX_CPU_DOTS"] = "auto"
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert programs.step_library(1, "cpu") == "eigen"
+    assert programs.step_library(2, "cpu") == "eigen"
+warned = sum("CPU matmul kernel is unavailable" in str(w.message) for w in caught)
+assert warned == int(sys.argv[3]), caught
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("case,reason,warnings", [
+    ("no-compiler", "C++ compiler", 1),  # a failure: auto warns once
+    ("no-avx512", "no AVX-512F", 0),  # a CPU the kernel is not made for: the rule, no warning
+])
+def test_a_kernel_that_cannot_be_built_is_named(tmp_path, case, reason, warnings):
+    """status() says why; SPECJAX_CPU_DOTS=kernel refuses by name; auto runs XLA's matmuls."""
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "SPECJAX_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", CHECK, case, reason, str(warnings)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]

@@ -16,6 +16,12 @@ import numpy as np
 
 from specjax.errors import ConfigError
 
+
+def cache_root() -> str:
+    """specjax's cache directory (tokenizers, tree pass costs, compiled kernels, XLA programs):
+    ``$SPECJAX_CACHE_DIR``, default ``~/.cache/specjax``."""
+    return os.environ.get("SPECJAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
+
 SUPPORTED_FAMILIES = ("llama", "opt")
 
 

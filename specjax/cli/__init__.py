@@ -27,9 +27,9 @@ DESCRIPTION = ("specjax: tree-based speculative inference and verification for L
 
 
 def _default_compile_cache() -> str:
-    from specjax.io.tokenizer import cache_dir
+    from specjax.config import cache_root
 
-    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(cache_dir(), "xla")
+    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(cache_root(), "xla")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

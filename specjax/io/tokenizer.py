@@ -6,14 +6,11 @@ import hashlib
 import os
 
 from specjax._compat import gguf_tokenizer_from_fields
+from specjax.config import cache_root
 from specjax.errors import CheckpointError
 from specjax.io.gguf_file import GGUFFile
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def cache_dir() -> str:
-    return os.environ.get("SPECJAX_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "specjax"))
 
 
 def load_dir_tokenizer(path: str):
@@ -72,7 +69,7 @@ def load_gguf_tokenizer(gguf_path: str):
 
     stat = os.stat(gguf_path)
     digest = hashlib.sha256(f"{os.path.realpath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    converted = os.path.join(cache_dir(), "tokenizers", digest[:16])
+    converted = os.path.join(cache_root(), "tokenizers", digest[:16])
     if os.path.exists(os.path.join(converted, "tokenizer.json")):
         return AutoTokenizer.from_pretrained(converted)
     try:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.config import ModelConfig
+from specjax.config import ModelConfig, cache_root
 from specjax.decoding.programs import step_compiler_options, step_library, step_params
 from specjax.errors import InputError
 from specjax.models.cache import init_cache
@@ -40,8 +40,7 @@ REPEATS = 15
 
 
 def cache_path() -> str:
-    root = os.environ.get("SPECJAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
-    return os.path.join(root, "tree_costs.json")
+    return os.path.join(cache_root(), "tree_costs.json")
 
 
 def machine_key() -> str:

@@ -1,5 +1,5 @@
 """A float32 matmul for XLA:CPU over weights packed once at load: the weight matmuls of the decode and
-tree passes (2 or more rows) on a CPU.
+tree passes (2 to ``specjax.models.weights.KERNEL_MAX_ROWS`` rows) on a CPU.
 
 Why: XLA:CPU's matmul libraries repack the weight on every call and switch their threading at 8 rows,
 so on 2 Intel Xeon cores a tree pass of 17 nodes cost 2.5x a one-node pass, where streaming each
@@ -15,7 +15,7 @@ with XLA (its vector product is faster), so the step programs keep both copies o
 x86-64 with AVX-512F only (built for AVX2 the register tile spills and it ran 3x slower than XLA's
 libraries). Built on first use with the system C++ compiler (``$CXX`` or ``c++``, ``-O3 -march=native``) into the
 cache directory (``$SPECJAX_CACHE_DIR``, default ``~/.cache/specjax``), keyed by the source, the
-compiler, the CPU's flags and jaxlib; ``status()`` says why it is unavailable (not a CPU backend, no
+compiler, the CPU's flags and jax/jaxlib; ``status()`` says why it is unavailable (no AVX-512F, no
 compiler, a failed build). ``specjax.decoding.programs`` decides where it is used (``SPECJAX_CPU_DOTS``).
 """
 
@@ -37,9 +37,14 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from specjax.config import cache_root
+
 TARGET = "specjax_cpu_matmul"
 SOURCE = Path(__file__).with_name("matmul.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
+
+
+NO_AVX512 = "this CPU has no AVX-512F"
 
 
 class KernelUnavailable(RuntimeError):
@@ -47,8 +52,7 @@ class KernelUnavailable(RuntimeError):
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SPECJAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
-    return Path(root) / "kernels"
+    return Path(cache_root()) / "kernels"
 
 
 def _cpu_flags() -> str:
@@ -112,16 +116,11 @@ def _build() -> Path:
 def _load() -> tuple[int | None, str | None]:
     """(panel width, None) once built and registered with XLA, or (None, why not)."""
     try:
-        if "cpu" not in {d.platform for d in jax.devices("cpu")}:
-            return None, "no CPU backend"
         lib = ctypes.cdll.LoadLibrary(str(_build()))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SpecjaxCpuMatmul), platform="cpu")
         return int(lib.specjax_cpu_matmul_panel_width()), None
     except (KernelUnavailable, OSError, RuntimeError) as e:
         return None, str(e)
-
-
-NO_AVX512 = "this CPU has no AVX-512F"
 
 
 def unsupported_cpu(why: str | None) -> bool:

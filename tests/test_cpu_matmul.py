@@ -1,4 +1,4 @@
-"""specjax's CPU matmul kernel (``specjax.kernels.cpu_matmul``) and where the step programs use it
+"""specjax's CPU matmul kernel (``specjax.kernels.cpu.matmul``) and where the step programs use it
 (``specjax.decoding.programs.step_params``): against a float64 reference with a floor from XLA's own
 float32 matmul, over shapes that exercise every path (one row, row tiles and their remainders, row
 blocks, a last panel narrower than the others, K not a multiple of the L1 chunk); the packed layout;
@@ -19,14 +19,16 @@ import pytest
 
 import specjax
 from specjax.decoding.programs import ENV, step_library, step_params
-from specjax.kernels import cpu_matmul
+from specjax.kernels import cpu as cpu_kernels
+from specjax.kernels.cpu import matmul as cpu_matmul
 from specjax.models.params import TIED_HEAD, stack_layers
 from specjax.models.weights import MATMUL_WEIGHTS, PackedWeight
 from tests import precision
 
 # Where the kernel is not built (no AVX-512F, no compiler) only the last test, which checks that case
 # is named, runs.
-needs_kernel = pytest.mark.skipif(cpu_matmul.status() is not None, reason=f"kernel unavailable: {cpu_matmul.status()}")
+needs_kernel = pytest.mark.skipif(cpu_kernels.status() is not None,
+                                  reason=f"kernel unavailable: {cpu_kernels.status()}")
 
 # (rows, K, N): one row; row tiles of 4 and a remainder of 1-3; a row block of 64 and a second one;
 # N below, at and past a panel's width and not a multiple of it; K below and past the 64-row chunk.
@@ -161,12 +163,12 @@ def test_tree_pass_through_packed_weights(tiny_llama_dir, nodes, monkeypatch):
 
 CHECK = """
 import os, sys, warnings
-from specjax.kernels import cpu_matmul
+from specjax.kernels.cpu import build
 from specjax.decoding import programs
 from specjax.errors import InputError
 if sys.argv[1] == "no-avx512":
-    cpu_matmul._cpu_flags = lambda: "fpu sse2 avx avx2 fma"
-why = cpu_matmul.status()
+    build._cpu_flags = lambda: "fpu sse2 avx avx2 fma"
+why = build.status()
 assert why and sys.argv[2] in why, why
 os.environ["SPECJAX_CPU_DOTS"] = "kernel"
 try:
@@ -179,7 +181,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     assert programs.step_library(1, "cpu") == "eigen"
     assert programs.step_library(2, "cpu") == "eigen"
-warned = sum("CPU matmul kernel is unavailable" in str(w.message) for w in caught)
+warned = sum("CPU kernels are unavailable" in str(w.message) for w in caught)
 assert warned == int(sys.argv[3]), caught
 print("ok")
 """

@@ -1,8 +1,9 @@
 """XLA:CPU's matmul library per program (``specjax.decoding.programs``): the rule, its one setting
 (``SPECJAX_CPU_DOTS``), and that the compiled programs really carry it: the prefill keeps XLA's
 default (YNNPACK) and no kernel, the stepping programs of a small batch run their dots in Eigen and
-their matmuls of 2+ rows in specjax's kernel (``specjax.kernels.cpu_matmul``), in the one-jit path
-and the streaming loop alike, with the same tokens under every setting."""
+their matmuls of 2+ rows in specjax's kernel (``specjax.kernels.cpu.matmul``) and their attention in
+specjax's attention kernel (``specjax.kernels.cpu.attention``), in the one-jit path and the streaming
+loop alike, with the same tokens under every setting."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from specjax.decoding.programs import (
     step_program,
 )
 from specjax.errors import InputError
-from specjax.kernels import cpu_matmul
+from specjax.kernels import cpu as cpu_kernels
+from specjax.kernels.cpu import attention as cpu_attention
+from specjax.kernels.cpu import matmul as cpu_matmul
 from specjax.models.weights import KERNEL_MAX_ROWS
 from specjax.speculation.cost import table_key
 from specjax.speculation.drafters.lookup import LookupDrafter
@@ -27,8 +30,9 @@ from tests.conftest import random_ids
 
 YNN = "__ynn_fusion"  # how XLA:CPU names a dot handed to YNNPACK in the compiled HLO
 KERNEL = cpu_matmul.TARGET  # the custom call of specjax's matmul kernel
+ATTENTION = cpu_attention.TARGET  # ... and of its attention kernel
 # Where the kernel cannot be built here, auto runs XLA's libraries alone (tested in test_cpu_matmul).
-K = "kernel+" if cpu_matmul.status() is None else ""
+K = "kernel+" if cpu_kernels.status() is None else ""
 
 
 def test_the_rule_and_its_setting(monkeypatch):
@@ -108,12 +112,15 @@ def test_prefill_keeps_ynnpack_and_small_batch_steps_run_in_eigen(tiny_llama_dir
                 prefill, steps = compiled_texts
                 assert YNN in prefill and KERNEL not in prefill, (setting, batch, mode)
                 eigen = setting == "eigen" or (setting == "auto" and batch <= EIGEN_MAX_BATCH)
-                assert (YNN not in steps) == eigen, (setting, batch, mode)
                 # the kernel takes 2..KERNEL_MAX_ROWS rows: one row (batch-1 incremental decoding) and
                 # 8 x 17 tree nodes stay with XLA
                 rows = batch * (1 + (LookupDrafter().num_nodes if mode == "lookup" else 0))
                 kernel = setting == "auto" and bool(K) and 2 <= rows <= KERNEL_MAX_ROWS
                 assert (KERNEL in steps) == kernel, (setting, batch, mode)
+                # the attention of every step runs in the CPU attention kernel wherever the kernels are on
+                assert (ATTENTION in steps) == (setting == "auto" and bool(K)), (setting, batch, mode)
+                if not kernel:  # XLA's library multiplies what the kernels do not (with the kernel: nothing)
+                    assert (YNN not in steps) == eigen, (setting, batch, mode)
                 tokens.setdefault((batch, mode), out.token_ids)
                 assert out.token_ids == tokens[(batch, mode)], (setting, batch, mode)
     for batch in (1, 8):

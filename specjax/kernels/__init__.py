@@ -1,2 +1,2 @@
-"""Kernels. ``tree_attention/``: attention over a token tree (Pallas / jax-triton); ``cpu_matmul/``: the
-float32 matmul of the CPU step programs over weights packed once (C++ through the XLA FFI)."""
+"""Kernels. ``tree_attention/``: attention over a token tree (Pallas / jax-triton); ``cpu/``: the float32
+matmul and attention of the CPU step programs (C++ through the XLA FFI)."""

@@ -14,8 +14,13 @@ from specjax.attention import resolve_impl, tree_attention
 from specjax.attention.meta import AttentionMeta
 from specjax.attention.xla import attend, attend_written_token
 from specjax.config import ModelConfig
+from specjax.kernels.cpu import attention as cpu_attention
 from specjax.models.params import TIED_HEAD
-from specjax.models.weights import PackedWeight, matmul_rows, weight_einsum
+from specjax.models.weights import PackedWeight, matmul_rows, packed_layer, weight_einsum
+
+# Up to this many queries per request, a step program with the CPU kernels on (packed weights) runs
+# its attention in ``specjax.kernels.cpu.attention``; prefill chunks stay with XLA's blocked path.
+CPU_ATTENTION_MAX_QUERIES = 128
 
 
 def compute_dtype(dtype) -> jnp.dtype:
@@ -120,6 +125,13 @@ def project_qkv(x, lp, positions, inv_freq, bias: bool, num_heads: int):
     return q, k, v
 
 
+def _cpu_attention(q, k_cache, lp) -> bool:
+    """Whether this layer's attention runs in the CPU kernel: a step program's packed weights (the CPU
+    kernels are on), float32, few queries, a head_dim the kernel takes."""
+    return (packed_layer(lp) and q.dtype == jnp.float32 and k_cache.dtype == jnp.float32
+            and q.shape[1] <= CPU_ATTENTION_MAX_QUERIES and q.shape[-1] <= cpu_attention.max_head_dim())
+
+
 def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMeta,
                     cfg: ModelConfig, inv_freq, bias: bool, prefix=None):
     """Self-attention of the block tokens over the cache of layer ``layer``.
@@ -141,7 +153,13 @@ def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMe
         raise ValueError("the Pallas tree kernel reads the tree from the cache: it cannot run block-only")
     else:  # block-only: the cache is read, never written (no copy of it where it is shared)
         k_cache, v_cache = k_cache.at[layer].set(k), v_cache.at[layer].set(v)
-    if pallas_tree:
+    own_block = meta.slots is None and meta.region in (None, q.shape[1])  # the block is this pass's K/V
+    if not pallas_tree and (written or own_block) and _cpu_attention(q, prefix[0], lp):
+        ancestor = meta.ancestor if meta.ancestor is not None else cpu_attention.causal_ancestor(*q.shape[:2])
+        block = (k, v) if own_block else (None, None)  # else: a frontier of the tree written in the cache
+        attn = cpu_attention.attend(q, prefix[0], prefix[1], layer, meta.lengths, ancestor, meta.region or q.shape[1],
+                                    scale, *block).astype(q.dtype)
+    elif pallas_tree:
         attn = tree_attention(q, k_cache[layer], v_cache[layer], meta.lengths, meta.ancestor, scale=scale,
                               impl="pallas", region=meta.region)
     elif written and q.shape[1] == 1 and meta.ancestor is None and meta.slots is None:  # a decoding pass

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels import cpu_matmul
+from specjax.kernels.cpu import matmul as cpu_matmul
 
 # The weights the layers multiply by (through weight_einsum): switched. Norms and biases are small:
 # stacked once per pass and indexed.
@@ -29,7 +29,7 @@ MATMUL_WEIGHTS = frozenset({"wq", "wk", "wv", "wqkv", "wo", "w_gate", "w_up", "w
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
     """A weight as XLA reads it (``plain``, [K..., N...]) and packed for the CPU matmul kernel
-    (``packed``, [P, K, CW], ``specjax.kernels.cpu_matmul.pack``). Only the step programs see these
+    (``packed``, [P, K, CW], ``specjax.kernels.cpu.matmul.pack``). Only the step programs see these
     (``specjax.decoding.programs.step_params``): 2 to ``KERNEL_MAX_ROWS`` rows are multiplied by
     ``packed``, one row (XLA's vector product is faster there) and more rows by ``plain``."""
 
@@ -80,6 +80,13 @@ def weight_einsum(spec: str, x: jax.Array, w) -> jax.Array:
     out = jax.lax.switch(w.index, [lambda a, b=b: matmul_rows(a, b) for b in w.buffers], flat)
     first = w.buffers[0]
     return out.reshape(lead + (first.plain if isinstance(first, PackedWeight) else first).shape[contracted:])
+
+
+def packed_layer(lp: dict) -> bool:
+    """Whether a layer's weights are a step program's packed ones (``PackedWeight``, see
+    ``specjax.decoding.programs.step_params``): where the CPU kernels are on, for attention too."""
+    w = lp.get("wqkv", lp.get("wq"))
+    return isinstance(w, LayerSwitch) and isinstance(w.buffers[0], PackedWeight)
 
 
 def switched_layers(layer_params) -> tuple[dict, dict]:

@@ -1,5 +1,5 @@
 // y[M, N] = x[M, K] @ W for float32, W packed once as panels [P, K, CW] (P = ceil(N / CW), columns
-// zero-padded): the weight matmuls of decode and tree passes on XLA:CPU (specjax/kernels/cpu_matmul).
+// zero-padded): the weight matmuls of decode and tree passes on XLA:CPU (specjax/kernels/cpu/matmul.py).
 //
 // Why a kernel of our own: a pass over 2-17 rows streams every weight once, so it should cost what a
 // one-row pass costs; XLA:CPU's libraries (Eigen, YNNPACK) repack the weights on every call and
@@ -12,6 +12,8 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+
+#include "parallel.h"
 
 // Tuned for AVX-512 (32 vector registers hold the 4 x 4 accumulator tile and a panel row). Built for
 // AVX2 the same code spills its tile to the stack and ran 3x slower than XLA's matmuls (a Xeon with
@@ -90,44 +92,22 @@ static void unit(const float* x, const float* w, float* y, long M, long K, long 
     for (long r = m0; r < m1; ++r) std::memcpy(y + r * N + c, scratch + (r - m0) * CW, (N - c) * sizeof(float));
 }
 
-// Work units are claimed one at a time from a shared counter, by the calling thread and by tasks on
-// XLA's intra-op thread pool. The caller waits only for units a running task has claimed, so it never
-// waits for a task that has not started (no deadlock when the pool is busy), and a task that starts
-// late finds nothing left. (Threads of our own that spin between calls were slower: they compete
-// with XLA's threads for the same cores.)
-struct Job {
-  const float* x;
-  const float* w;
-  float* y;
-  long M, K, N, P, units;
-  std::atomic<long> next{0};
-  std::atomic<long> done{0};
-
-  void work() {
-    for (long u = next.fetch_add(1, std::memory_order_relaxed); u < units;
-         u = next.fetch_add(1, std::memory_order_relaxed)) {
-      const long p = u % P, b = u / P;  // panels first: one row block's units are adjacent
-      const long m0 = b * MB, m1 = std::min(M, m0 + MB);
-      unit(x, w, y, M, K, N, p, m0, m1);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 template <typename Schedule>
 static void matmul(const float* x, const float* w, float* y, long M, long K, long N, long threads,
                    Schedule schedule) {
-  auto job = std::make_shared<Job>();
-  job->x = x; job->w = w; job->y = y; job->M = M; job->K = K; job->N = N;
-  job->P = (N + CW - 1) / CW;
-  job->units = job->P * ((M + MB - 1) / MB);
+  const long P = (N + CW - 1) / CW;
+  const long units = P * ((M + MB - 1) / MB);
   // A small product (tiny models) runs on the calling thread alone: scheduling a helper on the pool
   // costs more than its share of the work (measured under load: +0.9 ms per pass of a 2-layer model).
   const bool small = K * N < (1L << 18) && M * K * N < (1L << 22);
-  const long helpers = small ? 0 : std::min(threads - 1, job->units - 1);
-  for (long i = 0; i < helpers; ++i) schedule([job] { job->work(); });
-  job->work();
-  while (job->done.load(std::memory_order_acquire) < job->units) std::this_thread::yield();
+  specjax::parallel_units(
+      units, small ? 0 : threads - 1,
+      [=](long u) {
+        const long p = u % P, b = u / P;  // panels first: one row block's units are adjacent
+        const long m0 = b * MB, m1 = std::min(M, m0 + MB);
+        unit(x, w, y, M, K, N, p, m0, m1);
+      },
+      schedule);
 }
 
 extern "C" int specjax_cpu_matmul_panel_width() { return CW; }

@@ -1,0 +1,181 @@
+"""specjax's CPU attention kernel (``specjax.kernels.cpu.attention``): against a float64 reference that
+walks every query's visible slots, with the floor from XLA's own float32 attention
+(``specjax.attention.xla.attend``, the path it replaces) over decode steps, causal chains, token trees
+and drafting frontiers; GQA, MQA and head dims that are not a multiple of 16; prefixes across work
+chunks; non-finite K/V reaching exactly the queries that see them; results independent of the
+buffer's length, of the batch and of threads; and the step programs' tree passes through it."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.attention.meta import AttentionMeta
+from specjax.attention.xla import attend as xla_attend
+from specjax.kernels import cpu as cpu_kernels
+from specjax.kernels.cpu import attention as cpu_attention
+from tests import precision
+
+needs_kernel = pytest.mark.skipif(cpu_kernels.status() is not None,
+                                  reason=f"kernels unavailable: {cpu_kernels.status()}")
+
+# (batch, queries, heads, kv heads, head_dim, lengths, region, in_cache): a decode step; GQA tree
+# passes whose prefixes cross one and two 256-slot work chunks (one empty); MQA with an odd head_dim;
+# MHA with head_dim 8 and 128; a drafting pass scoring 3 frontier nodes of an 11-node tree written in
+# the cache.
+CASES = [
+    (1, 1, 9, 3, 64, [300], 1, False),
+    (2, 17, 9, 3, 64, [255, 530], 17, False),
+    (3, 5, 6, 3, 40, [0, 1, 257], 5, False),
+    (1, 7, 5, 1, 12, [40], 7, False),
+    (2, 4, 2, 2, 8, [3, 9], 4, False),
+    (1, 3, 4, 2, 128, [20], 3, False),
+    (2, 3, 9, 3, 64, [100, 7], 11, True),
+]
+
+
+def _case(rng, batch, num_q, heads, kv_heads, head_dim, lengths, region, layers=2, spare=40):
+    """Random q and caches whose slots past each request's prefix + block are NaN; random ancestor
+    rows over the region (every query sees slot 0, as every tree node sees its root)."""
+    slots = max(lengths) + region + spare
+    q = rng.standard_normal((batch, num_q, heads, head_dim), dtype=np.float32)
+    k = np.full((layers, batch, slots, kv_heads, head_dim), np.nan, np.float32)
+    v = np.full_like(k, np.nan)
+    for b, n in enumerate(lengths):
+        k[:, b, :n + region] = 1.5 * rng.standard_normal((layers, n + region, kv_heads, head_dim))
+        v[:, b, :n + region] = rng.standard_normal((layers, n + region, kv_heads, head_dim))
+    words = -(-region // 32)
+    bits = rng.integers(0, 2, (batch, num_q, words * 32)).astype(np.uint64)
+    bits[:, :, region:] = 0
+    bits[:, :, 0] = 1
+    anc = (bits.reshape(batch, num_q, words, 32) << np.arange(32, dtype=np.uint64)).sum(-1).astype(np.uint32)
+    return q, k, v, np.asarray(lengths, np.int32), anc
+
+
+def _reference(q, k, v, layer, lengths, anc, region, scale):
+    """float64: query t of request b over its prefix and the block slots its ancestor bits set."""
+    batch, num_q, heads, head_dim = q.shape
+    groups = heads // k.shape[3]
+    out = np.zeros(q.shape, np.float64)
+    for b in range(batch):
+        n = int(lengths[b])
+        for t in range(num_q):
+            seen = list(range(n)) + [n + j for j in range(region) if (int(anc[b, t, j // 32]) >> (j % 32)) & 1]
+            for h in range(heads):
+                keys = k[layer, b, seen, h // groups].astype(np.float64)
+                vals = v[layer, b, seen, h // groups].astype(np.float64)
+                s = (q[b, t, h] * np.float32(scale)).astype(np.float64) @ keys.T
+                p = np.exp(s - s.max())
+                out[b, t, h] = p @ vals / p.sum()
+    return out
+
+
+def _block(k, v, layer, lengths, region, in_cache):
+    """The pass's own K/V [B, region, KVH, Dh] (from where the cache holds them), or (None, None): the
+    block is read from the cache."""
+    if in_cache:
+        return None, None
+    take = lambda c: jnp.asarray(np.stack([c[layer, b, n:n + region] for b, n in enumerate(lengths)]))  # noqa: E731
+    return take(k), take(v)
+
+
+def _kernel(q, k, v, layer, lengths, anc, region, scale, in_cache, fn=None):
+    """The kernel with its block either read from the cache (in_cache) or passed as the pass's own K/V."""
+    block = _block(k, v, layer, lengths, region, in_cache)
+    call = fn or cpu_attention.attend
+    return np.asarray(call(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), layer, jnp.asarray(lengths),
+                           jnp.asarray(anc), region, scale, *block))
+
+
+def _xla(q, k, v, layer, lengths, anc, region, scale, in_cache):
+    """specjax's XLA attention over the same inputs: the float32 floor."""
+    meta = AttentionMeta(lengths=jnp.asarray(lengths), ancestor=jnp.asarray(anc), region=region)
+    block = _block(k, v, layer, lengths, region, in_cache)
+    return np.asarray(xla_attend(jnp.asarray(q), *block, jnp.asarray(k), jnp.asarray(v), meta, scale,
+                                 layer=jnp.int32(layer)))
+
+
+@needs_kernel
+class TestKernel(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_matches_float64_within_xla_float32_floor(self):
+        rng = np.random.default_rng(0)
+        for batch, num_q, heads, kv_heads, head_dim, lengths, region, in_cache in CASES:
+            q, k, v, lengths, anc = _case(rng, batch, num_q, heads, kv_heads, head_dim, lengths, region)
+            scale = head_dim ** -0.5
+            fn = self.variant(cpu_attention.attend, static_argnames=("region", "scale"))
+            got = _kernel(q, k, v, 1, lengths, anc, region, scale, in_cache, fn=fn)
+            chex.assert_shape(got, q.shape)
+            exact = _reference(q, k, v, 1, lengths, anc, region, scale)
+            floor = precision.error(_xla(q, k, v, 1, lengths, anc, region, scale, in_cache), exact)
+            precision.assert_within(got, exact, floor, what=f"{(batch, num_q, heads, kv_heads, head_dim)}")
+
+    def test_a_query_that_sees_nothing_is_zero(self):
+        q, k, v, _, anc = _case(np.random.default_rng(1), 1, 2, 2, 1, 16, [0], 2)
+        got = _kernel(q, k, v, 0, np.zeros(1, np.int32), np.zeros_like(anc), 2, 0.25, False)
+        assert np.array_equal(got, np.zeros_like(got))
+
+    def test_causal_ancestor_rows(self):
+        words = np.asarray(cpu_attention.causal_ancestor(2, 40))
+        chex.assert_shape(words, (2, 40, 2))
+        for t in range(40):
+            seen = [j for j in range(64) if (int(words[1, t, j // 32]) >> (j % 32)) & 1]
+            assert seen == list(range(t + 1))
+
+
+@needs_kernel
+def test_non_finite_kv_reaches_exactly_the_queries_that_see_it():
+    """A NaN/inf K or V in the tree turns the queries that see that slot NaN and leaves the others bit
+    for bit; one in the committed prefix turns every query of its KV head NaN, not the other heads'."""
+    rng = np.random.default_rng(2)
+    q, k, v, lengths, anc = _case(rng, 1, 6, 4, 2, 64, [300], 6)
+    anc[0, :, 0] = [0b1, 0b11, 0b101, 0b1011, 0b10101, 0b100001]  # slot 3 seen by query 3 only
+    clean = _kernel(q, k, v, 0, lengths, anc, 6, 0.125, False)
+    for bad in (np.nan, np.inf, -np.inf):
+        for cache in ("k", "v"):
+            kk, vv = k.copy(), v.copy()
+            (kk if cache == "k" else vv)[0, 0, 303, 1, 5] = bad  # tree slot 3, KV head 1
+            got = _kernel(q, kk, vv, 0, lengths, anc, 6, 0.125, False)
+            assert np.isnan(got[0, 3, 2:]).all(), (bad, cache)  # query 3, query heads 2, 3 (KV head 1)
+            others = np.ones(got.shape, bool)
+            others[0, 3, 2:] = False
+            assert np.array_equal(got[others], clean[others]), (bad, cache)
+            kk, vv = k.copy(), v.copy()
+            (kk if cache == "k" else vv)[0, 0, 100, 0, 7] = bad  # prefix slot 100, KV head 0
+            got = _kernel(q, kk, vv, 0, lengths, anc, 6, 0.125, False)
+            assert np.isnan(got[0, :, :2]).all() and np.array_equal(got[0, :, 2:], clean[0, :, 2:]), (bad, cache)
+
+
+@needs_kernel
+def test_results_do_not_depend_on_the_buffer_the_batch_or_threads():
+    """Bit for bit: a longer (NaN-filled) buffer, another request beside it, repeated calls."""
+    rng = np.random.default_rng(3)
+    q, k, v, lengths, anc = _case(rng, 1, 17, 9, 3, 64, [700], 17)
+    run = jax.jit(cpu_attention.attend, static_argnames=("region", "scale"))
+    alone = _kernel(q, k, v, 0, lengths, anc, 17, 0.125, False, fn=run)
+    longer = np.concatenate([k, np.full((2, 1, 3000, 3, 64), np.nan, np.float32)], axis=2)
+    assert np.array_equal(_kernel(q, longer, np.concatenate([v, longer[:, :, k.shape[2]:]], axis=2), 0, lengths,
+                                  anc, 17, 0.125, False, fn=run), alone)
+    q2, k2, v2, _, anc2 = _case(rng, 1, 17, 9, 3, 64, [700], 17)
+    pair = _kernel(np.concatenate([q2, q]), np.concatenate([k2, k], axis=1), np.concatenate([v2, v], axis=1), 0,
+                   np.asarray([40, 700], np.int32), np.concatenate([anc2, anc]), 17, 0.125, False, fn=run)
+    assert np.array_equal(pair[1:], alone)
+    for _ in range(3):
+        assert np.array_equal(_kernel(q, k, v, 0, lengths, anc, 17, 0.125, False, fn=run), alone)
+
+
+@needs_kernel
+def test_bad_inputs_are_named():
+    q, k, v, lengths, anc = _case(np.random.default_rng(4), 1, 2, 4, 2, 16, [5], 2)
+    args = (jnp.asarray(k), jnp.asarray(v), 0, jnp.asarray(lengths), jnp.asarray(anc))
+    with pytest.raises(TypeError, match="float32 only"):
+        cpu_attention.attend(jnp.asarray(q, jnp.bfloat16), *args, 2, 0.25)
+    with pytest.raises(ValueError, match="does not match the cache"):
+        cpu_attention.attend(jnp.asarray(q[:, :, :3]), *args, 2, 0.25)
+    with pytest.raises(ValueError, match="does not cover"):
+        cpu_attention.attend(jnp.asarray(q), *args, 33, 0.25)
+    with pytest.raises(ValueError, match="is not \\[B, region"):
+        cpu_attention.attend(jnp.asarray(q), *args, 2, 0.25, jnp.zeros((1, 3, 2, 16)), jnp.zeros((1, 3, 2, 16)))

@@ -34,11 +34,11 @@ both on. Measured on 2 Xeon cores (SmolLM2, 300-token prefix, matmul kernel on i
 one process): one-node / 9-node / 17-node passes 27.4 / 37.5 / 49.5 ms with XLA's attention, 25.4 /
 29.9 / 40.0 ms with the kernel. The rule above still picks the library for the rest (one-row products).
 
-The setting: environment variable ``SPECJAX_CPU_DOTS`` = ``auto`` (the default: the kernel where it
+The setting: environment variable ``SPECJAX_CPU_DOTS`` = ``auto`` (the default: the kernels where they
 can run, i.e. a float32 model with split layers on one x86-64 CPU device with AVX-512, and the rule
-above; a kernel that cannot be built there is reported once as a warning and the rule above runs
+above; kernels that cannot be built there are reported once as a warning and the rule above runs
 alone; ``step_matmuls`` in the stats and ``specjax tree-cost`` say which ran), ``kernel`` (the same,
-but a kernel that cannot be built is an error), ``eigen`` or ``ynnpack`` (no kernel, that library
+but kernels that cannot be built are an error), ``eigen`` or ``ynnpack`` (no kernels, that library
 for every step program), read when a program is picked. Other backends are untouched. A caller
 jitting ``generate_speculative`` or ``spec_step`` itself passes ``step_compiler_options(batch)`` to
 its own ``jax.jit(..., compiler_options=...)`` and ``step_params(params, batch)`` as the params to

@@ -39,7 +39,6 @@ namespace {
 
 constexpr long CHUNK = 256;  // slots per work unit: a 300-token tree pass splits into 2 x KVH units
 constexpr int BS = 16;       // slots per block: one vector of scores per query row
-constexpr long PREFETCH_BLOCKS = 2;  // blocks of K/V rows requested ahead of their copy
 constexpr int MAX_NC = 8;    // head_dim up to 128 (8 vectors)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
@@ -127,7 +126,7 @@ struct Unit {
     const long ns = std::min<long>(BS, s1 - sb);
     uint32_t bits = 0;
     const long lim = std::min(sb + ns, len);
-    if (lim > sb) bits = lim - sb >= 32 ? ~0u : ((1u << (lim - sb)) - 1u);
+    if (lim > sb) bits = (1u << (lim - sb)) - 1u;  // lim - sb <= 16
     const long lo = std::max(sb, len), hi = std::min(sb + ns, end);
     if (lo < hi) {
       const uint32_t* row = a->anc + (b * a->T + t) * a->W;
@@ -165,19 +164,9 @@ struct Unit {
     auto krow = [&](long s) { return s < len || in_cache ? kbase + s * stride : A.kb + boff + s * stride; };
     auto vrow = [&](long s) { return s < len || in_cache ? vbase + s * stride : A.vb + boff + s * stride; };
     const __m512 zero = _mm512_setzero_ps();
-    // The rows of a block are 16 separate 4 x Dh-byte pieces (a slot holds every KV head): the
-    // hardware prefetcher does not follow them, so blocks are requested PREFETCH_BLOCKS ahead
-    // (a 4k-token decode step's attention was bound by the loads' memory latency without it).
-    auto fetch = [&](long i) {
-      for (long s = s0 + i * BS, e = std::min(s1, s + BS); s < e; ++s)
-        for (long c = 0; c < A.Dh; c += 16) {
-          __builtin_prefetch(krow(s) + c, 0, 0);
-          __builtin_prefetch(vrow(s) + c, 0, 0);
-        }
-    };
-    for (long i = 0; i < std::min<long>(PREFETCH_BLOCKS, nblk); ++i) fetch(i);
+    // (Software prefetch of the rows two blocks ahead did not change a 4k-token decode step: it is
+    // bound by the memory bandwidth of the K/V rows.)
     for (long i = 0; i < nblk; ++i) {
-      if (i + PREFETCH_BLOCKS < nblk) fetch(i + PREFETCH_BLOCKS);
       uint32_t keep = 0;  // slots of the block to read (in range and, in the tree, finite)
       for (int j = 0; j < BS; ++j) {
         const long s = s0 + i * BS + j;

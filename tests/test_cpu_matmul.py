@@ -31,9 +31,10 @@ needs_kernel = pytest.mark.skipif(cpu_kernels.status() is not None,
                                   reason=f"kernel unavailable: {cpu_kernels.status()}")
 
 # (rows, K, N): one row; row tiles of 4 and a remainder of 1-3; a row block of 64 and a second one;
-# N below, at and past a panel's width and not a multiple of it; K below and past the 64-row chunk.
-SHAPES = [(1, 64, 64), (2, 100, 70), (3, 130, 200), (5, 33, 129), (17, 200, 130), (64, 65, 64), (65, 64, 257),
-          (130, 150, 100)]
+# N below, at and past a panel's width and not a multiple of it; K below and past the 64-row chunk of
+# 1-2 row tiles and the 128-row chunk of 3+ tiles (whose next chunk is prefetched by all tiles).
+SHAPES = [(1, 64, 64), (2, 100, 70), (3, 130, 200), (5, 33, 129), (9, 300, 70), (17, 200, 130), (64, 65, 64),
+          (65, 64, 257), (130, 150, 100)]
 
 
 @needs_kernel
@@ -51,6 +52,18 @@ class TestKernel(chex.TestCase):
             chex.assert_shape(got, (m, n))
             floor = precision.error(jnp.asarray(x) @ jnp.asarray(w), exact)
             precision.assert_within(got, exact, floor, what=f"kernel {m}x{k}x{n}")
+
+    def test_a_row_does_not_depend_on_its_batch_mates(self):
+        """Every path (1-2 row tiles, 3+ tiles, a second row block) sums a row in the same order, so a
+        row's result is bitwise the same whatever rows share the call."""
+        rng = np.random.default_rng(2)
+        x = jnp.asarray(rng.standard_normal((70, 300), dtype=np.float32))
+        packed = cpu_matmul.pack(jnp.asarray(rng.standard_normal((300, 130), dtype=np.float32)))
+        full = np.asarray(cpu_matmul.matmul(x, packed, 130))
+        for rows in (2, 5, 9, 17, 33):
+            np.testing.assert_array_equal(np.asarray(cpu_matmul.matmul(x[:rows], packed, 130)), full[:rows],
+                                          err_msg=f"{rows} rows")
+        np.testing.assert_array_equal(np.asarray(cpu_matmul.matmul(x[64:], packed, 130)), full[64:])
 
     def test_threads_do_not_change_results(self):
         """Each output element is summed by one thread in one order: repeated calls are bitwise equal."""

@@ -44,15 +44,18 @@ static inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 static_assert(MR == 4, "unit() dispatches remainders of 1-3 rows");
 
-// Cache lines [0, count) from `from`, to be fetched into L2 over a tile's iterations, `per_step` a time.
+constexpr long ROW_LINES = CW * sizeof(float) / 64;  // cache lines per panel row
+
+// What a tile prefetches: cache lines [0, count) from `from`, `per_step` per iteration, into L1 (the
+// chunk it streams itself) or L2 (the next chunk, for the tiles after it).
 struct Ahead {
-  const char* from;
-  long count, per_step;
+  const char* from = nullptr;
+  long count = 0, per_step = 0;
+  bool into_l1 = false;
 };
 
-// Rows [0, R) of x (row stride K) times panel rows [k0, k0 + kn) into y (row stride ys). FETCH: this
-// tile streams the chunk and prefetches PREFETCH rows ahead; `ahead`: lines of the next chunk.
-template <int R, bool FETCH>
+// Rows [0, R) of x (row stride K) times panel rows [k0, k0 + kn) into y (row stride ys).
+template <int R>
 static inline void tile(const float* __restrict x, long K, const float* __restrict w, float* __restrict y, long ys,
                         long k0, long kn, bool first, Ahead ahead) {
   vf acc[R][NR];
@@ -60,10 +63,10 @@ static inline void tile(const float* __restrict x, long K, const float* __restri
     for (int j = 0; j < NR; ++j) acc[r][j] = first ? vf{} : load(y + r * ys + j * VW);
   for (long i = 0; i < kn; ++i) {
     const float* wr = w + i * CW;
-    if (FETCH)
-      for (int j = 0; j < CW; j += 64 / sizeof(float)) __builtin_prefetch(wr + PREFETCH * CW + j, 0, 3);
-    for (long q = i * ahead.per_step, e = std::min(ahead.count, q + ahead.per_step); q < e; ++q)
-      __builtin_prefetch(ahead.from + q * 64, 0, 2);
+    for (long q = i * ahead.per_step, e = std::min(ahead.count, q + ahead.per_step); q < e; ++q) {
+      if (ahead.into_l1) __builtin_prefetch(ahead.from + q * 64, 0, 3);
+      else __builtin_prefetch(ahead.from + q * 64, 0, 2);
+    }
     vf wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = load(wr + j * VW);
     for (int r = 0; r < R; ++r) {
@@ -73,13 +76,6 @@ static inline void tile(const float* __restrict x, long K, const float* __restri
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NR; ++j) store(y + r * ys + j * VW, acc[r][j]);
-}
-
-template <int R>
-static inline void tile_at(const float* x, long K, const float* w, float* y, long ys, long k0, long kn, bool first,
-                           bool fetch, Ahead ahead) {
-  if (fetch) tile<R, true>(x, K, w, y, ys, k0, kn, first, ahead);
-  else tile<R, false>(x, K, w, y, ys, k0, kn, first, ahead);
 }
 
 // One work unit: rows [m0, m1) times panel p.
@@ -97,23 +93,27 @@ static void unit(const float* x, const float* w, float* y, long M, long K, long 
     const long kn = std::min(kc, K - k0);
     const float* wk = panel + k0 * CW;
     const bool first = k0 == 0;
-    // Spread: the next chunk's lines, shared out over all tiles' iterations in order.
-    const long lines = !spread ? 0 : std::min(kc, K - k0 - kn) * CW * (long)sizeof(float) / 64;
+    // Spread: the next chunk's lines, shared out over all tiles' iterations in order. Otherwise the
+    // first tile reads PREFETCH rows ahead of itself.
+    const long lines = spread ? std::min(kc, K - k0 - kn) * ROW_LINES : 0;
     const long per_step = (lines + tiles * kn - 1) / (tiles * kn);
     const char* next = reinterpret_cast<const char*>(wk + kn * CW);
     auto ahead = [&](long t) {
+      if (!spread)
+        return t == 0 ? Ahead{reinterpret_cast<const char*>(wk + PREFETCH * CW), kn * ROW_LINES, ROW_LINES, true}
+                      : Ahead{};
       const long done = std::min(lines, t * kn * per_step);
-      return Ahead{next + done * 64, lines - done, per_step};
+      return Ahead{next + done * 64, lines - done, per_step, false};
     };
     long r = m0, t = 0;
     for (; r + MR <= m1; r += MR, ++t)
-      tile_at<MR>(x + r * K, K, wk, out + (r - m0) * ys, ys, k0, kn, first, !spread && r == m0, ahead(t));
+      tile<MR>(x + r * K, K, wk, out + (r - m0) * ys, ys, k0, kn, first, ahead(t));
     const float* xr = x + r * K;
     float* yr = out + (r - m0) * ys;
     switch (m1 - r) {
-      case 1: tile_at<1>(xr, K, wk, yr, ys, k0, kn, first, !spread && r == m0, ahead(t)); break;
-      case 2: tile_at<2>(xr, K, wk, yr, ys, k0, kn, first, !spread && r == m0, ahead(t)); break;
-      case 3: tile_at<3>(xr, K, wk, yr, ys, k0, kn, first, !spread && r == m0, ahead(t)); break;
+      case 1: tile<1>(xr, K, wk, yr, ys, k0, kn, first, ahead(t)); break;
+      case 2: tile<2>(xr, K, wk, yr, ys, k0, kn, first, ahead(t)); break;
+      case 3: tile<3>(xr, K, wk, yr, ys, k0, kn, first, ahead(t)); break;
       default: break;
     }
   }

@@ -66,8 +66,9 @@ def cpu_name() -> str:
 # batch-2 table made the default 0.68x of incremental decoding; re-measured: 1.08x; 5: the pass compiled
 # as the loop compiles it, with ``specjax.decoding.programs``' matmul library, and the tied head read
 # from its transposed copy; 6: the step programs' attention in specjax's CPU attention kernel; 7: the
-# matmul kernel prefetches the next chunk of a panel, 17-node passes ~13% cheaper).
-PASS_VERSION = 7
+# matmul kernel prefetches the next chunk of a panel, 17-node passes ~13% cheaper; 8: the matmul kernel in
+# intrinsics, a 17-node pass 189 -> 38 ms on a Xeon that GCC tunes as rocketlake).
+PASS_VERSION = 8
 
 
 def table_key(cfg: ModelConfig, dtype, batch: int, impl: str, parallel=None, split: bool = False) -> str:

@@ -14,7 +14,7 @@ from specjax.attention import resolve_impl
 from specjax.decoding.buckets import _next_pow2, cache_bucket
 from specjax.decoding.host_step import run_host_loop, run_two_programs
 from specjax.decoding.incremental import decode_host_step, decode_init_jit, finish_incremental, full_logits
-from specjax.decoding.programs import step_matmuls, step_program
+from specjax.decoding.programs import step_drafter_params, step_matmuls, step_program
 from specjax.decoding.sampling import SamplingArrays, SamplingParams
 from specjax.errors import GenerationError, InputError
 from specjax.io import registry
@@ -200,6 +200,8 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
     n = len(plan.ids)
     drafter_params = tuple(s.params for s in ssms) + tuple(_bound(d).params for d in drafters)
     params, drafter_params, inputs, host = _place(parallel, model, plan, drafter_params)
+    if plan.spec is not None:  # the drafters' matmul weights packed for the CPU kernel, where it runs
+        drafter_params = step_drafter_params(plan.spec.drafters, drafter_params, parallel)
     batch = inputs[0].shape[0]
     plan = measured_budget(model, plan, params, batch, parallel)
     sizes = dict(cfg=cfg, cache_len=plan.cache_len, max_out=plan.max_out, parallel=parallel)

@@ -146,6 +146,30 @@ def test_step_params_pack_every_matmul_weight_once(tiny_llama_dir, monkeypatch):
 
 
 @needs_kernel
+def test_drafters_step_params(tiny_llama_dir, monkeypatch):
+    """step_drafter_params: an SSM's weights packed as the LLM's are (the same packed arrays), a drafter
+    without weights (lookup) unchanged, nothing packed on a mesh or with XLA's libraries chosen."""
+    from specjax.decoding.programs import step_drafter_params
+    from specjax.speculation.drafters.lookup import LookupDrafter
+    from specjax.speculation.drafters.ssm import ssm_drafters
+
+    monkeypatch.setenv(ENV, "auto")
+    model = specjax.load_model(tiny_llama_dir, progress=False)
+    (ssm,) = ssm_drafters([model.config], [(2, 1)])
+    lookup = LookupDrafter()
+    packed, none = step_drafter_params((ssm, lookup), (model.params, None))
+    assert none is None
+    want = step_params(model.params, 1)
+    for lp, lw in zip(packed["layers"], want["layers"]):
+        for name, w in lp.items():
+            assert isinstance(w, PackedWeight) == (name in MATMUL_WEIGHTS), name
+            assert not isinstance(w, PackedWeight) or w.packed is lw[name].packed
+    assert step_drafter_params((ssm,), (model.params,), parallel=object())[0] is model.params
+    monkeypatch.setenv(ENV, "eigen")
+    assert step_drafter_params((ssm,), (model.params,))[0] is model.params
+
+
+@needs_kernel
 @pytest.mark.parametrize("nodes", [1, 2, 5, 17])
 def test_tree_pass_through_packed_weights(tiny_llama_dir, nodes, monkeypatch):
     """A tree pass multiplying by the packed weights (2+ rows through the kernel, 1 row through XLA)

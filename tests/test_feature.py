@@ -17,8 +17,10 @@ import specjax
 from specjax.attention.meta import AttentionMeta, causal_meta
 from specjax.boost.feature_data import FeatureSet, draft_vocabulary, split_held_out, teacher_features
 from specjax.boost.feature_train import FeatureTrainConfig, depth_agreement, make_batch, train_feature, unrolled
+from specjax.decoding import programs
 from specjax.decoding.incremental import prefill
 from specjax.errors import CheckpointError, InputError
+from specjax.kernels import cpu as cpu_kernels
 from specjax.models.cache import init_cache
 from specjax.models.feature import (
     FeatureConfig,
@@ -28,14 +30,17 @@ from specjax.models.feature import (
     init_feature_cache,
     init_trained,
     llm_features,
+    logits_of,
 )
 from specjax.models.params import take_layers
+from specjax.models.weights import MATMUL_WEIGHTS, PackedWeight
 from specjax.speculation.budget import Budget, default_levels
 from specjax.speculation.drafters.base import DraftContext
 from specjax.speculation.drafters.feature import FeatureDrafter, node_depths
 from specjax.speculation.drafters.lookup import LookupDrafter
 from specjax.speculation.loop import SpecConfig, generate_speculative_jit
 from specjax.types import Model
+from tests import precision
 from tests.conftest import random_ids
 from tests.stats import assert_fits, fits
 from tests.toy import exact_sequence_law, sampling_arrays, toy_model
@@ -341,6 +346,44 @@ def test_feature_speculation_equals_incremental_greedy_and_seeded(llama, trained
                             drafters=[specjax.Bound(d, params)])
     assert spec.token_ids == inc.token_ids
     assert spec.stats["mean_tokens_per_pass"] > 1.2  # coupled drafts are accepted at T > 0 too
+
+
+@pytest.mark.skipif(cpu_kernels.status() is not None, reason=f"kernel unavailable: {cpu_kernels.status()}")
+def test_step_params_pack_the_drafters_matmuls_and_keep_its_features(llama, trained, monkeypatch):
+    """``FeatureDrafter.step_params`` (what the step programs multiply by): fc, the layer's fused matmul
+    weights and the head's [D, Vd] copy packed once for the CPU kernel; the drafter's features and
+    logits through them (the matmul and attention kernels) match float64 within the floor of the
+    plain weights through XLA."""
+    monkeypatch.setenv(programs.ENV, "auto")
+    cfg, _, params, _ = trained
+    d = FeatureDrafter(cfg, depth=3, beam=2, nodes=4, ladder=(0, 4))
+    (packed,), (again,) = programs.step_drafter_params((d,), (params,)), programs.step_drafter_params((d,), (params,))
+    (layer,) = packed["layers"]
+    assert {"wqkv", "w_gate_up"} <= set(layer)
+    for name, w in [("fc", packed["fc"]), ("head", packed["head"])] + [(n, layer[n]) for n in layer]:
+        assert isinstance(w, PackedWeight) == (name in MATMUL_WEIGHTS or name in ("fc", "head")), name
+    assert again["head"].packed is packed["head"].packed and again["layers"][0]["wqkv"].packed is layer["wqkv"].packed
+    assert programs.step_drafter_params((d,), (params,), parallel=object())[0] is params
+    monkeypatch.setenv(programs.ENV, "eigen")
+    assert programs.step_drafter_params((d,), (params,))[0] is params
+
+    rng = np.random.RandomState(3)
+    tokens = jnp.asarray(rng.randint(0, cfg.llm.vocab_size, (1, 6)), jnp.int32)
+    prev = rng.randn(1, 6, cfg.llm.hidden_size)
+    positions = jnp.arange(6, dtype=jnp.int32)[None]
+
+    def run(p, dtype):
+        cache = init_feature_cache(cfg, 1, 16, dtype)
+        f, _ = feature_forward(p, tokens, jnp.asarray(prev, dtype), positions, cache,
+                               causal_meta(jnp.zeros((1,), jnp.int32)), cfg)
+        return f, logits_of(p, f)
+
+    plain_f, plain_l = jax.jit(run, static_argnums=1)(params, jnp.float32)
+    packed_f, packed_l = jax.jit(run, static_argnums=1)(packed, jnp.float32)
+    with precision.float64():
+        exact_f, exact_l = (np.asarray(a) for a in run(precision.params64(params), jnp.float64))
+    precision.assert_within(packed_f, exact_f, precision.error(plain_f, exact_f), what="features")
+    precision.assert_within(packed_l, exact_l, precision.error(plain_l, exact_l), what="logits")
 
 
 def test_feature_drafter_in_the_engine_mid_batch_insert(llama, trained):

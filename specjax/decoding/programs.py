@@ -143,6 +143,26 @@ def _drop(key: tuple) -> None:
 _CONTRACTED = {"wo": 2}
 
 
+def packed_layers(layers) -> tuple:
+    """Split layers (a tuple of per-layer dicts) with every matmul weight as a ``PackedWeight``."""
+    return tuple({n: _packed(w, _CONTRACTED.get(n, 1)) if n in MATMUL_WEIGHTS else w for n, w in lp.items()}
+                 for lp in layers)
+
+
+def packed(w) -> PackedWeight:
+    """A [K, N] weight with its copy packed for the CPU matmul kernel (packed once while ``w`` lives)."""
+    return _packed(w)
+
+
+def step_drafter_params(drafters, drafter_params: tuple, parallel=None) -> tuple:
+    """The drafters' params as the step programs multiply by them: each drafter's ``step_params`` (its
+    matmul weights packed for the CPU kernel) where the kernels are on and no mesh is given; else as
+    they are. Called once per run, outside jit: the packed copies are kept while the weights live."""
+    if parallel is not None or not kernel_enabled():
+        return drafter_params
+    return tuple(d.step_params(p) for d, p in zip(drafters, drafter_params))
+
+
 def step_params(params: dict, batch: int, parallel=None) -> dict:
     """The params a step program of ``batch`` requests multiplies by: with the kernel on (see
     ``kernel_enabled``) and a float32 model with split layers on one device, every matmul weight and
@@ -151,9 +171,7 @@ def step_params(params: dict, batch: int, parallel=None) -> dict:
     if (parallel is not None or not isinstance(params, dict) or not layers_split(params) or not kernel_enabled()
             or params["embed"].dtype != jnp.float32):
         return params
-    layers = tuple({n: _packed(w, _CONTRACTED.get(n, 1)) if n in MATMUL_WEIGHTS else w for n, w in lp.items()}
-                   for lp in params["layers"])
-    out = {**params, "layers": layers}
+    out = {**params, "layers": packed_layers(params["layers"])}
     for head in ("lm_head", TIED_HEAD):  # whichever the model's head_logits reads
         if head in params:
             out[head] = _packed(params[head])

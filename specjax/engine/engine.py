@@ -23,7 +23,7 @@ import numpy as np
 
 from specjax.attention import resolve_impl
 from specjax.decoding.buckets import _next_pow2
-from specjax.decoding.programs import step_program
+from specjax.decoding.programs import step_drafter_params, step_program
 from specjax.decoding.sampling import SamplingArrays, SamplingParams
 from specjax.errors import InputError
 from specjax.speculation.budget import Budget, default_levels
@@ -81,7 +81,8 @@ class Engine:
         elif budget is not None and not isinstance(budget, Budget):
             raise InputError(f"budget must be None, 'auto' or a Budget, got {budget!r}")
         self.spec = SpecConfig(drafters=drafter_objs, impl=resolve_impl(impl), verifier=verifier, budget=budget)
-        self.drafter_params = tuple(b.params for b in bound)
+        # the drafters' matmul weights packed for the CPU kernel, where it runs
+        self.drafter_params = step_drafter_params(drafter_objs, tuple(b.params for b in bound))
         self.max_prompt_tokens = max_prompt_tokens
         self.max_new_tokens = max_new_tokens
         self.max_stop_tokens = max_stop_tokens

@@ -16,7 +16,7 @@ from specjax.attention.xla import attend, attend_written_token
 from specjax.config import ModelConfig
 from specjax.kernels.cpu import attention as cpu_attention
 from specjax.models.params import TIED_HEAD
-from specjax.models.weights import PackedWeight, matmul_rows, packed_layer, weight_einsum
+from specjax.models.weights import PackedWeight, dense, packed_layer, weight_einsum
 
 # Up to this many queries per request, a step program with the CPU kernels on (packed weights) runs
 # its attention in ``specjax.kernels.cpu.attention``; prefill chunks stay with XLA's blocked path.
@@ -36,9 +36,7 @@ def head_logits(h: jax.Array, params: dict, cfg: ModelConfig) -> jax.Array:
     out = compute_dtype(h.dtype)
     head = params["lm_head"] if not cfg.tie_word_embeddings else params.get(TIED_HEAD)
     if isinstance(head, PackedWeight):  # a step program's copy for the CPU matmul kernel
-        rows = h.reshape(-1, h.shape[-1])
-        flat = rows[0] if rows.shape[0] == 1 else rows
-        return matmul_rows(flat, head).reshape(h.shape[:-1] + (-1,)).astype(out)
+        return dense(h, head).astype(out)
     if head is not None:
         return jnp.einsum("btd,dv->btv", h, head, preferred_element_type=out)
     return jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=out)

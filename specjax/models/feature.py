@@ -31,6 +31,7 @@ from specjax.models.common import compute_dtype, rms_norm, rope_inv_freq
 from specjax.models.layers import run_layers
 from specjax.models.llama import decoder_layer
 from specjax.models.params import take_layers
+from specjax.models.weights import PackedWeight, dense
 
 TRAINED = ("fc", "layers", "out_norm")  # the drafter's own params; the rest is the LLM's (``bind``)
 FUSED = ("fuse", "fuse_norm")  # and, reading several LLM layers, their fusion
@@ -154,11 +155,14 @@ def final_features(params: dict, hidden: jax.Array, cfg: FeatureConfig) -> jax.A
 def pair_inputs(params: dict, tokens: jax.Array, prev_features: jax.Array) -> jax.Array:
     """x = fc([embed(tokens) ; g_prev]): tokens [B, T], prev_features [B, T, D] -> [B, T, D]."""
     e = params["embed"][tokens]
-    return jnp.concatenate([e, prev_features.astype(e.dtype)], axis=-1) @ params["fc"]
+    return dense(jnp.concatenate([e, prev_features.astype(e.dtype)], axis=-1), params["fc"])
 
 
 def logits_of(params: dict, features: jax.Array) -> jax.Array:
-    """Draft-vocabulary logits [..., Vd] float32 of drafter features [..., D]."""
+    """Draft-vocabulary logits [..., Vd] float32 of drafter features [..., D]. The head is [Vd, D], or in
+    a step program's params its [D, Vd] copy packed for the CPU kernel (``FeatureDrafter.step_params``)."""
+    if isinstance(params["head"], PackedWeight):
+        return dense(features, params["head"]).astype(compute_dtype(features.dtype))
     return jnp.einsum("...d,vd->...v", features, params["head"], preferred_element_type=compute_dtype(features.dtype))
 
 

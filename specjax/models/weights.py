@@ -54,6 +54,16 @@ def matmul_rows(flat: jax.Array, w) -> jax.Array:
     return flat @ w.reshape(flat.shape[-1], -1)
 
 
+def dense(x: jax.Array, w) -> jax.Array:
+    """x [..., K] @ w ([K, N], or a ``PackedWeight`` of one) -> [..., N]: through the CPU kernel where
+    ``matmul_rows`` takes the rows."""
+    if not isinstance(w, PackedWeight):
+        return x @ w
+    rows = x.reshape(-1, x.shape[-1])
+    flat = rows[0] if rows.shape[0] == 1 else rows
+    return matmul_rows(flat, w).reshape(x.shape[:-1] + (-1,))
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerSwitch:
     """One weight of every layer (each its own buffer) and the layer the scan is at."""

@@ -146,6 +146,12 @@ class Drafter:
     def check_mesh(self, parallel, batch: int) -> None:
         """Refuse a mesh this drafter cannot run on (before any weights move)."""
 
+    def step_params(self, params):
+        """The params as a step program multiplies by them on one CPU device with specjax's kernels on
+        (``specjax.decoding.programs.step_drafter_params``): a drafter with matmul weights returns them
+        packed for the CPU matmul kernel; the default changes nothing."""
+        return params
+
     def place(self, params, parallel):
         """The params placed for ``parallel`` (default: replicated on every device)."""
         return parallel.put(params, jax.tree.map(lambda _: parallel.replicated(), params))

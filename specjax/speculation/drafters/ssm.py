@@ -27,6 +27,7 @@ import numpy as np
 
 from specjax.attention.meta import AttentionMeta, causal_meta
 from specjax.config import ModelConfig
+from specjax.decoding import programs
 from specjax.decoding.incremental import prefill
 from specjax.decoding.keys import DRAFT, purpose_key
 from specjax.decoding.sampling import SamplingArrays, gumbel_noise, warp_logits
@@ -82,6 +83,11 @@ class SSMDrafter(Drafter):
 
     def place(self, params, parallel):
         return parallel.put_params(params, self.config, parallel.ssm_rules)
+
+    def step_params(self, params):
+        """The SSM's matmul weights and head packed for the CPU kernel, as the LLM's are
+        (``specjax.decoding.programs.step_params``: float32 split layers only)."""
+        return programs.step_params(params, 1)
 
     def init(self, params, prompt_tokens, prompt_lens, *, cache_len: int, parallel=None, hidden=None,
              first=None) -> KVCache:

@@ -47,7 +47,7 @@ constexpr long MB = 64;          // rows per work unit (a prefill's hundreds of 
 typedef __m512 vf;
 static inline vf load(const float* p) { return _mm512_loadu_ps(p); }
 static inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
-static inline vf fma(float a, vf b, vf c) { return _mm512_fmadd_ps(_mm512_set1_ps(a), b, c); }
+static inline vf madd(float a, vf b, vf c) { return _mm512_fmadd_ps(_mm512_set1_ps(a), b, c); }
 
 static_assert(MR == 4, "unit() dispatches remainders of 1-3 rows");
 
@@ -78,7 +78,7 @@ static inline void tile(const float* __restrict x, long K, const float* __restri
     for (int j = 0; j < NR; ++j) wv[j] = load(wr + j * VW);
     for (int r = 0; r < R; ++r) {
       const float xs = x[r * K + k0 + i];
-      for (int j = 0; j < NR; ++j) acc[r][j] = fma(xs, wv[j], acc[r][j]);
+      for (int j = 0; j < NR; ++j) acc[r][j] = madd(xs, wv[j], acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r)

@@ -53,12 +53,17 @@ def main() -> None:
     from specjax.attention.meta import causal_meta
     from specjax.attention.xla import attend
     from specjax.decoding.incremental import PREFILL_CHUNKS
+    from specjax.decoding.programs import kernel_enabled
+    from specjax.kernels.cpu import prefill_attention
     from specjax.models import forward
     from specjax.models.cache import init_cache
     from specjax.models.common import apply_rope, rms_norm, rope_inv_freq, write_block
     from specjax.models.params import take_layers
 
     common.print_header("profile_engine")
+    kernels = kernel_enabled()
+    print(f"# prefill attention: {'specjax CPU prefill kernel' if kernels else 'XLA'}; decode attention: XLA "
+          f"(the step programs' own kernels are profiled by `specjax tree-cost`)")
     model = specjax.load_model(args.model, dtype="float32", progress=False)
     cfg, params = model.config, model.params
     lp = jax.tree.map(lambda a: a[0], take_layers(params, [0]))
@@ -105,17 +110,21 @@ def main() -> None:
                 num_new, committed = 1, context
             cache = init_cache(cfg, 1, args.cache_len)
             lengths = jnp.asarray([committed], jnp.int32)
-            meta = causal_meta(lengths)
+            meta = causal_meta(lengths, cpu_prefill=kind == "prefill" and kernels)  # as prefill() marks it
             positions = committed + jnp.arange(num_new, dtype=jnp.int32)[None]
             tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, num_new)), jnp.int32)
             x = params["embed"][tokens]
             q, k, v = jax.jit(qkv)(lp, x, positions)
             attn = jnp.zeros(q.shape, q.dtype)
+            if kind == "prefill" and kernels:  # the route prefill takes: the CPU prefill kernel
+                attention = jax.jit(lambda q, k, v, kc, vc, i: prefill_attention.attend(
+                    q, kc, vc, i, lengths, k, v, cfg.head_dim ** -0.5))
+            else:
+                attention = jax.jit(lambda q, k, v, kc, vc, i: attend(q, k, v, kc, vc, meta, cfg.head_dim ** -0.5,
+                                                                      layer=i))
             parts = {
                 "qkv+rope": (jax.jit(qkv), (lp, x, positions)),
-                "attend": (jax.jit(lambda q, k, v, kc, vc, i: attend(q, k, v, kc, vc, meta, cfg.head_dim ** -0.5,
-                                                                     layer=i)),
-                           (q, k, v, cache.k, cache.v, jnp.int32(0))),
+                "attend": (attention, (q, k, v, cache.k, cache.v, jnp.int32(0))),
                 "o-proj": (jax.jit(lambda lp, a: jnp.einsum("bthk,hkd->btd", a, lp["wo"])), (lp, attn)),
                 "mlp": (jax.jit(mlp), (lp, x)),
             }

@@ -14,7 +14,10 @@ class AttentionMeta:
     slots: jax.Array | None = None  # [B, T] int32 tree slot of each token; None = 0..T-1
     region: int | None = struct.field(pytree_node=False, default=None)  # tree slots (N); None = T
     impl: str = struct.field(pytree_node=False, default="auto")  # tree attention: auto | xla | pallas
+    # A prefill chunk whose causal attention runs in the CPU prefill kernel
+    # (``specjax.kernels.cpu.prefill_attention``); set by ``specjax.decoding.incremental.prefill``.
+    cpu_prefill: bool = struct.field(pytree_node=False, default=False)
 
 
-def causal_meta(lengths: jax.Array) -> AttentionMeta:
-    return AttentionMeta(lengths=lengths.astype(jnp.int32), ancestor=None)
+def causal_meta(lengths: jax.Array, cpu_prefill: bool = False) -> AttentionMeta:
+    return AttentionMeta(lengths=lengths.astype(jnp.int32), ancestor=None, cpu_prefill=cpu_prefill)

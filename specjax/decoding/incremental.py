@@ -18,6 +18,7 @@ from flax import struct
 from specjax.attention.meta import causal_meta
 from specjax.config import ModelConfig
 from specjax.decoding.host_step import step_if_active
+from specjax.decoding.programs import kernel_enabled
 from specjax.decoding.sampling import SamplingArrays, finite_rows, sample_tokens
 from specjax.models import forward
 from specjax.models.cache import KVCache, init_cache
@@ -85,6 +86,9 @@ def prefill(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, cache: KVC
     small = sizes[-1]
     padded = jnp.pad(prompt_tokens, ((0, 0), (0, -num_tokens % sizes[0])))  # every chunk slice in range
     dtype = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
+    # One float32 model on a CPU with the kernels on: the chunks' attention runs in the CPU prefill
+    # kernel (specjax.kernels.cpu.prefill_attention; at 4096 tokens XLA's took over half the prefill).
+    cpu_prefill = parallel is None and jax.tree.leaves(params)[0].dtype == jnp.float32 and kernel_enabled()
     states = None
     if hidden:
         states = jnp.zeros((batch, padded.shape[1], len(hidden), cfg.hidden_size), dtype)
@@ -94,8 +98,9 @@ def prefill(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, cache: KVC
         tokens = jax.lax.dynamic_slice_in_dim(padded, start, size, axis=1)
         positions = jnp.broadcast_to(start + jnp.arange(size, dtype=jnp.int32), (batch, size))
         last = jnp.clip(lens - 1 - start, 0, size - 1)
-        out = forward(params, tokens, positions, cache, causal_meta(jnp.full((batch,), start, jnp.int32)), cfg,
-                      logits_indices=last[:, None], parallel=parallel, hidden=hidden, all_hidden=bool(hidden))
+        meta = causal_meta(jnp.full((batch,), start, jnp.int32), cpu_prefill)
+        out = forward(params, tokens, positions, cache, meta, cfg, logits_indices=last[:, None], parallel=parallel,
+                      hidden=hidden, all_hidden=bool(hidden))
         if hidden:
             states = jax.lax.dynamic_update_slice_in_dim(states, out.hidden.astype(dtype), start, axis=1)
         here = (lens - 1 >= start) & (lens - 1 < start + size)  # this chunk holds the last prompt token

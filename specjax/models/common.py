@@ -15,11 +15,13 @@ from specjax.attention.meta import AttentionMeta
 from specjax.attention.xla import attend, attend_written_token
 from specjax.config import ModelConfig
 from specjax.kernels.cpu import attention as cpu_attention
+from specjax.kernels.cpu import prefill_attention as cpu_prefill_attention
 from specjax.models.params import TIED_HEAD
 from specjax.models.weights import PackedWeight, dense, packed_layer, weight_einsum
 
 # Up to this many queries per request, a step program with the CPU kernels on (packed weights) runs
-# its attention in ``specjax.kernels.cpu.attention``; prefill chunks stay with XLA's blocked path.
+# its attention in ``specjax.kernels.cpu.attention``; prefill chunks run in
+# ``specjax.kernels.cpu.prefill_attention`` where ``prefill`` marks them (``AttentionMeta.cpu_prefill``).
 CPU_ATTENTION_MAX_QUERIES = 128
 
 
@@ -152,7 +154,10 @@ def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMe
     else:  # block-only: the cache is read, never written (no copy of it where it is shared)
         k_cache, v_cache = k_cache.at[layer].set(k), v_cache.at[layer].set(v)
     own_block = meta.slots is None and meta.region in (None, q.shape[1])  # the block is this pass's K/V
-    if not pallas_tree and (written or own_block) and _cpu_attention(q, prefix[0], lp):
+    if (meta.cpu_prefill and meta.ancestor is None and own_block and q.dtype == jnp.float32
+            and prefix[0].dtype == jnp.float32 and q.shape[-1] <= cpu_attention.max_head_dim()):
+        attn = cpu_prefill_attention.attend(q, prefix[0], prefix[1], layer, meta.lengths, k, v, scale)
+    elif not pallas_tree and (written or own_block) and _cpu_attention(q, prefix[0], lp):
         ancestor = meta.ancestor if meta.ancestor is not None else cpu_attention.causal_ancestor(*q.shape[:2])
         block = (k, v) if own_block else (None, None)  # else: a frontier of the tree written in the cache
         attn = cpu_attention.attend(q, prefix[0], prefix[1], layer, meta.lengths, ancestor, meta.region or q.shape[1],

@@ -1,4 +1,5 @@
-"""Building and loading specjax's CPU kernels (``matmul.cc``, ``attention.cc``): one shared library,
+"""Building and loading specjax's CPU kernels (``matmul.cc``, ``attention.cc``,
+``prefill_attention.cc``): one shared library,
 compiled on first use with the system C++ compiler (``$CXX`` or ``c++``, ``-O3 -march=native``) into
 the cache directory (``$SPECJAX_CACHE_DIR``, default ``~/.cache/specjax``), keyed by the sources, the
 compiler, the CPU's flags and jax/jaxlib, and registered with XLA as FFI targets.
@@ -28,11 +29,12 @@ import jaxlib
 from specjax.config import cache_root
 
 HERE = Path(__file__).parent
-SOURCES = ("matmul.cc", "attention.cc")  # compiled into one library
-HEADERS = ("parallel.h",)
+SOURCES = ("matmul.cc", "attention.cc", "prefill_attention.cc")  # compiled into one library
+HEADERS = ("parallel.h", "simd.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 # FFI target name -> the handler symbol the library exports
-TARGETS = {"specjax_cpu_matmul": "SpecjaxCpuMatmul", "specjax_cpu_attention": "SpecjaxCpuAttention"}
+TARGETS = {"specjax_cpu_matmul": "SpecjaxCpuMatmul", "specjax_cpu_attention": "SpecjaxCpuAttention",
+           "specjax_cpu_prefill_attention": "SpecjaxCpuPrefillAttention"}
 
 NO_AVX512 = "this CPU has no AVX-512F"
 

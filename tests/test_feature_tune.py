@@ -107,3 +107,46 @@ def test_the_shipped_drafter_loads_by_name_drafts_accepted_tokens_and_is_lossles
     assert specjax.generate(smollm2, prompts, max_new_tokens=16, sampling=seeded, drafters=[bound],
                             verifier="seeded").token_ids == \
         specjax.generate(smollm2, prompts, max_new_tokens=16, sampling=seeded).token_ids
+
+
+@requires_smollm2
+def test_the_committed_corpus_v2_is_whole_and_the_readme_command_resumes_it(smollm2, tmp_path, monkeypatch):
+    """scripts/data/feature_corpus_v2.tar.xz: every part has the shards and sequences its manifest
+    promises (continuations within max_new_tokens, ids within the vocabulary), and the corpus stage of
+    the README's command (--tasks 6400, the three held-out prompt files) finds all of it: nothing is
+    generated."""
+    import tarfile
+
+    import specjax.boost.corpus as corpus
+    from specjax.boost.corpus import read_shard
+    from specjax.boost.feature_corpus import PARTS, build_feature_corpus
+    from specjax.io.prompts import read_prompts_file
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tarfile.open(os.path.join(root, "scripts", "data", "feature_corpus_v2.tar.xz")) as tar:
+        tar.extractall(tmp_path, filter="data")
+    out = tmp_path / "feature-corpus"
+    total = 0
+    for part in PARTS:
+        manifest = json.load(open(out / part / "manifest.json"))
+        shards = sorted((out / part).glob("shard-*.npz"))
+        assert len(shards) == -(-manifest["num_prompts"] // manifest["batch_size"]), part
+        seqs = [s for path in shards for s in read_shard(str(path))]
+        assert len(seqs) == manifest["num_prompts"], part
+        for ids, prompt_len in seqs:
+            assert 0 < len(ids) - prompt_len <= manifest["max_new_tokens"] and prompt_len > 0, part
+            assert 0 <= min(ids) and max(ids) < smollm2.config.vocab_size, part
+        total += sum(len(ids) for ids, _ in seqs)
+    assert total > 1_500_000
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("the committed corpus should be complete: nothing to generate")
+
+    monkeypatch.setattr(corpus, "generate", no_generation)
+    held = [p for path in ("../shared/data/dev_prompts.jsonl", "scripts/data/task_kinds.jsonl",
+                           "scripts/data/other_tasks.jsonl") if os.path.exists(os.path.join(root, path))
+            for p in read_prompts_file(os.path.join(root, path), flag="--exclude-prompts", allow_token_ids=False,
+                                       plain_lines=True)]
+    shards = build_feature_corpus(smollm2, str(out), CorpusPlan(tasks=6400), exclude=held, progress=False,
+                                  log=lambda *_: None)
+    assert sum(len(v) for v in shards.values()) == 81

@@ -20,6 +20,7 @@ from specjax.config import ModelConfig
 from specjax.decoding.host_step import step_if_active
 from specjax.decoding.programs import kernel_enabled
 from specjax.decoding.sampling import SamplingArrays, finite_rows, sample_tokens
+from specjax.kernels.cpu.attention import max_head_dim
 from specjax.models import forward
 from specjax.models.cache import KVCache, init_cache
 
@@ -85,10 +86,12 @@ def prefill(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, cache: KVC
     sizes = sorted({min(size, num_tokens) for size in PREFILL_CHUNKS}, reverse=True)
     small = sizes[-1]
     padded = jnp.pad(prompt_tokens, ((0, 0), (0, -num_tokens % sizes[0])))  # every chunk slice in range
-    dtype = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
+    param_dtype = jax.tree.leaves(params)[0].dtype
+    dtype = jnp.promote_types(param_dtype, jnp.float32)
     # One float32 model on a CPU with the kernels on: the chunks' attention runs in the CPU prefill
     # kernel (specjax.kernels.cpu.prefill_attention; at 4096 tokens XLA's took over half the prefill).
-    cpu_prefill = parallel is None and jax.tree.leaves(params)[0].dtype == jnp.float32 and kernel_enabled()
+    cpu_prefill = (parallel is None and param_dtype == jnp.float32 and kernel_enabled()
+                   and cfg.head_dim <= max_head_dim())
     states = None
     if hidden:
         states = jnp.zeros((batch, padded.shape[1], len(hidden), cfg.hidden_size), dtype)

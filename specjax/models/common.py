@@ -154,8 +154,7 @@ def attention_block(x, lp, k_cache, v_cache, layer, positions, meta: AttentionMe
     else:  # block-only: the cache is read, never written (no copy of it where it is shared)
         k_cache, v_cache = k_cache.at[layer].set(k), v_cache.at[layer].set(v)
     own_block = meta.slots is None and meta.region in (None, q.shape[1])  # the block is this pass's K/V
-    if (meta.cpu_prefill and meta.ancestor is None and own_block and q.dtype == jnp.float32
-            and prefix[0].dtype == jnp.float32 and q.shape[-1] <= cpu_attention.max_head_dim()):
+    if meta.cpu_prefill and meta.ancestor is None and own_block:  # prefill decided it can run there
         attn = cpu_prefill_attention.attend(q, prefix[0], prefix[1], layer, meta.lengths, k, v, scale)
     elif not pallas_tree and (written or own_block) and _cpu_attention(q, prefix[0], lp):
         ancestor = meta.ancestor if meta.ancestor is not None else cpu_attention.causal_ancestor(*q.shape[:2])

@@ -40,6 +40,21 @@ def causal_ancestor(batch: int, num_queries: int) -> jax.Array:
     return jnp.broadcast_to(jnp.asarray(words), (batch,) + words.shape)
 
 
+def check_query_and_cache(kernel: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *more: jax.Array):
+    """What both attention kernels (this one and ``prefill_attention``) check before XLA lowers their
+    call: every array float32, and a cache [L, B, S, KVH, Dh] that q [B, T, H, Dh] reads (head_dim at
+    most ``max_head_dim()``). Also builds the kernels and registers their targets."""
+    limit = max_head_dim()
+    arrays = (q, k_cache, v_cache, *more)
+    if any(x.dtype != jnp.float32 for x in arrays):
+        raise TypeError(f"the {kernel} is float32 only, got {[str(x.dtype) for x in arrays]}")
+    batch, _, heads, head_dim = q.shape
+    if (k_cache.ndim != 5 or k_cache.shape != v_cache.shape or k_cache.shape[1] != batch
+            or k_cache.shape[4] != head_dim or heads % k_cache.shape[3] or head_dim > limit):
+        raise ValueError(f"q {q.shape} does not match the cache {k_cache.shape} / {v_cache.shape} "
+                         f"(head_dim at most {limit})")
+
+
 def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, lengths: jax.Array,
            ancestor: jax.Array, region: int, scale: float, k_block: jax.Array | None = None,
            v_block: jax.Array | None = None) -> jax.Array:
@@ -47,18 +62,11 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, lengths:
     ``layer``; lengths [B] int; ancestor uint32 [B, T, W], W * 32 >= region. The block: k_block,
     v_block [B, region, KVH, Dh], or (None) the cache slots ``lengths[b] + j`` where it is written.
     Returns [B, T, H, Dh] float32."""
-    limit = max_head_dim()  # also registers the target before XLA lowers the call
-    batch, num_q, heads, head_dim = q.shape
+    batch, num_q = q.shape[:2]
     in_cache = k_block is None
     if in_cache:
         k_block = v_block = jnp.zeros((0,), jnp.float32)
-    arrays = (q, k_cache, v_cache, k_block, v_block)
-    if any(x.dtype != jnp.float32 for x in arrays):
-        raise TypeError(f"the CPU attention kernel is float32 only, got {[str(x.dtype) for x in arrays]}")
-    if (k_cache.ndim != 5 or k_cache.shape != v_cache.shape or k_cache.shape[1] != batch
-            or k_cache.shape[4] != head_dim or heads % k_cache.shape[3] or head_dim > limit):
-        raise ValueError(f"q {q.shape} does not match the cache {k_cache.shape} / {v_cache.shape} "
-                         f"(head_dim at most {limit})")
+    check_query_and_cache("CPU attention kernel", q, k_cache, v_cache, k_block, v_block)
     if not in_cache and (k_block.shape != v_block.shape
                          or k_block.shape != (batch, region) + k_cache.shape[3:]):
         raise ValueError(f"the block {k_block.shape} / {v_block.shape} is not [B, region={region}, KVH, Dh]")

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels.cpu.attention import max_head_dim
+from specjax.kernels.cpu.attention import check_query_and_cache
 
 TARGET = "specjax_cpu_prefill_attention"
 
@@ -29,15 +29,8 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, lengths:
     """q [B, T, H, Dh] float32; k_cache, v_cache [L, B, S, KVH, Dh] float32, the prefix read from
     ``layer``; lengths [B] int; k_block, v_block [B, T, KVH, Dh] the chunk's own K/V. Returns
     [B, T, H, Dh] float32."""
-    limit = max_head_dim()  # also builds the kernels and registers the targets before XLA lowers the call
-    batch, num_q, heads, head_dim = q.shape
-    arrays = (q, k_cache, v_cache, k_block, v_block)
-    if any(x.dtype != jnp.float32 for x in arrays):
-        raise TypeError(f"the CPU prefill attention kernel is float32 only, got {[str(x.dtype) for x in arrays]}")
-    if (k_cache.ndim != 5 or k_cache.shape != v_cache.shape or k_cache.shape[1] != batch
-            or k_cache.shape[4] != head_dim or heads % k_cache.shape[3] or head_dim > limit):
-        raise ValueError(f"q {q.shape} does not match the cache {k_cache.shape} / {v_cache.shape} "
-                         f"(head_dim at most {limit})")
+    batch, num_q = q.shape[:2]
+    check_query_and_cache("CPU prefill attention kernel", q, k_cache, v_cache, k_block, v_block)
     if k_block.shape != v_block.shape or k_block.shape != (batch, num_q) + k_cache.shape[3:]:
         raise ValueError(f"the chunk's K/V {k_block.shape} / {v_block.shape} is not [B, T={num_q}, KVH, Dh]")
     if lengths.shape != (batch,):

@@ -106,6 +106,22 @@ def test_teacher_features_are_the_llms_post_norm_hidden_states(llama):
         chex.assert_trees_all_close(g.astype(np.float32), np.asarray(want), atol=1e-2, rtol=1e-2)  # stored float16
 
 
+def test_teacher_pass_takes_the_prefill_kernels_route_where_prefill_does(llama, monkeypatch):
+    """The teacher-forced pass runs its attention where prefill does (the CPU prefill kernel with the
+    kernels on, XLA under SPECJAX_CPU_DOTS=eigen), so the features are those of the same computation."""
+    from specjax.boost.feature_data import _teacher_fn
+    from specjax.decoding.incremental import cpu_prefill_route
+
+    def uses_kernel():
+        text = str(jax.make_jaxpr(_teacher_fn(llama))(llama.params, jnp.zeros((2, 64), jnp.int32)))
+        return "specjax_cpu_prefill_attention" in text
+
+    built = cpu_kernels.status() is None
+    assert cpu_prefill_route(llama.params, llama.config) == built and uses_kernel() == built
+    monkeypatch.setenv(programs.ENV, "eigen")
+    assert not cpu_prefill_route(llama.params, llama.config) and not uses_kernel()
+
+
 def test_feature_shards_resume_and_load_with_greedy_targets(llama, tmp_path):
     import os
 

@@ -26,11 +26,13 @@ def _teacher_fn(model, layers: tuple[int, ...] = ()):
     import jax.numpy as jnp
 
     from specjax.attention.meta import causal_meta
+    from specjax.decoding.incremental import cpu_prefill_route
     from specjax.models import forward
     from specjax.models.cache import init_cache
     from specjax.models.common import rms_norm
 
     cfg = model.config
+    kernel = cpu_prefill_route(model.params, cfg)  # the prefill kernel's route: 5-10% faster here
 
     @jax.jit
     def run(params, tokens):
@@ -39,7 +41,7 @@ def _teacher_fn(model, layers: tuple[int, ...] = ()):
         positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
         # the head for one position only: its full-vocabulary logits at every position would cost a fifth
         # of the pass and are not needed (the training targets come from the features through the head)
-        out = forward(params, tokens, positions, cache, causal_meta(jnp.zeros((batch,), jnp.int32)), cfg,
+        out = forward(params, tokens, positions, cache, causal_meta(jnp.zeros((batch,), jnp.int32), kernel), cfg,
                       logits_indices=jnp.zeros((batch, 1), jnp.int32), hidden=tuple(layers) + (cfg.num_layers,),
                       all_hidden=True)
         g = rms_norm(out.hidden[:, :, -1], params["final_norm"], cfg.norm_eps)

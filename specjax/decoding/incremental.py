@@ -68,6 +68,14 @@ def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
 PREFILL_CHUNKS = (512, 256, 64)
 
 
+def cpu_prefill_route(params, cfg: ModelConfig, parallel=None) -> bool:
+    """Whether causal chunks (prefill, teacher-forced passes) run their attention in the CPU prefill
+    kernel (``specjax.kernels.cpu.prefill_attention``): one float32 model on one device with the CPU
+    kernels on; at 4096 tokens XLA's attention took over half the prefill."""
+    return (parallel is None and jax.tree.leaves(params)[0].dtype == jnp.float32 and kernel_enabled()
+            and cfg.head_dim <= max_head_dim())
+
+
 def prefill(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, cache: KVCache, cfg: ModelConfig,
             parallel=None, hidden: tuple[int, ...] | None = None):
     """Run the right-padded prompts [B, T] through the model; returns (logits at each last prompt
@@ -88,10 +96,7 @@ def prefill(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, cache: KVC
     padded = jnp.pad(prompt_tokens, ((0, 0), (0, -num_tokens % sizes[0])))  # every chunk slice in range
     param_dtype = jax.tree.leaves(params)[0].dtype
     dtype = jnp.promote_types(param_dtype, jnp.float32)
-    # One float32 model on a CPU with the kernels on: the chunks' attention runs in the CPU prefill
-    # kernel (specjax.kernels.cpu.prefill_attention; at 4096 tokens XLA's took over half the prefill).
-    cpu_prefill = (parallel is None and param_dtype == jnp.float32 and kernel_enabled()
-                   and cfg.head_dim <= max_head_dim())
+    cpu_prefill = cpu_prefill_route(params, cfg, parallel)
     states = None
     if hidden:
         states = jnp.zeros((batch, padded.shape[1], len(hidden), cfg.hidden_size), dtype)

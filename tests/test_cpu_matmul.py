@@ -112,8 +112,8 @@ def test_step_params_pack_every_matmul_weight_once(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv(ENV, "auto")
     model = specjax.load_model(tiny_llama_dir, progress=False)
     assert step_library(1).startswith("kernel+")
-    packed = step_params(model.params, 1)
-    again = step_params(model.params, 1)
+    packed = step_params(model.params)
+    again = step_params(model.params)
     for lp, plain, lp2 in zip(packed["layers"], model.params["layers"], again["layers"]):
         for name, w in lp.items():
             assert isinstance(w, PackedWeight) == (name in MATMUL_WEIGHTS), name
@@ -125,15 +125,15 @@ def test_step_params_pack_every_matmul_weight_once(tiny_llama_dir, monkeypatch):
     assert isinstance(packed[head], PackedWeight)
     # Params that share the packed weights and differ elsewhere keep their own entries.
     other = {**model.params, "final_norm": model.params["final_norm"] * 2}
-    assert step_params(other, 1)["final_norm"] is other["final_norm"]
-    assert step_params(other, 1)["layers"][0]["wqkv"].packed is packed["layers"][0]["wqkv"].packed
+    assert step_params(other)["final_norm"] is other["final_norm"]
+    assert step_params(other)["layers"][0]["wqkv"].packed is packed["layers"][0]["wqkv"].packed
     # Not packed: XLA's libraries chosen, stacked layers, a mesh, bfloat16 weights.
-    assert step_params(stack_layers(model.params), 1)["layers"] is not packed["layers"]
-    assert step_params(model.params, 1, parallel=object()) is model.params
+    assert step_params(stack_layers(model.params))["layers"] is not packed["layers"]
+    assert step_params(model.params, parallel=object()) is model.params
     bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), model.params)
-    assert step_params(bf16, 1) is bf16
+    assert step_params(bf16) is bf16
     monkeypatch.setenv(ENV, "eigen")
-    assert step_params(model.params, 1) is model.params and step_library(1) == "eigen"
+    assert step_params(model.params) is model.params and step_library(1) == "eigen"
     # The cache keeps packed copies only while their plain weights live.
     import gc
 
@@ -159,7 +159,7 @@ def test_drafters_step_params(tiny_llama_dir, monkeypatch):
     lookup = LookupDrafter()
     packed, none = step_drafter_params((ssm, lookup), (model.params, None))
     assert none is None
-    want = step_params(model.params, 1)
+    want = step_params(model.params)
     for lp, lw in zip(packed["layers"], want["layers"]):
         for name, w in lp.items():
             assert isinstance(w, PackedWeight) == (name in MATMUL_WEIGHTS), name
@@ -194,7 +194,7 @@ def test_tree_pass_through_packed_weights(tiny_llama_dir, nodes, monkeypatch):
                                                                                             jnp.float64),
                                         cfg, "xla").logits)
     plain = logits(model.params)
-    packed = logits(step_params(model.params, 1))
+    packed = logits(step_params(model.params))
     precision.assert_within(packed, exact, precision.error(plain, exact), what=f"{nodes}-node pass")
 
 

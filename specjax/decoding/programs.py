@@ -41,7 +41,7 @@ alone; ``step_matmuls`` in the stats and ``specjax tree-cost`` say which ran), `
 but kernels that cannot be built are an error), ``eigen`` or ``ynnpack`` (no kernels, that library
 for every step program), read when a program is picked. Other backends are untouched. A caller
 jitting ``generate_speculative`` or ``spec_step`` itself passes ``step_compiler_options(batch)`` to
-its own ``jax.jit(..., compiler_options=...)`` and ``step_params(params, batch)`` as the params to
+its own ``jax.jit(..., compiler_options=...)`` and ``step_params(params)`` as the params to
 get the same.
 """
 
@@ -113,29 +113,35 @@ def step_compiler_options(batch: int, backend: str | None = None) -> dict | None
     return dict(_EIGEN) if step_library(batch, backend).endswith("eigen") else None
 
 
-_PACKED: dict[tuple, tuple] = {}  # (id(plain weight), contracted) -> (weakref to it, its packed array)
+_PACKED: dict[tuple, tuple] = {}  # (ids of the plain weight, contracted) -> (weakrefs, its packed array)
+
+
+def while_alive(memo: dict, sources: tuple, make, tag=()):
+    """``make()``, computed once while every array of ``sources`` lives: ``memo`` is keyed by their ids
+    (and ``tag``) and holds weak references to them, so params that share some arrays and differ in
+    others never mix, and an entry goes when its first source dies. What ``make`` returns must not
+    refer to the sources: the entry would keep them alive."""
+    key = tuple(map(id, sources)) + tuple(tag)
+    hit = memo.get(key)
+    if hit is not None and all(ref() is a for ref, a in zip(hit[0], sources)):
+        return hit[1]
+    value = make()
+    memo[key] = (tuple(weakref.ref(a) for a in sources), value)
+    weakref.finalize(sources[0], _drop, memo, key)
+    return value
+
+
+def _drop(memo: dict, key: tuple) -> None:
+    hit = memo.get(key)
+    if hit is not None and any(ref() is None for ref in hit[0]):
+        del memo[key]
 
 
 def _packed(w, contracted: int = 1) -> PackedWeight:
-    """w with its packed copy, packed once while w lives (keyed by the array itself, so params that
-    share some weights and differ in others never mix). The cache holds the packed array only: a
-    reference to w would keep every model ever stepped alive."""
+    """w with its packed copy, packed once while w lives (``while_alive``)."""
     if isinstance(w, jax.core.Tracer):  # inside a caller's own jit: nothing to keep
         return PackedWeight(w, cpu_matmul.pack(w, contracted))
-    key = (id(w), contracted)
-    hit = _PACKED.get(key)
-    if hit is not None and hit[0]() is w:
-        return PackedWeight(w, hit[1])
-    packed = cpu_matmul.pack(w, contracted)
-    _PACKED[key] = (weakref.ref(w), packed)
-    weakref.finalize(w, _drop, key)
-    return PackedWeight(w, packed)
-
-
-def _drop(key: tuple) -> None:
-    hit = _PACKED.get(key)
-    if hit is not None and hit[0]() is None:
-        del _PACKED[key]
+    return PackedWeight(w, while_alive(_PACKED, (w,), lambda: cpu_matmul.pack(w, contracted), (contracted,)))
 
 
 # The einsum specs of the layers contract a weight's leading axes: one, or two for the output
@@ -163,8 +169,8 @@ def step_drafter_params(drafters, drafter_params: tuple, parallel=None) -> tuple
     return tuple(d.step_params(p) for d, p in zip(drafters, drafter_params))
 
 
-def step_params(params: dict, batch: int, parallel=None) -> dict:
-    """The params a step program of ``batch`` requests multiplies by: with the kernel on (see
+def step_params(params: dict, parallel=None) -> dict:
+    """The params a step program multiplies by (at any batch size): with the kernel on (see
     ``kernel_enabled``) and a float32 model with split layers on one device, every matmul weight and
     the head as a ``PackedWeight`` (each packed once and kept while its plain array lives: the packed
     copies cost the weights' memory once more); otherwise ``params`` itself."""
@@ -183,7 +189,7 @@ def step_matmuls(params: dict, batch: int, parallel=None) -> str:
     ``step_library`` names it ("kernel+eigen", "ynnpack", ...): "kernel+" only where ``step_params``
     packs them."""
     library = step_library(batch)
-    if library.startswith("kernel+") and step_params(params, batch, parallel) is params:
+    if library.startswith("kernel+") and step_params(params, parallel) is params:
         return library.removeprefix("kernel+")
     return library
 
@@ -195,18 +201,18 @@ def _jit(fn, options: tuple | None, static_argnames: tuple, donate_argnames: tup
 
 
 class StepProgram:
-    """A jitted step function called with ``step_params(params, batch, parallel)`` in place of its
-    first argument (the LLM's params); ``lower`` (AOT) does the same."""
+    """A jitted step function called with ``step_params(params, parallel)`` in place of its first
+    argument (the LLM's params); ``lower`` (AOT) does the same."""
 
-    def __init__(self, jitted, batch: int):
-        self.jitted, self.batch = jitted, batch
+    def __init__(self, jitted):
+        self.jitted = jitted
 
     def __call__(self, params, *args, **kwargs):
         # ~0.12 ms per call for SmolLM2 (the weights are packed once; this rebuilds the dict)
-        return self.jitted(step_params(params, self.batch, kwargs.get("parallel")), *args, **kwargs)
+        return self.jitted(step_params(params, kwargs.get("parallel")), *args, **kwargs)
 
     def lower(self, params, *args, **kwargs):
-        return self.jitted.lower(step_params(params, self.batch, kwargs.get("parallel")), *args, **kwargs)
+        return self.jitted.lower(step_params(params, kwargs.get("parallel")), *args, **kwargs)
 
 
 def step_program(fn, batch: int, static_argnames=(), donate_argnames=()) -> StepProgram:
@@ -214,4 +220,4 @@ def step_program(fn, batch: int, static_argnames=(), donate_argnames=()) -> Step
     jitted object per (function, options, argument names), so calls share its compilation cache."""
     options = step_compiler_options(batch)
     return StepProgram(_jit(fn, tuple(sorted(options.items())) if options else None, tuple(static_argnames),
-                            tuple(donate_argnames)), batch)
+                            tuple(donate_argnames)))

@@ -98,7 +98,7 @@ def measure_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: 
         return tree_forward(params, tree, cache, cfg, impl, parallel, block_only=True).logits  # as the loop runs it
 
     fwd = jax.jit(one_pass, compiler_options=step_compiler_options(batch))  # compiled as the loop's steps are
-    params = step_params(params, batch, parallel)  # and multiplying by the same weights
+    params = step_params(params, parallel)  # and multiplying by the same weights
     inputs = {}
     for n in counts:
         if progress is not None:

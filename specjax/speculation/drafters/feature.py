@@ -30,7 +30,6 @@ estimate predicted, measured every step against what the LLM emitted.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -207,16 +206,13 @@ _PLAIN: dict[tuple, tuple] = {}  # ids of the source arrays -> (weakrefs to them
 def _step_plain(params: dict) -> tuple:
     """(the drafter's layer as one split layer with fused weights, the head's [D, Vd] copy), derived once
     while the arrays they come from live, so their packed copies (keyed by array) are made once too."""
-    sources = jax.tree.leaves((params["head"], params["layers"]))
-    key = tuple(map(id, sources))
-    hit = _PLAIN.get(key)
-    if hit is not None and all(ref() is a for ref, a in zip(hit[0], sources)):
-        return hit[1]
-    layer = fuse_layer({n: w[0] for n, w in params["layers"].items()})
-    derived = ((layer,), jnp.asarray(params["head"].T))
-    _PLAIN[key] = (tuple(weakref.ref(a) for a in sources), derived)
-    weakref.finalize(sources[0], _PLAIN.pop, key, None)
-    return derived
+    sources = tuple(jax.tree.leaves((params["head"], params["layers"])))
+
+    def make():
+        layer = fuse_layer({n: w[0] for n, w in params["layers"].items()})
+        return (layer,), jnp.asarray(params["head"].T)
+
+    return programs.while_alive(_PLAIN, sources, make)
 
 
 def node_depths(parent: jax.Array) -> jax.Array:

@@ -87,7 +87,7 @@ class SSMDrafter(Drafter):
     def step_params(self, params):
         """The SSM's matmul weights and head packed for the CPU kernel, as the LLM's are
         (``specjax.decoding.programs.step_params``: float32 split layers only)."""
-        return programs.step_params(params, 1)
+        return programs.step_params(params)
 
     def init(self, params, prompt_tokens, prompt_lens, *, cache_len: int, parallel=None, hidden=None,
              first=None) -> KVCache:

@@ -94,8 +94,7 @@ def prefill(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, cache: KVC
     sizes = sorted({min(size, num_tokens) for size in PREFILL_CHUNKS}, reverse=True)
     small = sizes[-1]
     padded = jnp.pad(prompt_tokens, ((0, 0), (0, -num_tokens % sizes[0])))  # every chunk slice in range
-    param_dtype = jax.tree.leaves(params)[0].dtype
-    dtype = jnp.promote_types(param_dtype, jnp.float32)
+    dtype = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
     cpu_prefill = cpu_prefill_route(params, cfg, parallel)
     states = None
     if hidden:

@@ -113,7 +113,7 @@ def step_compiler_options(batch: int, backend: str | None = None) -> dict | None
     return dict(_EIGEN) if step_library(batch, backend).endswith("eigen") else None
 
 
-_PACKED: dict[tuple, tuple] = {}  # (ids of the plain weight, contracted) -> (weakrefs, its packed array)
+_PACKED: dict[tuple, tuple] = {}  # (id of the plain weight, contracted) -> ((weakref to it,), its packed array)
 
 
 def while_alive(memo: dict, sources: tuple, make, tag=()):

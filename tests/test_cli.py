@@ -294,6 +294,9 @@ def test_bad_boost_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, arg
     (["--nodes", "0"], "nodes must be a positive int, got 0"),
     (["--exclude-prompts", "/nonexistent.jsonl"], "prompts file not found"),
     (["--stop-after", "-1"], "--stop-after must be >= 0 steps"),
+    (["--requests", "-1"], "requests must be >= 0"),
+    (["--eval-prompts", "/nonexistent.jsonl"], "prompts file not found"),
+    (["--init-from", "/nonexistent-drafter"], "not a registered name"),
 ])
 def test_bad_feature_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, args, message):
     """Checked in-process (what the command runs before loading the LLM); one run through the CLI below."""

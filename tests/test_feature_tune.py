@@ -4,15 +4,21 @@ a run stopped early exports what it has and says so, and the exported drafter sp
 
 from __future__ import annotations
 
+import dataclasses
+import glob
 import json
 import os
 
+import chex
+import numpy as np
 import pytest
 
 import specjax
 from specjax.boost.feature_corpus import CorpusPlan
 from specjax.boost.feature_train import FeatureTrainConfig
+from specjax.boost.request_prompts import extract_request, meta_prompts
 from specjax.boost.task_prompts import passage_prompts, stage1_prompts
+from specjax.io.feature_checkpoint import restore_feature_drafter
 from tests.conftest import requires_smollm2
 
 
@@ -26,6 +32,31 @@ def test_stage1_prompts_are_seeded_distinct_and_keep_held_out_prompts_out():
     assert not set(held) & {p for _, p in again}
     passages = passage_prompts(40, seed=3, exclude=held)
     assert len({t for t, _ in passages}) > 20 and len({p for _, p in passages}) == 40
+
+
+def test_meta_prompts_are_seeded_and_vary_kind_writer_and_topic():
+    first = meta_prompts(400, seed=3)
+    assert first == meta_prompts(400, seed=3) and first != meta_prompts(400, seed=4)
+    assert len({k for k, _ in first}) >= 10 and len({p for _, p in first}) > 380
+    assert all(p.endswith("Reply with the request only.") for _, p in first)
+
+
+@pytest.mark.parametrize("text, kept", [
+    ("How do I repot a cactus without hurting my hands?", "How do I repot a cactus without hurting my hands?"),
+    ("Sure, here's a request:\n\nCan you write a short poem about autumn leaves?",
+     "Can you write a short poem about autumn leaves?"),
+    ('A student might ask: "What caused the fall of the Roman Empire?" This question is...',
+     "What caused the fall of the Roman Empire?"),
+    ("Question: What if the moon disappeared tomorrow?", "What if the moon disappeared tomorrow?"),
+    ("**Request:** Please list five ideas for a rainy weekend.", "Please list five ideas for a rainy weekend."),
+    ("Here is how I would explain the steps of baking bread to a friend who has never", None),  # cut off
+    ("I'm sorry, but I cannot write that request.", None),  # a refusal
+    ("Why?", None),  # too short
+    ("Объясни, пожалуйста, как это работает?", None),  # mostly not ASCII
+    ("Sure, here you go:", None),  # nothing after the preamble
+])
+def test_extract_request_keeps_one_clean_request_or_none(text, kept):
+    assert extract_request(text) == kept
 
 
 @requires_smollm2
@@ -70,6 +101,45 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
     ref = specjax.generate(smollm2, prompts, max_new_tokens=12)
     got = specjax.generate(smollm2, prompts, max_new_tokens=12, drafters=[bound])
     assert got.token_ids == ref.token_ids
+
+    # the corpus grown by self-written requests, the drafter continued from the finished one
+    grown = dataclasses.replace(plan, requests=24, request_tokens=40)
+    hand_written = ["What should I pack for a weekend hike?", "Explain how a bicycle gear works."]
+    more = feature_tune(smollm2, corpus, str(tmp_path / "run-more"), grown, tc, drafting,
+                        export=str(tmp_path / "continued"), stop_after=0, init_from=str(tmp_path / "final"),
+                        eval_prompts=hand_written, **kw)
+    assert {p: os.path.getmtime(p) for p in stamps} == stamps  # the template parts are not redone
+    with open(os.path.join(corpus, "provenance.json")) as f:
+        assert {"requests-written", "requests"} <= set(json.load(f))
+    asked = [smollm2.tokenizer.decode(ids) for ids in _shard_prompts(os.path.join(corpus, "requests-written"))]
+    answered = [smollm2.tokenizer.decode(ids) for ids in _shard_prompts(os.path.join(corpus, "requests"))]
+    assert len(asked) == 24 and 0 < len(answered) <= 24 and not any("Reply with the request only" in a
+                                                                     for a in answered)
+    assert more["sequences"]["train"] + more["sequences"]["held_out"] == \
+        done["sequences"]["train"] + done["sequences"]["held_out"] + len(answered)  # the written part is not data
+    assert more["init_from"] == str(tmp_path / "final") and more["steps"]["done"] == 0
+    on_prompts = more["eval_prompts_agreement"]  # a second held-out set: the hand-written prompts' continuations
+    assert on_prompts["prompts"] == 2 and len(on_prompts["all"]) == 6 and 0 < on_prompts["positions"] <= 12
+    assert done["eval_prompts_agreement"] is None
+    # the template parts' split is the one the continued drafter was trained under: none of its training
+    # sequences are held out now
+    from specjax.boost.feature_tune import _split
+
+    parts = {name: (sorted(glob.glob(os.path.join(corpus, name, "shard-*.npz"))),
+                    sorted(glob.glob(os.path.join(corpus, "features", name, "features-*.npz"))))
+             for name in ("passages", "grounded-greedy", "grounded-sampled", "tasks-greedy", "tasks-sampled",
+                          "requests")}
+    before = _split({k: v for k, v in parts.items() if k != "requests"}, 0.2, 0)
+    after_split = _split(parts, 0.2, 0)
+    for old, new in zip(before, after_split):
+        n = len(old)
+        assert (new.tokens[:old.offsets[-1]] == old.tokens).all() and (new.offsets[:n + 1] == old.offsets).all()
+        assert set(np.asarray(new.part_names)[new.parts[n:]]) <= {"requests"}
+    assert sum(len(s) for s in after_split) == sum(len(s) for s in before) + len(answered)
+    _, start, _ = restore_feature_drafter(str(tmp_path / "final"))
+    cfg, after, _ = restore_feature_drafter(str(tmp_path / "continued"))
+    assert cfg.draft_vocab == bound.drafter.config.draft_vocab  # the vocabulary it was trained with, kept
+    chex.assert_trees_all_equal(after, start)  # no step taken: it starts from the finished drafter's weights
 
 
 def _files(root):

@@ -146,6 +146,8 @@ def _checked_training_commands(command_name: str, check_args) -> list:
     for command in commands:
         args = build_parser().parse_args(shlex.split(command.split(" && ")[0])[1:])
         args.exclude_prompts = [p for p in args.exclude_prompts if os.path.exists(os.path.join(ROOT, p))]
+        if hasattr(args, "eval_prompts"):
+            args.eval_prompts = [p for p in args.eval_prompts if os.path.exists(os.path.join(ROOT, p))]
         cwd = os.getcwd()
         try:
             os.chdir(ROOT)

@@ -7,7 +7,10 @@ Parts, in generation order (stage 2 quotes the passages part, so it comes first)
 * ``grounded-greedy`` / ``grounded-sampled``: summarisation, passage QA, retrieval over two
   documents, rewriting, translation and extraction prompts quoting those passages;
 * ``tasks-greedy`` / ``tasks-sampled``: chat, explanation, QA, creative writing, comparisons,
-  plans, math word problems and code (``specjax.boost.task_prompts``).
+  plans, math word problems and code (``specjax.boost.task_prompts``);
+* with ``requests`` > 0, ``requests-written`` (the LLM writing user requests of many kinds,
+  sampled; not training data) and ``requests`` (its greedy answers to the requests kept by
+  ``specjax.boost.request_prompts.extract_request``): prompts worded as templates cannot word them.
 
 Greedy parts match what greedy speculation sees; the sampled parts (temperature 1, seeded) keep
 the drafter useful when requests sample. Prompts are sorted by length inside a part so a batch
@@ -22,6 +25,7 @@ import os
 import time
 
 from specjax.boost.corpus import generate_corpus, read_shard
+from specjax.boost.request_prompts import extract_request, meta_prompts
 from specjax.boost.task_prompts import passage_prompts, stage1_prompts, stage2_prompts
 from specjax.errors import InputError
 
@@ -36,27 +40,36 @@ class CorpusPlan:
     passage_tokens: int = 160
     batch_size: int = 128
     seed: int = 0
+    requests: int = 0  # requests the LLM is asked to write (self-instruct); about half are kept
+    request_tokens: int = 64
+    request_temperature: float = 0.8
 
     def __post_init__(self):
-        for name in ("passages", "tasks", "grounded", "max_new_tokens", "passage_tokens", "batch_size"):
+        for name in ("passages", "tasks", "grounded", "max_new_tokens", "passage_tokens", "batch_size",
+                     "request_tokens"):
             if getattr(self, name) < 1:
                 raise InputError(f"corpus plan: {name} must be >= 1, got {getattr(self, name)}")
+        if self.requests < 0 or not 0.0 < self.request_temperature <= 2.0:
+            raise InputError(f"corpus plan: requests must be >= 0 and request_temperature in (0, 2], got "
+                             f"{self.requests}, {self.request_temperature}")
         if not 0.0 <= self.sampled_fraction <= 1.0:
             raise InputError(f"corpus plan: sampled_fraction must be in [0, 1], got {self.sampled_fraction}")
 
 
 PARTS = ("passages", "grounded-greedy", "grounded-sampled", "tasks-greedy", "tasks-sampled")
+REQUEST_PARTS = ("requests-written", "requests")  # with plan.requests > 0; the first is not training data
 
 
 def part_recipe(plan: CorpusPlan, part: str) -> dict:
     """What a part's prompts depend on (its manifest guard): changing another part's size leaves it valid."""
     fields = {"passages": ("passages",), "grounded": ("passages", "grounded", "sampled_fraction"),
-              "tasks": ("tasks", "sampled_fraction")}[part.split("-")[0]]
+              "tasks": ("tasks", "sampled_fraction"),
+              "requests": ("requests", "request_tokens", "request_temperature")}[part.split("-")[0]]
     return {"part": part, "plan": {k: getattr(plan, k) for k in fields}}
 
 
 def part_dirs(out_dir: str) -> dict[str, str]:
-    return {name: os.path.join(out_dir, name) for name in PARTS}
+    return {name: os.path.join(out_dir, name) for name in PARTS + REQUEST_PARTS}
 
 
 def build_feature_corpus(model, out_dir: str, plan: CorpusPlan = CorpusPlan(), exclude=(), progress: bool = True,
@@ -93,6 +106,16 @@ def build_feature_corpus(model, out_dir: str, plan: CorpusPlan = CorpusPlan(), e
         shards[f"{name}-greedy"] = run(f"{name}-greedy", prompts[:cut], 0.0, plan.max_new_tokens)
         if cut < len(prompts):
             shards[f"{name}-sampled"] = run(f"{name}-sampled", prompts[cut:], 1.0, plan.max_new_tokens)
+    if plan.requests:
+        written = run("requests-written", [p for _, p in meta_prompts(plan.requests, seed=plan.seed)],
+                      plan.request_temperature, plan.request_tokens)
+        held = set(exclude)
+        kept = [r for r in dict.fromkeys(filter(None, map(extract_request, _continuations(written, tpl))))
+                if r not in held]
+        if not kept:
+            raise InputError(f"{dirs['requests-written']}: none of the {plan.requests} written requests was usable")
+        log(f"requests: kept {len(kept)} of {plan.requests} written")
+        shards["requests"] = run("requests", kept, 0.0, plan.max_new_tokens)
     log(f"corpus {out_dir}: {sum(len(v) for v in shards.values())} shards")
     return shards
 
@@ -107,9 +130,10 @@ def _record(out_dir: str, part: str, num_prompts: int, temperature: float, secon
     path = os.path.join(out_dir, "provenance.json")
     record = json.load(open(path)) if os.path.exists(path) else {}
     entry = record.get(part, {"seconds": 0.0})
+    made = ("specjax.boost.request_prompts: the LLM writing requests (sampled), then the kept ones"
+            if part.startswith("requests") else "specjax.boost.task_prompts (templates x topics, seeded numbers)")
     entry.update(prompts=num_prompts, temperature=temperature, seconds=entry["seconds"] + seconds,
-                 source="specjax.boost.task_prompts (templates x topics, seeded numbers); the LLM's own "
-                        "continuations via specjax.generate(mode='incremental')")
+                 source=f"{made}; the LLM's own continuations via specjax.generate(mode='incremental')")
     record[part] = entry
     with open(path + ".tmp", "w") as f:
         json.dump(record, f, indent=1)

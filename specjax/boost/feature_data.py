@@ -199,11 +199,29 @@ def load_feature_set(parts: dict[str, tuple[list[str], list[str]]], max_len: int
                       np.concatenate(inputs) if inputs else None)
 
 
+def concat_sets(a: FeatureSet, b: FeatureSet) -> FeatureSet:
+    """``a``'s sequences then ``b``'s (their parts kept apart: ``b``'s part names follow ``a``'s)."""
+    if (a.inputs is None) != (b.inputs is None) or a.features.shape[1:] != b.features.shape[1:]:
+        raise InputError("feature sets disagree: one holds fused-layer inputs or another feature shape")
+    return FeatureSet(np.concatenate([a.tokens, b.tokens]), np.concatenate([a.features, b.features]),
+                      np.concatenate([a.greedy, b.greedy]), np.concatenate([a.offsets, a.offsets[-1] + b.offsets[1:]]),
+                      np.concatenate([a.prompt_lens, b.prompt_lens]),
+                      np.concatenate([a.parts, b.parts + len(a.part_names)]).astype(np.int32),
+                      a.part_names + b.part_names,
+                      None if a.inputs is None else np.concatenate([a.inputs, b.inputs]))
+
+
 def split_held_out(data: FeatureSet, fraction: float, seed: int = 0) -> tuple[FeatureSet, FeatureSet]:
     """(train, held out): a seeded ``fraction`` of the sequences (each from a distinct prompt) held out."""
     order = np.random.default_rng(seed).permutation(len(data))
     n = max(1, int(round(len(data) * fraction)))
     return data.subset(np.sort(order[n:])), data.subset(np.sort(order[:n]))
+
+
+def vocabulary_coverage(data: FeatureSet, vocab) -> float:
+    """The share of ``data``'s continuation tokens that a drafter with draft vocabulary ``vocab`` can name."""
+    cont = np.concatenate([data.sequence(i)[0][data.sequence(i)[3]:] for i in range(len(data))])
+    return float(np.isin(cont, np.asarray(vocab)).mean()) if len(cont) else 0.0
 
 
 def draft_vocabulary(data: FeatureSet, size: int, vocab_size: int) -> tuple[tuple[int, ...], float]:

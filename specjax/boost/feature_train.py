@@ -255,11 +255,12 @@ def _agreement_fn(cfg: FeatureConfig, steps: int, window: int):
 
 
 def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: FeatureTrainConfig, run_dir: str, *,
-                  held_out: FeatureSet | None = None, eval_steps: int = 6, progress: bool = True, log=print,
-                  stop_after: int | None = None) -> tuple[dict, list[dict]]:
+                  held_out: FeatureSet | None = None, eval_prompts: FeatureSet | None = None, eval_steps: int = 6,
+                  progress: bool = True, log=print, stop_after: int | None = None) -> tuple[dict, list[dict]]:
     """Train the drafter (bound params: ``specjax.models.feature.bind``) on ``data``; resumes from the
     newest checkpoint in ``run_dir``. Returns (trained bound params, evaluation history). History rows:
-    {step, loss, per-step ce/reg/agreement of the last batch, held-out agreement by depth}.
+    {step, loss, per-step ce/reg/agreement of the last batch, held-out agreement by depth, and the same
+    on ``eval_prompts`` (continuations of prompts from outside the corpus's generator)}.
     ``stop_after``: return after this many steps of this call (a later call resumes)."""
     import optax
     from tqdm import tqdm
@@ -294,6 +295,9 @@ def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: Featur
             agreement = depth_agreement({**frozen, **trained}, held_out, cfg, eval_steps, tc.window, tc.batch_size)
             row["held_out"] = agreement
             bar.set_postfix(d1=f"{agreement['all'][0]:.3f}", d2=f"{agreement['all'][1]:.3f}")
+        if eval_prompts is not None:
+            row["eval_prompts"] = depth_agreement({**frozen, **trained}, eval_prompts, cfg, eval_steps, tc.window,
+                                                  tc.batch_size)
         history.append(row)
 
     bar = tqdm(total=total, initial=step, desc="train feature drafter", disable=not progress)

@@ -4,6 +4,7 @@ LLM features -> draft vocabulary -> unrolled training -> held-out agreement by d
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -12,9 +13,18 @@ import time
 import jax
 import numpy as np
 
+from specjax.boost.corpus import generate_corpus
 from specjax.boost.distill import batches_per_epoch
-from specjax.boost.feature_corpus import CorpusPlan, build_feature_corpus
-from specjax.boost.feature_data import draft_vocabulary, feature_shards, load_feature_set, split_held_out
+from specjax.boost.feature_corpus import REQUEST_PARTS, CorpusPlan, build_feature_corpus
+from specjax.boost.feature_data import (
+    FeatureSet,
+    concat_sets,
+    draft_vocabulary,
+    feature_shards,
+    load_feature_set,
+    split_held_out,
+    vocabulary_coverage,
+)
 from specjax.boost.feature_train import FeatureTrainConfig, depth_agreement, split_params, train_feature
 from specjax.models.feature import FeatureConfig, bind, init_trained
 from specjax.types import Model
@@ -24,10 +34,16 @@ EVAL_DEPTHS = 6
 
 def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc: FeatureTrainConfig, drafting: dict,
                  *, draft_vocab: int, held_out: float, max_eval: int, exclude=(), export: str | None = None,
-                 model_name: str = "", stop_after: int | None = None, progress: bool = True, log=print) -> dict:
+                 model_name: str = "", stop_after: int | None = None, init_from: str | None = None,
+                 eval_prompts=(), progress: bool = True, log=print) -> dict:
     """Run (or resume) every stage; returns the summary also written to ``run_dir/summary.json``.
     ``stop_after``: train at most this many steps in this run, then evaluate and export what there is
-    (the summary says how many of the planned steps are done; running again resumes the training)."""
+    (the summary says how many of the planned steps are done; running again resumes the training).
+    ``init_from``: a trained feature drafter (registered name or directory) to continue from, its
+    draft vocabulary kept (fine-tuning on a grown corpus) instead of a fresh start. ``eval_prompts``:
+    prompts from outside the corpus's generator (hand-written; keep them in ``exclude`` too) whose
+    greedy continuations are a second held-out set, reported beside the split's: the split shares its
+    training data's generator, so it flatters the drafter (``eval_prompt_set``)."""
     timing = {}
     started = time.perf_counter()
     shards = build_feature_corpus(llm, corpus_dir, plan, exclude=exclude, progress=progress, log=log)
@@ -37,27 +53,36 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
                                           log=log))
              for name, paths in shards.items()}
     timing["features_s"] = time.perf_counter() - started
-    data = load_feature_set(parts)
-    train, held = split_held_out(data, held_out, seed=tc.seed)
-    vocab, coverage = draft_vocabulary(train, draft_vocab, llm.config.vocab_size)
-    cfg = FeatureConfig(llm.config, vocab)
-    params = bind(init_trained(llm.params, cfg, jax.random.key(tc.seed)), llm.params, cfg)
+    train, held = _split(parts, held_out, tc.seed)
+    if init_from is None:
+        vocab, coverage = draft_vocabulary(train, draft_vocab, llm.config.vocab_size)
+        cfg = FeatureConfig(llm.config, vocab)
+        params = bind(init_trained(llm.params, cfg, jax.random.key(tc.seed)), llm.params, cfg)
+    else:
+        cfg, params = _start_from(init_from, llm)
+        coverage = vocabulary_coverage(train, cfg.draft_vocab)
     evaluation = held.subset(np.arange(min(max_eval, len(held))))
+    prompt_set = eval_prompt_set(llm, corpus_dir, list(eval_prompts), plan, progress, log) if eval_prompts else None
     started = time.perf_counter()
-    params, history = train_feature(params, train, cfg, tc, run_dir, held_out=evaluation, eval_steps=EVAL_DEPTHS,
-                                    progress=progress, log=log, stop_after=stop_after)
+    params, history = train_feature(params, train, cfg, tc, run_dir, held_out=evaluation, eval_prompts=prompt_set,
+                                    eval_steps=EVAL_DEPTHS, progress=progress, log=log, stop_after=stop_after)
     timing["train_s_this_run"] = time.perf_counter() - started
     final = depth_agreement(params, held, cfg, steps=EVAL_DEPTHS, window=tc.window, batch_size=tc.batch_size)
+    on_prompts = None if prompt_set is None else depth_agreement(params, prompt_set, cfg, steps=EVAL_DEPTHS,
+                                                                 window=tc.window, batch_size=tc.batch_size)
     summary = {"model": model_name, "corpus": os.path.abspath(corpus_dir), "plan": dataclasses.asdict(plan),
                "train": dataclasses.asdict(tc), "drafting": {k: list(v) if isinstance(v, tuple) else v
                                                              for k, v in drafting.items()},
                "sequences": {"train": len(train), "held_out": len(held)},
                "tokens": {"train": int(train.lengths.sum()), "train_continuation": train.continuation_tokens(),
                           "held_out": int(held.lengths.sum())},
-               "draft_vocab": {"size": len(vocab), "continuation_coverage": coverage},
+               "draft_vocab": {"size": len(cfg.draft_vocab), "continuation_coverage": coverage},
+               "init_from": init_from,
                "steps": {"done": _steps_done(run_dir),
                          "planned": math.ceil(tc.epochs * batches_per_epoch(len(train), tc.batch_size))},
-               "held_out_agreement": final, "timing": timing, "history": history}
+               "held_out_agreement": final,
+               "eval_prompts_agreement": None if on_prompts is None else {"prompts": len(eval_prompts), **on_prompts},
+               "timing": timing, "history": history}
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     if export:
@@ -70,6 +95,46 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
                                                                         "held_out_agreement")}})
         log(f"exported the drafter to {export}")
     return summary
+
+
+def _split(parts: dict, fraction: float, seed: int) -> tuple[FeatureSet, FeatureSet]:
+    """(train, held out). The template parts are split together and a requests part on its own, so
+    adding requests to a corpus leaves the template parts' split as it was: a drafter continued with
+    ``init_from`` on the grown corpus is never evaluated on sequences it was trained on."""
+    base = {name: paths for name, paths in parts.items() if name not in REQUEST_PARTS}
+    train, held = split_held_out(load_feature_set(base), fraction, seed=seed)
+    if "requests" in parts:
+        more_train, more_held = split_held_out(load_feature_set({"requests": parts["requests"]}), fraction, seed=seed)
+        train, held = concat_sets(train, more_train), concat_sets(held, more_held)
+    return train, held
+
+
+def eval_prompt_set(llm: Model, corpus_dir: str, prompts: list[str], plan: CorpusPlan, progress: bool = True,
+                    log=print, categories: list[str] | None = None) -> FeatureSet:
+    """The LLM's greedy continuations of ``prompts`` (``plan.max_new_tokens``, chat template) with their
+    features, made once under ``corpus_dir/eval-XXXXXXXXXXXX`` (named by the prompts' hash; never
+    training data). ``categories``: one per prompt, the set's parts (default: one part)."""
+    digest = hashlib.sha256(json.dumps([prompts, plan.max_new_tokens]).encode()).hexdigest()[:12]
+    out = os.path.join(corpus_dir, f"eval-{digest}")
+    shards = generate_corpus(llm, prompts, os.path.join(out, "continuations"), max_new_tokens=plan.max_new_tokens,
+                             batch_size=plan.batch_size, temperatures=(0.0,), seed=plan.seed, progress=progress,
+                             recipe={"part": "eval prompts"})
+    features = feature_shards(llm, shards, os.path.join(out, "features"), progress=progress, log=log)
+    data = load_feature_set({"eval prompts": (shards, features)})  # the prompts' order
+    if categories is not None:
+        names = tuple(sorted(set(categories)))
+        data = dataclasses.replace(data, parts=np.asarray([names.index(c) for c in categories], np.int32),
+                                   part_names=names)
+    return data
+
+
+def _start_from(name_or_path: str, llm: Model):
+    """(config, bound params) of a trained drafter for ``llm``, to continue training it."""
+    from specjax.speculation.drafters.feature import load_feature_drafter
+
+    bound = load_feature_drafter(name_or_path, llm)  # checks that it was trained for this LLM
+    params = jax.tree.map(lambda a: a.astype(llm.params["embed"].dtype), bound.params)
+    return bound.drafter.config, params
 
 
 def _steps_done(run_dir: str) -> int:

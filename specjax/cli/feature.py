@@ -29,16 +29,26 @@ def add_parser(sub, formatter_class) -> None:
     f.add_argument("--exclude-prompts", action="append", default=[],
                    help="prompt file held out of training (.jsonl with 'prompt', or text lines); repeatable "
                         "(default: none)")
+    f.add_argument("--eval-prompts", action="append", default=[],
+                   help="hand-written prompt file (.jsonl with 'prompt', or text lines) whose greedy continuations "
+                        "are a second held-out set, reported beside the corpus split (which shares the training "
+                        "prompts' generator and flatters the drafter); its prompts are held out of training too; "
+                        "repeatable (default: none)")
     f.add_argument("--passages", type=int, default=1200, help="stage-1 passages the grounded prompts quote")
     f.add_argument("--tasks", type=int, default=6400, help="chat/explain/QA/creative/math/code prompts")
     f.add_argument("--grounded", type=int, default=2400,
                    help="summarise/passage-QA/retrieval/rewrite/translate/extract prompts quoting the passages")
+    f.add_argument("--requests", type=int, default=0,
+                   help="requests the LLM writes itself (self-instruct: many kinds, users and topics; about half "
+                        "are kept), answered greedily into a further part (default: 0, none)")
     f.add_argument("--sampled-fraction", type=float, default=0.25,
                    help="share of task and grounded prompts continued at temperature 1 (seeded)")
     f.add_argument("--corpus-batch", type=int, default=128, help="prompts per generation batch")
     f.add_argument("--draft-vocab", type=int, default=8192, help="tokens the drafter can name (most frequent)")
     f.add_argument("--held-out", type=float, default=0.02, help="share of sequences held out for evaluation")
     f.add_argument("--max-eval", type=int, default=400, help="held-out sequences evaluated during training")
+    f.add_argument("--init-from", help="continue training this feature drafter (registered name or directory), "
+                                        "keeping its draft vocabulary (default: none, a fresh start)")
     f.add_argument("--epochs", type=float, default=1.0, help="passes over the training sequences")
     f.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step")
     f.add_argument("--learning-rate", type=float, default=5e-4, help="peak AdamW learning rate")
@@ -77,7 +87,8 @@ def check_args(args):
         raise InputError(f"--stop-after must be >= 0 steps (0: evaluate and export the newest checkpoint), got "
                          f"{args.stop_after}")
     plan = CorpusPlan(passages=args.passages, tasks=args.tasks, grounded=args.grounded,
-                      sampled_fraction=args.sampled_fraction, batch_size=args.corpus_batch, seed=args.seed)
+                      sampled_fraction=args.sampled_fraction, batch_size=args.corpus_batch, seed=args.seed,
+                      requests=args.requests)
     tc = FeatureTrainConfig(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
                             unrolled_steps=args.unrolled_steps, seed=args.seed,
                             window=max(plan.max_new_tokens, plan.passage_tokens) + args.unrolled_steps + 8)
@@ -89,17 +100,24 @@ def check_args(args):
                 "ladder": tuple(sorted({0, 1, min(3, args.nodes), min(6, args.nodes), min(10, args.nodes),
                                        args.nodes}))}
     FeatureDrafter(cfg, **drafting)  # the shipped settings must make a valid drafter
+    if args.init_from is not None:
+        from specjax.speculation.drafters.feature import load_feature_drafter
+
+        load_feature_drafter(args.init_from, describe_model(args.model), load=False)  # exists, fits the LLM
     held = [p for path in args.exclude_prompts
             for p in read_prompts_file(path, flag="--exclude-prompts", allow_token_ids=False, plain_lines=True)]
+    evaluate = [p for path in args.eval_prompts
+                for p in read_prompts_file(path, flag="--eval-prompts", allow_token_ids=False, plain_lines=True)]
+    held += [p for p in evaluate if p not in set(held)]
     _writable_dir(args.corpus, "--corpus")
     _writable_dir(args.out, "--out")
     if args.export:
         check_destination(args.export)
-    return plan, tc, drafting, held
+    return plan, tc, drafting, held, evaluate
 
 
 def _cmd_feature_tune(args, out) -> int:
-    plan, tc, drafting, held = check_args(args)
+    plan, tc, drafting, held, evaluate = check_args(args)
     from specjax.boost.feature_tune import feature_tune
     from specjax.io.loader import load_model
 
@@ -107,10 +125,14 @@ def _cmd_feature_tune(args, out) -> int:
     llm = load_model(args.model, progress=not args.no_progress)
     summary = feature_tune(llm, args.corpus, args.out, plan, tc, drafting, draft_vocab=args.draft_vocab,
                            held_out=args.held_out, max_eval=args.max_eval, exclude=held, export=args.export,
-                           model_name=args.model, stop_after=args.stop_after, progress=not args.no_progress)
+                           model_name=args.model, stop_after=args.stop_after, init_from=args.init_from,
+                           eval_prompts=evaluate, progress=not args.no_progress)
     depth = summary["held_out_agreement"]["all"]
+    on_prompts = summary["eval_prompts_agreement"]
     out.write(f"feature-tune done in {time.perf_counter() - started:.0f} s (this run): held-out agreement by depth "
-              f"{', '.join(f'{a:.3f}' for a in depth)}" + (f"; drafter in {args.export}" if args.export else "") + "\n")
+              f"{', '.join(f'{a:.3f}' for a in depth)}"
+              + (f"; on the --eval-prompts {', '.join(f'{a:.3f}' for a in on_prompts['all'])}" if on_prompts else "")
+              + (f"; drafter in {args.export}" if args.export else "") + "\n")
     out.write(json.dumps({k: v for k, v in summary.items() if k != "history"}, default=_plain) + "\n")
     return 0
 

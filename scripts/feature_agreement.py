@@ -22,8 +22,6 @@ import json
 import os
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(__file__))
 import _bench_common as common  # noqa: E402
 
@@ -44,6 +42,7 @@ def main(argv=None) -> None:
     common.print_header("feature drafter agreement by depth on hand-written prompts")
     import specjax
     from specjax.boost.feature_corpus import CorpusPlan
+    from specjax.boost.feature_data import vocabulary_coverage
     from specjax.boost.feature_train import depth_agreement
     from specjax.boost.feature_tune import eval_prompt_set
     from specjax.speculation.drafters.feature import from_arg
@@ -53,15 +52,14 @@ def main(argv=None) -> None:
     plan = dataclasses.replace(CorpusPlan(), max_new_tokens=args.max_new_tokens)
     data = eval_prompt_set(llm, args.workdir, [r["prompt"] for r in records], plan,
                            categories=[str(r.get("category", "?")) for r in records], log=lambda *_: None)
-    cont = np.concatenate([data.sequence(i)[0][data.sequence(i)[3]:] for i in range(len(data))])
-    print(f"# {len(data)} prompts of {args.prompts_file}, {len(cont)} continuation tokens "
+    print(f"# {len(data)} prompts of {args.prompts_file}, {data.continuation_tokens()} continuation tokens "
           f"(max {args.max_new_tokens} each)")
     results = {}
     for spec in args.drafter:
         bound = from_arg(spec.split(":", 1)[1], llm, load=True, expansion=None, draft="topk")
-        coverage = float(np.isin(cont, np.asarray(bound.drafter.config.draft_vocab)).mean())
+        coverage = vocabulary_coverage(data, bound.drafter.config.draft_vocab)
         agreement = depth_agreement(bound.params, data, bound.drafter.config, steps=args.depths,
-                                    window=args.max_new_tokens + 8)
+                                    window=args.max_new_tokens + args.depths + 8)
         results[spec] = {"coverage": coverage, **agreement}
         print(f"{spec}: vocabulary covers {coverage:.3f} of the continuation tokens")
         print("  " + f"{'':16s}" + "".join(f"   d{d + 1}  " for d in range(args.depths)))

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.boost.feature_corpus import CorpusPlan
+from specjax.boost.feature_corpus import CorpusPlan, build_feature_corpus
 from specjax.boost.feature_train import FeatureTrainConfig
 from specjax.boost.request_prompts import extract_request, meta_prompts
 from specjax.boost.task_prompts import passage_prompts, stage1_prompts
+from specjax.errors import InputError
 from specjax.io.feature_checkpoint import restore_feature_drafter
 from tests.conftest import requires_smollm2
 
@@ -49,7 +50,7 @@ def test_meta_prompts_are_seeded_and_vary_kind_writer_and_topic():
      "What caused the fall of the Roman Empire?"),
     ("Question: What if the moon disappeared tomorrow?", "What if the moon disappeared tomorrow?"),
     ("**Request:** Please list five ideas for a rainy weekend.", "Please list five ideas for a rainy weekend."),
-    ("Here is how I would explain the steps of baking bread to a friend who has never", None),  # cut off
+    ("How would I explain the steps of baking bread to a friend who has never", None),  # cut off
     ("I'm sorry, but I cannot write that request.", None),  # a refusal
     ("Why?", None),  # too short
     ("Объясни, пожалуйста, как это работает?", None),  # mostly not ASCII
@@ -61,8 +62,10 @@ def test_extract_request_keeps_one_clean_request_or_none(text, kept):
 
 @requires_smollm2
 @pytest.mark.slow
-def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_path):
-    from specjax.boost.feature_tune import feature_tune
+def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_path, monkeypatch):
+    import specjax.boost.feature_tune as tune
+    from specjax.boost.feature_data import load_feature_set, split_held_out
+    from specjax.boost.feature_tune import _split, feature_tune
     from specjax.speculation.drafters.feature import from_arg
 
     plan = CorpusPlan(passages=2, tasks=4, grounded=4, sampled_fraction=0.5, max_new_tokens=6, passage_tokens=48,
@@ -105,10 +108,18 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
     # the corpus grown by self-written requests, the drafter continued from the finished one
     grown = dataclasses.replace(plan, requests=24, request_tokens=40)
     hand_written = ["What should I pack for a weekend hike?", "Explain how a bicycle gear works."]
+    excluded = []
+
+    def build(*args, exclude=(), **kwargs):
+        excluded.append(list(exclude))
+        return build_feature_corpus(*args, exclude=exclude, **kwargs)
+
+    monkeypatch.setattr(tune, "build_feature_corpus", build)
     more = feature_tune(smollm2, corpus, str(tmp_path / "run-more"), grown, tc, drafting,
                         export=str(tmp_path / "continued"), stop_after=0, init_from=str(tmp_path / "final"),
                         eval_prompts=hand_written, **kw)
     assert {p: os.path.getmtime(p) for p in stamps} == stamps  # the template parts are not redone
+    assert set(hand_written) <= set(excluded[-1]) and set(held) <= set(excluded[-1])  # evaluation is not training
     with open(os.path.join(corpus, "provenance.json")) as f:
         assert {"requests-written", "requests"} <= set(json.load(f))
     asked = [smollm2.tokenizer.decode(ids) for ids in _shard_prompts(os.path.join(corpus, "requests-written"))]
@@ -121,16 +132,16 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
     on_prompts = more["eval_prompts_agreement"]  # a second held-out set: the hand-written prompts' continuations
     assert on_prompts["prompts"] == 2 and len(on_prompts["all"]) == 6 and 0 < on_prompts["positions"] <= 12
     assert done["eval_prompts_agreement"] is None
-    # the template parts' split is the one the continued drafter was trained under: none of its training
-    # sequences are held out now
-    from specjax.boost.feature_tune import _split
-
+    # the template parts' split is the one the continued drafter was trained under (the split of the
+    # parts before requests): none of its training sequences are held out now
     parts = {name: (sorted(glob.glob(os.path.join(corpus, name, "shard-*.npz"))),
                     sorted(glob.glob(os.path.join(corpus, "features", name, "features-*.npz"))))
              for name in ("passages", "grounded-greedy", "grounded-sampled", "tasks-greedy", "tasks-sampled",
                           "requests")}
-    before = _split({k: v for k, v in parts.items() if k != "requests"}, 0.2, 0)
-    after_split = _split(parts, 0.2, 0)
+    base = {k: v for k, v in parts.items() if k != "requests"}
+    before, after_split = _split(base, 0.2, 0)[:2], _split(parts, 0.2, 0)[:2]
+    for old, new in zip(split_held_out(load_feature_set(base), 0.2, 0), before):
+        assert (old.tokens == new.tokens).all() and (old.offsets == new.offsets).all()
     for old, new in zip(before, after_split):
         n = len(old)
         assert (new.tokens[:old.offsets[-1]] == old.tokens).all() and (new.offsets[:n + 1] == old.offsets).all()
@@ -140,6 +151,16 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
     cfg, after, _ = restore_feature_drafter(str(tmp_path / "continued"))
     assert cfg.draft_vocab == bound.drafter.config.draft_vocab  # the vocabulary it was trained with, kept
     chex.assert_trees_all_equal(after, start)  # no step taken: it starts from the finished drafter's weights
+
+    # run again as it was: nothing is generated or recomputed (requests, their answers, the evaluation set)
+    stamps = {p: os.path.getmtime(p) for p in _files(corpus) if not p.endswith("provenance.json")}
+    feature_tune(smollm2, corpus, str(tmp_path / "run-more"), grown, tc, drafting, stop_after=0,
+                 init_from=str(tmp_path / "final"), eval_prompts=hand_written, **kw)
+    assert {p: os.path.getmtime(p) for p in stamps} == stamps
+    # another split of the same corpus could hold out what the drafter was trained on: refused
+    with pytest.raises(InputError, match="its held-out sequences may be in this run's training set"):
+        feature_tune(smollm2, corpus, str(tmp_path / "run-other"), grown, tc, drafting, stop_after=0,
+                     init_from=str(tmp_path / "final"), **{**kw, "held_out": 0.4})
 
 
 def _files(root):

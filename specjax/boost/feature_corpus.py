@@ -20,6 +20,7 @@ pads little. ``provenance.json`` records what each part was made from and how lo
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -49,9 +50,10 @@ class CorpusPlan:
                      "request_tokens"):
             if getattr(self, name) < 1:
                 raise InputError(f"corpus plan: {name} must be >= 1, got {getattr(self, name)}")
-        if self.requests < 0 or not 0.0 < self.request_temperature <= 2.0:
-            raise InputError(f"corpus plan: requests must be >= 0 and request_temperature in (0, 2], got "
-                             f"{self.requests}, {self.request_temperature}")
+        if self.requests < 0:
+            raise InputError(f"corpus plan: requests must be >= 0, got {self.requests}")
+        if not 0.0 < self.request_temperature <= 2.0:
+            raise InputError(f"corpus plan: request_temperature must be in (0, 2], got {self.request_temperature}")
         if not 0.0 <= self.sampled_fraction <= 1.0:
             raise InputError(f"corpus plan: sampled_fraction must be in [0, 1], got {self.sampled_fraction}")
 
@@ -82,11 +84,11 @@ def build_feature_corpus(model, out_dir: str, plan: CorpusPlan = CorpusPlan(), e
     def by_length(prompts):
         return sorted(prompts, key=lambda p: len(tpl.encode(p)))
 
-    def run(name, prompts, temperature, max_new):
+    def run(name, prompts, temperature, max_new, recipe=None):
         started = time.perf_counter()
         paths = generate_corpus(model, by_length(prompts), dirs[name], max_new_tokens=max_new,
                                 batch_size=plan.batch_size, temperatures=(temperature,), seed=plan.seed,
-                                progress=progress, recipe=part_recipe(plan, name))
+                                progress=progress, recipe={**part_recipe(plan, name), **(recipe or {})})
         _record(out_dir, name, len(prompts), temperature, time.perf_counter() - started)
         return paths
 
@@ -109,13 +111,18 @@ def build_feature_corpus(model, out_dir: str, plan: CorpusPlan = CorpusPlan(), e
     if plan.requests:
         written = run("requests-written", [p for _, p in meta_prompts(plan.requests, seed=plan.seed)],
                       plan.request_temperature, plan.request_tokens)
-        held = set(exclude)
+        # a request equal to a template prompt would be the same greedy sequence in two parts, which are
+        # split apart (``feature_tune``): held out in one, trained on in the other
+        taken = set(exclude) | set(ordered) | set(grounded) | set(tasks)
         kept = [r for r in dict.fromkeys(filter(None, map(extract_request, _continuations(written, tpl))))
-                if r not in held]
+                if r not in taken]
         if not kept:
-            raise InputError(f"{dirs['requests-written']}: none of the {plan.requests} written requests was usable")
+            raise InputError(f"{dirs['requests-written']}: none of the {plan.requests} written requests was usable; "
+                             f"remove that directory and ask for more (--requests)")
         log(f"requests: kept {len(kept)} of {plan.requests} written")
-        shards["requests"] = run("requests", kept, 0.0, plan.max_new_tokens)
+        # the kept requests depend on extract_request and the held-out prompts too: the manifest names them
+        digest = hashlib.sha256(json.dumps(kept).encode()).hexdigest()
+        shards["requests"] = run("requests", kept, 0.0, plan.max_new_tokens, recipe={"requests_sha256": digest})
     log(f"corpus {out_dir}: {sum(len(v) for v in shards.values())} shards")
     return shards
 

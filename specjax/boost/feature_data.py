@@ -220,7 +220,8 @@ def split_held_out(data: FeatureSet, fraction: float, seed: int = 0) -> tuple[Fe
 
 def vocabulary_coverage(data: FeatureSet, vocab) -> float:
     """The share of ``data``'s continuation tokens that a drafter with draft vocabulary ``vocab`` can name."""
-    cont = np.concatenate([data.sequence(i)[0][data.sequence(i)[3]:] for i in range(len(data))])
+    cont = [ids[prompt_len:] for ids, _, _, prompt_len in map(data.sequence, range(len(data)))]
+    cont = np.concatenate(cont) if cont else np.zeros((0,), np.int32)
     return float(np.isin(cont, np.asarray(vocab)).mean()) if len(cont) else 0.0
 
 

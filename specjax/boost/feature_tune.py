@@ -26,6 +26,7 @@ from specjax.boost.feature_data import (
     vocabulary_coverage,
 )
 from specjax.boost.feature_train import FeatureTrainConfig, depth_agreement, split_params, train_feature
+from specjax.errors import InputError
 from specjax.models.feature import FeatureConfig, bind, init_trained
 from specjax.types import Model
 
@@ -41,11 +42,12 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
     (the summary says how many of the planned steps are done; running again resumes the training).
     ``init_from``: a trained feature drafter (registered name or directory) to continue from, its
     draft vocabulary kept (fine-tuning on a grown corpus) instead of a fresh start. ``eval_prompts``:
-    prompts from outside the corpus's generator (hand-written; keep them in ``exclude`` too) whose
+    prompts from outside the corpus's generator (hand-written; held out of training too) whose
     greedy continuations are a second held-out set, reported beside the split's: the split shares its
     training data's generator, so it flatters the drafter (``eval_prompt_set``)."""
     timing = {}
     started = time.perf_counter()
+    exclude = list(dict.fromkeys([*exclude, *eval_prompts]))  # evaluation prompts are never training prompts
     shards = build_feature_corpus(llm, corpus_dir, plan, exclude=exclude, progress=progress, log=log)
     timing["corpus_s"] = time.perf_counter() - started
     started = time.perf_counter()
@@ -53,13 +55,13 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
                                           log=log))
              for name, paths in shards.items()}
     timing["features_s"] = time.perf_counter() - started
-    train, held = _split(parts, held_out, tc.seed)
+    train, held, groups = _split(parts, held_out, tc.seed)
     if init_from is None:
         vocab, coverage = draft_vocabulary(train, draft_vocab, llm.config.vocab_size)
         cfg = FeatureConfig(llm.config, vocab)
         params = bind(init_trained(llm.params, cfg, jax.random.key(tc.seed)), llm.params, cfg)
     else:
-        cfg, params = _start_from(init_from, llm)
+        cfg, params = _start_from(init_from, llm, groups, tc.seed)
         coverage = vocabulary_coverage(train, cfg.draft_vocab)
     evaluation = held.subset(np.arange(min(max_eval, len(held))))
     prompt_set = eval_prompt_set(llm, corpus_dir, list(eval_prompts), plan, progress, log) if eval_prompts else None
@@ -91,22 +93,26 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
         trained, _ = split_params(params, cfg)
         save_feature_drafter(export, cfg, trained, drafting,
                              extra={"trained": {k: summary[k] for k in ("model", "plan", "train", "sequences",
-                                                                        "tokens", "draft_vocab", "steps",
-                                                                        "held_out_agreement")}})
+                                                                        "tokens", "draft_vocab", "init_from", "steps",
+                                                                        "held_out_agreement",
+                                                                        "eval_prompts_agreement")}})
         log(f"exported the drafter to {export}")
     return summary
 
 
-def _split(parts: dict, fraction: float, seed: int) -> tuple[FeatureSet, FeatureSet]:
-    """(train, held out). The template parts are split together and a requests part on its own, so
-    adding requests to a corpus leaves the template parts' split as it was: a drafter continued with
-    ``init_from`` on the grown corpus is never evaluated on sequences it was trained on."""
+def _split(parts: dict, fraction: float, seed: int) -> tuple[FeatureSet, FeatureSet, dict]:
+    """(train, held out, {group: {"train": n, "held_out": n}}). The template parts are split together and
+    a requests part on its own, so adding requests to a corpus leaves the template parts' split as it
+    was: a drafter continued with ``init_from`` on the grown corpus is not evaluated on sequences it
+    was trained on (``_check_split``)."""
     base = {name: paths for name, paths in parts.items() if name not in REQUEST_PARTS}
     train, held = split_held_out(load_feature_set(base), fraction, seed=seed)
+    groups = {"templates": {"train": len(train), "held_out": len(held)}}
     if "requests" in parts:
         more_train, more_held = split_held_out(load_feature_set({"requests": parts["requests"]}), fraction, seed=seed)
         train, held = concat_sets(train, more_train), concat_sets(held, more_held)
-    return train, held
+        groups["requests"] = {"train": len(more_train), "held_out": len(more_held)}
+    return train, held, groups
 
 
 def eval_prompt_set(llm: Model, corpus_dir: str, prompts: list[str], plan: CorpusPlan, progress: bool = True,
@@ -114,7 +120,11 @@ def eval_prompt_set(llm: Model, corpus_dir: str, prompts: list[str], plan: Corpu
     """The LLM's greedy continuations of ``prompts`` (``plan.max_new_tokens``, chat template) with their
     features, made once under ``corpus_dir/eval-XXXXXXXXXXXX`` (named by the prompts' hash; never
     training data). ``categories``: one per prompt, the set's parts (default: one part)."""
-    digest = hashlib.sha256(json.dumps([prompts, plan.max_new_tokens]).encode()).hexdigest()[:12]
+    if categories is not None and len(categories) != len(prompts):
+        raise InputError(f"eval prompts: {len(categories)} categories for {len(prompts)} prompts")
+    # named by what the continuations depend on: the prompts, their length, the seed and the LLM
+    digest = hashlib.sha256(json.dumps([prompts, plan.max_new_tokens, plan.seed,
+                                        llm.config.to_dict()]).encode()).hexdigest()[:12]
     out = os.path.join(corpus_dir, f"eval-{digest}")
     shards = generate_corpus(llm, prompts, os.path.join(out, "continuations"), max_new_tokens=plan.max_new_tokens,
                              batch_size=plan.batch_size, temperatures=(0.0,), seed=plan.seed, progress=progress,
@@ -128,13 +138,35 @@ def eval_prompt_set(llm: Model, corpus_dir: str, prompts: list[str], plan: Corpu
     return data
 
 
-def _start_from(name_or_path: str, llm: Model):
-    """(config, bound params) of a trained drafter for ``llm``, to continue training it."""
+def _start_from(name_or_path: str, llm: Model, groups: dict, seed: int):
+    """(config, bound params) of a trained drafter for ``llm``, to continue training it on this corpus."""
+    from specjax.io import registry
+    from specjax.io.feature_checkpoint import read_feature_meta
     from specjax.speculation.drafters.feature import load_feature_drafter
 
     bound = load_feature_drafter(name_or_path, llm)  # checks that it was trained for this LLM
+    path = registry.resolve(name_or_path) if registry.is_feature_drafter(name_or_path) else name_or_path
+    _check_split(name_or_path, read_feature_meta(path)[2].get("trained"), groups, seed)
     params = jax.tree.map(lambda a: a.astype(llm.params["embed"].dtype), bound.params)
     return bound.drafter.config, params
+
+
+def _check_split(name: str, trained: dict | None, groups: dict, seed: int) -> None:
+    """Refuse to continue a drafter whose training run split its sequences otherwise than this run does
+    (another seed, --held-out or corpus): its training sequences could be held out here and flatter it.
+    Its run covered the template parts, and the requests part if its plan had one."""
+    if not trained or not {"plan", "train", "sequences"} <= set(trained):
+        raise InputError(f"--init-from {name}: its metadata does not record its training run (plan, seed, split), "
+                         f"so its held-out split cannot be checked against this run's")
+    covered = ["templates"] + (["requests"] if trained["plan"].get("requests") else [])
+    if any(g not in groups for g in covered):
+        raise InputError(f"--init-from {name}: it was trained with a requests part this corpus plan does not have")
+    here = {k: sum(groups[g][k] for g in covered) for k in ("train", "held_out")}
+    if trained["train"].get("seed") != seed or trained["sequences"] != here:
+        raise InputError(f"--init-from {name}: trained with seed {trained['train'].get('seed')} on "
+                         f"{trained['sequences']} sequences, but this run splits the same parts into {here} with "
+                         f"seed {seed}: use its corpus, --seed and --held-out, or its held-out sequences may be in "
+                         f"this run's training set")
 
 
 def _steps_done(run_dir: str) -> int:

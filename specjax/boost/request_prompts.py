@@ -50,7 +50,7 @@ _QUOTED = re.compile(r"[\"\u201c]([^\"\u201d]{10,})[\"\u201d]")
 
 def meta_prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:
     """``n`` seeded (kind, prompt asking the LLM to write a request) pairs."""
-    rng = np.random.RandomState(seed + 3)
+    rng = np.random.RandomState(seed + 3)  # its own stream: task_prompts draws with seed + 0, 1, 2
     kinds = list(META)
     out = []
     for _ in range(n):

@@ -65,7 +65,8 @@ def add_parser(sub, formatter_class) -> None:
 
 
 def check_args(args):
-    """Everything checked before any work: (corpus plan, training config, drafting settings, held-out prompts)."""
+    """Everything checked before any work: (corpus plan, training config, drafting settings, held-out prompts,
+    evaluation prompts)."""
     from specjax.boost.feature_corpus import CorpusPlan
     from specjax.boost.feature_train import FeatureTrainConfig
     from specjax.cli.boost import _writable_dir
@@ -103,12 +104,15 @@ def check_args(args):
     if args.init_from is not None:
         from specjax.speculation.drafters.feature import load_feature_drafter
 
-        load_feature_drafter(args.init_from, describe_model(args.model), load=False)  # exists, fits the LLM
+        start = load_feature_drafter(args.init_from, describe_model(args.model), load=False)  # exists, fits the LLM
+        if start.drafter.config.fused:  # the corpus features are the final ones only
+            raise InputError(f"--init-from {args.init_from}: it reads fused LLM layers {start.drafter.config.fused}; "
+                             f"feature-tune trains drafters of the final feature only")
     held = [p for path in args.exclude_prompts
             for p in read_prompts_file(path, flag="--exclude-prompts", allow_token_ids=False, plain_lines=True)]
     evaluate = [p for path in args.eval_prompts
                 for p in read_prompts_file(path, flag="--eval-prompts", allow_token_ids=False, plain_lines=True)]
-    held += [p for p in evaluate if p not in set(held)]
+    held += evaluate  # never training prompts (feature_tune holds them out too)
     _writable_dir(args.corpus, "--corpus")
     _writable_dir(args.out, "--out")
     if args.export:

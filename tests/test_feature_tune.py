@@ -205,7 +205,7 @@ def test_the_committed_corpus_v2_is_whole_and_the_readme_command_resumes_it(smol
     """scripts/data/feature_corpus_v2.tar.xz: every part has the shards and sequences its manifest
     promises (continuations within max_new_tokens, ids within the vocabulary), and the corpus stage of
     the README's command (--tasks 6400, the three held-out prompt files) finds all of it: nothing is
-    generated."""
+    generated; the same for v3's command with the requests parts extracted on top."""
     import tarfile
 
     import specjax.boost.corpus as corpus
@@ -241,3 +241,13 @@ def test_the_committed_corpus_v2_is_whole_and_the_readme_command_resumes_it(smol
     shards = build_feature_corpus(smollm2, str(out), CorpusPlan(tasks=6400), exclude=held, progress=False,
                                   log=lambda *_: None)
     assert sum(len(v) for v in shards.values()) == 81
+
+    # v3's requests parts (scripts/data/feature_corpus_v3_requests.tar.xz) on top: the README's v3 command
+    # (--requests 4000) finds them whole, the kept requests the same as its manifest names (sha256)
+    with tarfile.open(os.path.join(root, "scripts", "data", "feature_corpus_v3_requests.tar.xz")) as tar:
+        tar.extractall(tmp_path, filter="data")
+    shards = build_feature_corpus(smollm2, str(out), CorpusPlan(tasks=6400, requests=4000), exclude=held,
+                                  progress=False, log=lambda *_: None)
+    assert sum(len(v) for v in shards.values()) == 81 + 22 and "requests-written" not in shards
+    answered = [s for path in shards["requests"] for s in read_shard(path)]
+    assert len(answered) == json.load(open(out / "requests" / "manifest.json"))["num_prompts"] > 2000

@@ -139,15 +139,23 @@ def _checked_training_commands(command_name: str, check_args) -> list:
     command does before any work) from the repository root; prompt files not beside it are dropped.
     Returns the parsed arguments."""
     from specjax.cli import build_parser
+    from specjax.io import registry
 
     commands = [c for c in _commands(_readme()) if c.startswith(f"specjax {command_name}")]
     assert commands
-    parsed = []
+    parsed, exported = [], set()
     for command in commands:
         args = build_parser().parse_args(shlex.split(command.split(" && ")[0])[1:])
         args.exclude_prompts = [p for p in args.exclude_prompts if os.path.exists(os.path.join(ROOT, p))]
         if hasattr(args, "eval_prompts"):
             args.eval_prompts = [p for p in args.eval_prompts if os.path.exists(os.path.join(ROOT, p))]
+        if getattr(args, "init_from", None) and not registry.is_feature_drafter(args.init_from) \
+                and not os.path.exists(os.path.join(ROOT, args.init_from)):
+            # a recipe in steps: it continues what an earlier README command exports (not made here)
+            assert args.init_from in exported, f"--init-from {args.init_from}: no earlier README command exports it"
+            args.init_from = None
+        if getattr(args, "export", None):
+            exported.add(args.export)
         cwd = os.getcwd()
         try:
             os.chdir(ROOT)

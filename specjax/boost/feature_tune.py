@@ -140,13 +140,11 @@ def eval_prompt_set(llm: Model, corpus_dir: str, prompts: list[str], plan: Corpu
 
 def _start_from(name_or_path: str, llm: Model, groups: dict, seed: int):
     """(config, bound params) of a trained drafter for ``llm``, to continue training it on this corpus."""
-    from specjax.io import registry
     from specjax.io.feature_checkpoint import read_feature_meta
-    from specjax.speculation.drafters.feature import load_feature_drafter
+    from specjax.speculation.drafters.feature import feature_drafter_path, load_feature_drafter
 
     bound = load_feature_drafter(name_or_path, llm)  # checks that it was trained for this LLM
-    path = registry.resolve(name_or_path) if registry.is_feature_drafter(name_or_path) else name_or_path
-    _check_split(name_or_path, read_feature_meta(path)[2].get("trained"), groups, seed)
+    _check_split(name_or_path, read_feature_meta(feature_drafter_path(name_or_path))[2].get("trained"), groups, seed)
     params = jax.tree.map(lambda a: a.astype(llm.params["embed"].dtype), bound.params)
     return bound.drafter.config, params
 

@@ -66,7 +66,7 @@ def add_parser(sub, formatter_class) -> None:
 
 def check_args(args):
     """Everything checked before any work: (corpus plan, training config, drafting settings, held-out prompts,
-    evaluation prompts)."""
+    evaluation prompts: ``feature_tune`` holds these out of training too)."""
     from specjax.boost.feature_corpus import CorpusPlan
     from specjax.boost.feature_train import FeatureTrainConfig
     from specjax.cli.boost import _writable_dir
@@ -112,7 +112,6 @@ def check_args(args):
             for p in read_prompts_file(path, flag="--exclude-prompts", allow_token_ids=False, plain_lines=True)]
     evaluate = [p for path in args.eval_prompts
                 for p in read_prompts_file(path, flag="--eval-prompts", allow_token_ids=False, plain_lines=True)]
-    held += evaluate  # never training prompts (feature_tune holds them out too)
     _writable_dir(args.corpus, "--corpus")
     _writable_dir(args.out, "--out")
     if args.export:

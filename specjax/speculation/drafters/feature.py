@@ -339,18 +339,26 @@ def _pack(bits: jax.Array, words: int) -> jax.Array:
     return jnp.sum(b << jnp.arange(32, dtype=jnp.uint32), axis=-1).astype(jnp.uint32)
 
 
-def load_feature_drafter(name_or_path: str, llm: Model, load: bool = True, **drafting) -> Bound:
-    """A trained feature drafter (registered name or checkpoint directory) bound to ``llm``'s params.
-    ``drafting`` overrides the shipped depth / beam / nodes / ladder. ``load=False``: the drafter only
-    (params None), for checks before any weights load."""
+def feature_drafter_path(name_or_path: str) -> str:
+    """The checkpoint directory of a registered feature drafter's name, or of a directory holding one."""
     from specjax.io import registry
-    from specjax.io.feature_checkpoint import is_feature_checkpoint, read_feature_meta, restore_feature_drafter
-    from specjax.models.feature import bind
+    from specjax.io.feature_checkpoint import is_feature_checkpoint
 
     path = registry.resolve(name_or_path) if registry.is_feature_drafter(name_or_path) else name_or_path
     if not is_feature_checkpoint(path):
         raise InputError(f"feature drafter {name_or_path!r}: not a registered name "
                          f"({registry.feature_drafter_names()}) nor a directory with a feature_drafter.json")
+    return path
+
+
+def load_feature_drafter(name_or_path: str, llm: Model, load: bool = True, **drafting) -> Bound:
+    """A trained feature drafter (registered name or checkpoint directory) bound to ``llm``'s params.
+    ``drafting`` overrides the shipped depth / beam / nodes / ladder. ``load=False``: the drafter only
+    (params None), for checks before any weights load."""
+    from specjax.io.feature_checkpoint import read_feature_meta, restore_feature_drafter
+    from specjax.models.feature import bind
+
+    path = feature_drafter_path(name_or_path)
     cfg, shipped, _ = read_feature_meta(path)
     if cfg.llm != llm.config:
         ours, theirs = llm.config.to_dict(), cfg.llm.to_dict()

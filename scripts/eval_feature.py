@@ -66,7 +66,10 @@ def part_kinds(llm, records, configs, n: int, results: dict) -> None:
     prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in records])
     kinds = [r.get("category", "?") for r in records]
     seeded = specjax.SamplingParams(temperature=1.0, seed=17)
-    per = {name: collections.defaultdict(lambda: [0, 0.0, 0]) for name in configs}
+    # per kind: [tokens, seconds, LLM passes, seconds after prefill, requests]; the prefill emits each
+    # request's first token, so the decode rate is (tokens - 1) / (seconds - prefill) per request: the part
+    # speculation changes (tok/s end to end include the prefill, alike for every configuration)
+    per = {name: collections.defaultdict(lambda: [0, 0.0, 0, 0.0, 0]) for name in configs}
     depth_hits = {name: None for name in configs}
     hist = {name: collections.Counter() for name in configs}
     sampled = {name: [0, 0] for name in configs}
@@ -85,6 +88,8 @@ def part_kinds(llm, records, configs, n: int, results: dict) -> None:
             cell[0] += len(toks)
             cell[1] += res.stats["seconds"]
             cell[2] += res.stats["llm_passes"]
+            cell[3] += res.stats["seconds"] - res.stats["prefill_seconds"]
+            cell[4] += 1
             if name != "incremental":
                 acc = np.asarray(res.stats["accepted_at_depth"], float)
                 depth_hits[name] = acc if depth_hits[name] is None else _add(depth_hits[name], acc)
@@ -103,12 +108,18 @@ def part_kinds(llm, records, configs, n: int, results: dict) -> None:
         print(f"# {name}: tokens per pass " + ", ".join(cells) + f"; {rate:.2f} tok/s", flush=True)
         jax.clear_caches()
     kind_names = sorted(set(kinds))
-    out = {"kinds": kind_names, "tokens_per_pass": {}, "tokens_per_s": {}, "t1_tokens_per_pass": {},
+    out = {"kinds": kind_names, "tokens_per_pass": {}, "tokens_per_s": {}, "decode_tokens_per_s": {},
+           "t1_tokens_per_pass": {},
            "accepted_at_depth": {}, "histogram": {}, "mismatches": dict(mismatches)}
     print(f"\n# tokens per LLM pass by task kind (batch 1, greedy, {n} new tokens, {len(records)} prompts)")
     print(f"{'drafter':<30} " + " ".join(f"{k[:11]:>11}" for k in kind_names) + f" {'all':>6} {'tok/s':>7} "
-          f"{'vs inc':>7} {'T=1':>5}")
+          f"{'vs inc':>7} {'decode':>7} {'vs inc':>7} {'T=1':>5}")
+
+    def decode_rate(cells):
+        return sum(c[0] - c[4] for c in cells) / sum(c[3] for c in cells)
+
     base = sum(c[0] for c in per["incremental"].values()) / sum(c[1] for c in per["incremental"].values())
+    decode_base = decode_rate(per["incremental"].values())
     for name in configs:
         tpp = {k: per[name][k][0] / max(per[name][k][2], 1) for k in kind_names}
         tokens = sum(c[0] for c in per[name].values())
@@ -117,12 +128,14 @@ def part_kinds(llm, records, configs, n: int, results: dict) -> None:
         t1 = sampled[name][0] / sampled[name][1] if sampled[name][1] else float("nan")
         out["tokens_per_pass"][name] = {**tpp, "all": tokens / passes}
         out["tokens_per_s"][name] = rate
+        decode = out["decode_tokens_per_s"][name] = decode_rate(per[name].values())
         out["t1_tokens_per_pass"][name] = t1
         if depth_hits[name] is not None:
             out["accepted_at_depth"][name] = (depth_hits[name] / passes).tolist()
             out["histogram"][name] = [hist[name][k] for k in range(max(hist[name]) + 1)]
         print(f"{name:<30} " + " ".join(f"{tpp[k]:>11.2f}" for k in kind_names)
-              + f" {tokens / passes:>6.2f} {rate:>7.2f} {rate / base:>6.2f}x {t1:>5.2f}")
+              + f" {tokens / passes:>6.2f} {rate:>7.2f} {rate / base:>6.2f}x"
+              f" {decode:>7.2f} {decode / decode_base:>6.2f}x {t1:>5.2f}")
     print(f"# outputs different from incremental decoding (greedy / seeded): {dict(mismatches) or 'none'}")
     results["kinds"] = out
 

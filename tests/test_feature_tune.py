@@ -157,6 +157,10 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
     feature_tune(smollm2, corpus, str(tmp_path / "run-more"), grown, tc, drafting, stop_after=0,
                  init_from=str(tmp_path / "final"), eval_prompts=hand_written, **kw)
     assert {p: os.path.getmtime(p) for p in stamps} == stamps
+    # the same run directory continued from other weights (same vocabulary and split): refused, not resumed
+    with pytest.raises(InputError, match="another recipe"):
+        feature_tune(smollm2, corpus, str(tmp_path / "run-more"), grown, tc, drafting, stop_after=0,
+                     init_from=str(tmp_path / "early"), eval_prompts=hand_written, **kw)
     # another split of the same corpus could hold out what the drafter was trained on: refused
     with pytest.raises(InputError, match="its held-out sequences may be in this run's training set"):
         feature_tune(smollm2, corpus, str(tmp_path / "run-other"), grown, tc, drafting, stop_after=0,

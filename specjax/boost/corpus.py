@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from specjax.api import generate
+from specjax.api import encode_prompts, generate
 from specjax.decoding.sampling import SamplingParams
 from specjax.errors import InputError
 
@@ -90,9 +90,10 @@ def generate_corpus(model, prompts, out_dir: str, *, max_new_tokens: int = 128, 
     for index, (temperature, start) in enumerate(tqdm(jobs, desc="LLM continuations", disable=not progress)):
         path = os.path.join(out_dir, f"shard-{index:05d}.npz")
         paths.append(path)
-        if os.path.exists(path):
-            continue  # resumable: this shard was written by an earlier run
         batch = prompts[start:start + batch_size]
+        if os.path.exists(path):  # resumable: this shard was written by an earlier run, from these prompts
+            _check_shard_prompts(path, encode_prompts(model, batch, chat_template))
+            continue
         first = seed + index * batch_size
         sampling = [SamplingParams(temperature=temperature, seed=first + j) for j in range(len(batch))]
         result = generate(model, batch, max_new_tokens=max_new_tokens, sampling=sampling,
@@ -105,6 +106,18 @@ def generate_corpus(model, prompts, out_dir: str, *, max_new_tokens: int = 128, 
                  temperature=np.float32(temperature), seeds=np.arange(first, first + len(batch), dtype=np.int64))
         os.replace(tmp, path)  # a shard is either complete or absent
     return paths
+
+
+def _check_shard_prompts(path: str, expected: list[list[int]]) -> None:
+    """Refuse a shard made from other prompts: the manifest counts prompts but does not name them, so a
+    changed held-out list (``--exclude-prompts``) of the same size would otherwise reuse shards that
+    may hold the prompts now held out."""
+    made = [seq[:n] for seq, n in read_shard(path)]
+    if made != expected:
+        which = next((i for i, (a, b) in enumerate(zip(made, expected)) if a != b), min(len(made), len(expected)))
+        raise InputError(f"{path}: made from other prompts than this run's (request {which} of the shard differs; "
+                         f"{len(made)} prompts there, {len(expected)} here), e.g. after a changed held-out list; "
+                         f"use another directory")
 
 
 def read_shard(path: str) -> list[tuple[list[int], int]]:

@@ -256,12 +256,15 @@ def _agreement_fn(cfg: FeatureConfig, steps: int, window: int):
 
 def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: FeatureTrainConfig, run_dir: str, *,
                   held_out: FeatureSet | None = None, eval_prompts: FeatureSet | None = None, eval_steps: int = 6,
-                  progress: bool = True, log=print, stop_after: int | None = None) -> tuple[dict, list[dict]]:
+                  progress: bool = True, log=print, stop_after: int | None = None,
+                  start: str | None = None) -> tuple[dict, list[dict]]:
     """Train the drafter (bound params: ``specjax.models.feature.bind``) on ``data``; resumes from the
     newest checkpoint in ``run_dir``. Returns (trained bound params, evaluation history). History rows:
     {step, loss, per-step ce/reg/agreement of the last batch, held-out agreement by depth, and the same
     on ``eval_prompts`` (continuations of prompts from outside the corpus's generator)}.
-    ``stop_after``: return after this many steps of this call (a later call resumes)."""
+    ``stop_after``: return after this many steps of this call (a later call resumes). ``start``: what
+    names the starting weights when they are not the seed's initialisation (a continued drafter's
+    digest): part of the run's recipe, so a run directory is not resumed from other weights."""
     import optax
     from tqdm import tqdm
 
@@ -276,6 +279,8 @@ def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: Featur
     vocab_id = hashlib.sha256(np.asarray(cfg.draft_vocab, np.int64).tobytes()).hexdigest()[:16]
     recipe = {"train": dataclasses.asdict(tc), "sequences": len(data), "tokens": int(data.lengths.sum()),
               "draft_vocab": [len(cfg.draft_vocab), vocab_id]}
+    if start is not None:  # absent for a fresh start, so the recipes of earlier fresh runs still resume
+        recipe["start"] = start
     run = RunDir(run_dir, recipe)
     step, trained, opt_state, history = run.resume(trained, opt_state)
     if step:

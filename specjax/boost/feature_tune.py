@@ -56,18 +56,21 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
              for name, paths in shards.items()}
     timing["features_s"] = time.perf_counter() - started
     train, held, groups = _split(parts, held_out, tc.seed)
+    start = None  # a fresh start is named by the recipe's seed; a continued one by its weights
     if init_from is None:
         vocab, coverage = draft_vocabulary(train, draft_vocab, llm.config.vocab_size)
         cfg = FeatureConfig(llm.config, vocab)
         params = bind(init_trained(llm.params, cfg, jax.random.key(tc.seed)), llm.params, cfg)
     else:
         cfg, params = _start_from(init_from, llm, groups, tc.seed)
+        start = weights_digest(split_params(params, cfg)[0])
         coverage = vocabulary_coverage(train, cfg.draft_vocab)
     evaluation = held.subset(np.arange(min(max_eval, len(held))))
     prompt_set = eval_prompt_set(llm, corpus_dir, list(eval_prompts), plan, progress, log) if eval_prompts else None
     started = time.perf_counter()
     params, history = train_feature(params, train, cfg, tc, run_dir, held_out=evaluation, eval_prompts=prompt_set,
-                                    eval_steps=EVAL_DEPTHS, progress=progress, log=log, stop_after=stop_after)
+                                    start=start, eval_steps=EVAL_DEPTHS, progress=progress, log=log,
+                                    stop_after=stop_after)
     timing["train_s_this_run"] = time.perf_counter() - started
     final = depth_agreement(params, held, cfg, steps=EVAL_DEPTHS, window=tc.window, batch_size=tc.batch_size)
     on_prompts = None if prompt_set is None else depth_agreement(params, prompt_set, cfg, steps=EVAL_DEPTHS,
@@ -165,6 +168,14 @@ def _check_split(name: str, trained: dict | None, groups: dict, seed: int) -> No
                          f"{trained['sequences']} sequences, but this run splits the same parts into {here} with "
                          f"seed {seed}: use its corpus, --seed and --held-out, or its held-out sequences may be in "
                          f"this run's training set")
+
+
+def weights_digest(trained: dict) -> str:
+    """A short sha256 of a drafter's trained weights (leaves in tree order, float32 bytes)."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(trained):
+        digest.update(np.asarray(leaf, np.float32).tobytes())
+    return digest.hexdigest()[:16]
 
 
 def _steps_done(run_dir: str) -> int:

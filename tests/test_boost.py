@@ -54,11 +54,14 @@ def test_corpus_is_the_llm_own_continuations_and_resumes(tmp_path):
     assert os.path.getmtime(paths[0]) == stamp and os.path.exists(paths[3])  # only the missing shard is redone
     with pytest.raises(InputError, match="use another directory"):
         generate_corpus(model, prompts, out, max_new_tokens=8, batch_size=2, chat_template=False, progress=False)
-    # as many prompts, one of them other (a changed held-out list): the shards made from the old ones are refused
-    other = [prompts[0], [t + 1 for t in prompts[1]], prompts[2]]
-    with pytest.raises(InputError, match="shard-00000.npz: made from other prompts.*request 1 of the shard"):
+    # as many prompts, one of them other (a changed held-out list): the shards made from the old ones are
+    # refused, before the missing shard before them is generated
+    os.remove(paths[0])
+    other = [prompts[0], prompts[1], [t + 1 for t in prompts[2]]]
+    with pytest.raises(InputError, match="shard-00001.npz: made from other prompts.*request 0 of the shard"):
         generate_corpus(model, other, out, max_new_tokens=6, batch_size=2, temperatures=(0.0, 1.0), seed=7,
                         chat_template=False, progress=False)
+    assert not os.path.exists(paths[0])
 
 
 def test_teacher_targets_are_the_llm_top_k_at_each_continuation_token():

@@ -84,16 +84,17 @@ def generate_corpus(model, prompts, out_dir: str, *, max_new_tokens: int = 128, 
         with open(manifest_path, "w") as f:
             json.dump(manifest, f, indent=1)
     jobs = [(t, i) for t in temperatures for i in range(0, len(prompts), batch_size)]
-    paths = []
+    paths = [os.path.join(out_dir, f"shard-{index:05d}.npz") for index in range(len(jobs))]
+    for path, (_, start) in zip(paths, jobs):  # before any generation: every reused shard is from these prompts
+        if os.path.exists(path):
+            _check_shard_prompts(path, encode_prompts(model, prompts[start:start + batch_size], chat_template))
     from tqdm import tqdm
 
     for index, (temperature, start) in enumerate(tqdm(jobs, desc="LLM continuations", disable=not progress)):
-        path = os.path.join(out_dir, f"shard-{index:05d}.npz")
-        paths.append(path)
+        path = paths[index]
+        if os.path.exists(path):
+            continue  # resumable: this shard was written by an earlier run (checked above)
         batch = prompts[start:start + batch_size]
-        if os.path.exists(path):  # resumable: this shard was written by an earlier run, from these prompts
-            _check_shard_prompts(path, encode_prompts(model, batch, chat_template))
-            continue
         first = seed + index * batch_size
         sampling = [SamplingParams(temperature=temperature, seed=first + j) for j in range(len(batch))]
         result = generate(model, batch, max_new_tokens=max_new_tokens, sampling=sampling,

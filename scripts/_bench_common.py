@@ -22,7 +22,9 @@ def machine() -> str:
             mem = f"{int(f.readline().split()[1]) / 2**20:.0f} GiB RAM"
     except OSError:
         pass
-    return (f"{cpu}, {os.cpu_count()} cores, {mem}; jax {jax.__version__} on {jax.devices()[0].platform}; "
+    dev = jax.devices()[0]
+    accel = "" if dev.platform == "cpu" else f" ({dev.device_kind})"
+    return (f"{cpu}, {os.cpu_count()} cores, {mem}; jax {jax.__version__} on {dev.platform}{accel}; "
             f"python {platform.python_version()}")
 
 
@@ -44,13 +46,15 @@ def load_prompts(path: str, n: int | None, stride: int = 1) -> list[dict]:
     return records[:n] if n else records
 
 
-def load_hf_reference(gguf_path: str):
-    """transformers' own model for the same GGUF file, float32 (needs torch + accelerate)."""
+def load_hf_reference(path: str, dtype: str = "float32"):
+    """transformers' own model for the same weights: a GGUF file or an HF directory (needs torch +
+    accelerate)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
-                                                 dtype=torch.float32)
+    kw = {} if os.path.isdir(path) else {"gguf_file": os.path.basename(path)}
+    model = AutoModelForCausalLM.from_pretrained(path if os.path.isdir(path) else os.path.dirname(path),
+                                                 dtype=getattr(torch, dtype), **kw)
     return model.eval()
 
 

@@ -9,6 +9,12 @@
   prompts of several task kinds, interleaved per prompt.
 
     python scripts/bench_engine.py --lengths 64,256,1024,2048,4096 --e2e scripts/data/task_kinds.jsonl
+
+On a GPU (jax's default backend) torch runs on CUDA beside it, both in strict float32 by default
+(``--matmul-precision highest``: no TF32 on either side) or both in ``--dtype bfloat16``; the tree
+pass is timed through the XLA path and the Pallas kernel. Where the weights cannot travel, an HF
+directory of the same architecture with random weights (``scripts/random_weights_model.py``) times
+the same: a dense forward costs what its shapes cost.
 """
 
 from __future__ import annotations
@@ -39,7 +45,10 @@ def main() -> None:
     from specjax.cli.layers import add_layers_flag, split_layers_arg
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="a registered name or an HF directory")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both sides")
+    ap.add_argument("--matmul-precision", default="highest", choices=("highest", "tf32"),
+                    help="float32 matmuls on a GPU, both sides: highest (true float32) or tf32")
     add_layers_flag(ap)
     ap.add_argument("--lengths", default="64,256,1024,2048,4096")
     ap.add_argument("--decode-steps", type=int, default=16)
@@ -68,14 +77,32 @@ def main() -> None:
     from specjax.speculation.commit import tree_forward
     from specjax.speculation.tree import from_parents
 
-    common.print_header("base engine: specjax vs torch (float32, batch 1)")
+    gpu = jax.default_backend() == "gpu"
+    if gpu and not torch.cuda.is_available():
+        sys.exit("jax runs on a GPU but torch sees no CUDA device: the comparison would not be side by side")
+    device = torch.device("cuda" if gpu else "cpu")
+    if gpu and args.dtype == "float32":
+        jax.config.update("jax_default_matmul_precision", "highest" if args.matmul_precision == "highest"
+                          else "tensorfloat32")
+        torch.backends.cuda.matmul.allow_tf32 = args.matmul_precision == "tf32"
+        torch.backends.cudnn.allow_tf32 = args.matmul_precision == "tf32"
+    common.print_header(f"base engine: specjax vs torch ({args.dtype}, batch 1)")
     # Decode steps and tree passes compiled as specjax.generate compiles its steps.
     decode_step_jit = step_program(decode_step, 1, ("cfg", "eos_ids", "parallel"), ("state",))
-    print(f"# specjax step programs: XLA:CPU matmul library {step_library(1)} (SPECJAX_CPU_DOTS)")
-    print(f"# torch {torch.__version__} ({torch.get_num_threads()} threads)")
-    model = specjax.load_model(args.model, progress=False, split_layers=split_layers_arg(args))
+    if gpu:
+        print(f"# GPU: jax matmul precision {jax.config.jax_default_matmul_precision}, torch allow_tf32 "
+              f"{torch.backends.cuda.matmul.allow_tf32} (float32 only)")
+    else:
+        print(f"# specjax step programs: XLA:CPU matmul library {step_library(1)} (SPECJAX_CPU_DOTS)")
+    print(f"# torch {torch.__version__} on {device} ({torch.get_num_threads()} CPU threads)")
+    model = specjax.load_model(args.model, dtype=args.dtype, progress=False, split_layers=split_layers_arg(args))
     cfg = model.config
-    hf = common.load_hf_reference(resolve(args.model))
+    hf = common.load_hf_reference(args.model if os.path.isdir(args.model) else resolve(args.model),
+                                  dtype=args.dtype).to(device)
+
+    def sync():
+        if gpu:
+            torch.cuda.synchronize()
     rng = np.random.RandomState(0)
     greedy = SamplingArrays.from_params([SamplingParams()])
     results = {"prefill": [], "decode": [], "tree": [], "e2e": None}
@@ -109,19 +136,26 @@ def main() -> None:
 
                 row["decode_ms"] = 1e3 * _median(decode, args.repeats) / args.decode_steps
         with torch.no_grad():
-            tids = torch.tensor([ids])
-            row["torch_prefill_s"] = _median(lambda: hf(tids, use_cache=True), args.repeats)
+            tids = torch.tensor([ids], device=device)
+
+            def torch_prefill():
+                out = hf(tids, use_cache=True)
+                sync()
+                return out
+
+            row["torch_prefill_s"] = _median(torch_prefill, args.repeats)
             past = hf(tids, use_cache=True).past_key_values
 
             def torch_decode():
                 import copy
 
                 cache = copy.deepcopy(past)
-                tok = torch.tensor([[ids[-1]]])
+                tok = torch.tensor([[ids[-1]]], device=device)
                 for _ in range(args.decode_steps):
                     out = hf(tok, past_key_values=cache, use_cache=True)
                     cache = out.past_key_values
                     tok = out.logits[:, -1:].argmax(-1)
+                sync()
 
             row["torch_decode_ms"] = 1e3 * _median(torch_decode, args.repeats) / args.decode_steps
         results["prefill"].append(row)
@@ -131,22 +165,23 @@ def main() -> None:
 
     # The tree pass: a bushy tree (node i under node (i - 1) // 2) over a committed prefix.
     context = args.tree_context
-    cache = init_cache(cfg, 1, _next_pow2(context) + 128)
+    cache = init_cache(cfg, 1, _next_pow2(context) + 128, jax.tree.leaves(model.params)[0].dtype)
     ids = rng.randint(0, cfg.vocab_size, context).tolist()
     _, cache = jax.jit(prefill_fn, static_argnames="cfg")(
         model.params, jnp.asarray([ids + [0] * (_next_pow2(context) - context)]), jnp.asarray([context]), cache,
         cfg=cfg)
     fwd = step_program(tree_forward, 1, ("cfg", "impl"))
-    base = None
     print(f"# tree pass at a {context}-token context")
-    for n in [int(x) for x in args.tree_nodes.split(",")]:
-        parents = [-1] + [(i - 1) // 2 for i in range(1, n)]
-        tree = from_parents([rng.randint(0, cfg.vocab_size, n).tolist()], [parents], n_max=n)
-        t = _median(lambda tree=tree: jax.block_until_ready(fwd(model.params, tree, cache, cfg=cfg, impl="xla")),
-                    args.repeats)
-        base = base or t
-        results["tree"].append({"nodes": n, "ms": 1e3 * t, "relative": t / base})
-        print(f"  {n:>3} nodes: {1e3 * t:7.1f} ms = {t / base:.2f}x one node", flush=True)
+    for impl in ("xla", "pallas") if gpu else ("xla",):
+        base = None
+        for n in [int(x) for x in args.tree_nodes.split(",")]:
+            parents = [-1] + [(i - 1) // 2 for i in range(1, n)]
+            tree = from_parents([rng.randint(0, cfg.vocab_size, n).tolist()], [parents], n_max=n)
+            t = _median(lambda tree=tree, impl=impl: jax.block_until_ready(
+                fwd(model.params, tree, cache, cfg=cfg, impl=impl)), args.repeats)
+            base = base or t
+            results["tree"].append({"impl": impl, "nodes": n, "ms": 1e3 * t, "relative": t / base})
+            print(f"  {impl:>6} {n:>3} nodes: {1e3 * t:7.2f} ms = {t / base:.2f}x one node", flush=True)
 
     if args.e2e and os.path.exists(args.e2e):
         records = common.load_prompts(args.e2e, None)

@@ -57,6 +57,18 @@ def export_hf(model: Model, path: str) -> None:
             json.dump(list(model.config.draft_vocab), f)
     tensors = export_params(cfg, LLAMA_HF, p)  # the loader's own key-map table, inverted
     save_file(tensors, os.path.join(path, "model.safetensors"))
+    hf = hf_config(cfg, tied)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=1)
+    if model.tokenizer is not None:
+        model.tokenizer.save_pretrained(path)
+
+
+def hf_config(cfg, tied: bool | None = None) -> dict:
+    """The transformers ``config.json`` of a LLaMA-family config (``tied`` defaults to the config's own)."""
+    if cfg.family != "llama":
+        raise InputError(f"HF export supports the llama family only, got {cfg.family!r}")
+    tied = cfg.tie_word_embeddings if tied is None else tied
     hf = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
           "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
           "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
@@ -72,7 +84,4 @@ def export_hf(model: Model, path: str) -> None:
             "rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
             "high_freq_factor": rs.high_freq_factor,
             "original_max_position_embeddings": rs.original_max_position_embeddings}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf, f, indent=1)
-    if model.tokenizer is not None:
-        model.tokenizer.save_pretrained(path)
+    return hf

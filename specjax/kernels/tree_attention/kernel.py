@@ -3,7 +3,9 @@
 Grid (batch, query head). Each program reads its KV head's cache rows in place (no transposed
 copy of the cache): the committed prefix in blocks of ``block_k`` rows, then the tree's own
 ``N`` scratch rows starting at ``length``, where the ancestor bitmask decides visibility.
-Runs compiled through the Triton backend on GPU and with ``interpret=True`` on CPU.
+Runs compiled through the Triton backend on GPU and with ``interpret=True`` on CPU. Triton takes
+power-of-two block shapes only: a head_dim that is not one (7, 12, 80, 96) is read as the next
+power of two under a column mask, so the cache is never copied to pad it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def padded_tree_size(num_nodes: int) -> int:
 
 
 def _kernel(lengths_ref, q_ref, k_ref, v_ref, anc_ref, o_ref, *, region: int, region_padded: int,
-            num_words: int, groups: int, block_k: int, scale: float):
+            num_words: int, groups: int, block_k: int, scale: float, head_dim: int):
     # lengths_ref: [B] int32          q_ref: [B, TP, H, Dh]        k_ref, v_ref: [B, S, KVH, Dh]
     # anc_ref: [B, TP, W] uint32      o_ref: [B, TP, H, Dh]
     # TP = padded query count; the tree occupies `region` slots from `length`, loaded as RP rows.
@@ -31,8 +33,20 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, anc_ref, o_ref, *, region: int, re
     kvh = h // groups
     rows_padded = q_ref.shape[1]
     length = lengths_ref[b]
-    q = q_ref[b, :, h, :].astype(jnp.float32) * scale  # [NP, Dh]
-    head_dim = q.shape[-1]
+    dims_padded = pl.next_power_of_2(head_dim)
+    padded = dims_padded != head_dim  # static: a power-of-two head_dim reads whole rows, no column mask
+    cols = pl.ds(0, dims_padded)
+    col_ok = jnp.arange(dims_padded) < head_dim
+
+    def load(ref, rows_ok):  # [rows, DP]: masked rows (and padding columns) read as 0
+        mask = rows_ok[:, None] & col_ok[None, :] if padded else rows_ok[:, None]
+        return pl_triton.load(ref, mask=mask, other=0.0)
+
+    if padded:
+        q = load(q_ref.at[b, :, h, cols], jnp.ones((rows_padded,), bool))
+    else:
+        q = q_ref[b, :, h, :]
+    q = q.astype(jnp.float32) * scale  # [NP, DP]
 
     def update(carry, k, v, mask):
         m, l, acc, bad = carry
@@ -53,22 +67,21 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, anc_ref, o_ref, *, region: int, re
 
     def prefix_block(i, carry):
         start = i * block_k
-        cols = start + jnp.arange(block_k)
-        in_prefix = cols < length
-        k = pl_triton.load(k_ref.at[b, pl.ds(start, block_k), kvh, :], mask=in_prefix[:, None], other=0.0)
-        v = pl_triton.load(v_ref.at[b, pl.ds(start, block_k), kvh, :], mask=in_prefix[:, None], other=0.0)
+        in_prefix = start + jnp.arange(block_k) < length
+        k = load(k_ref.at[b, pl.ds(start, block_k), kvh, cols], in_prefix)
+        v = load(v_ref.at[b, pl.ds(start, block_k), kvh, cols], in_prefix)
         mask = jnp.broadcast_to(in_prefix[None, :], (rows_padded, block_k))
         return update(carry, k, v, mask)
 
     carry = (jnp.full((rows_padded,), -jnp.inf, jnp.float32), jnp.zeros((rows_padded,), jnp.float32),
-             jnp.zeros((rows_padded, head_dim), jnp.float32), jnp.zeros((rows_padded,), bool))
+             jnp.zeros((rows_padded, dims_padded), jnp.float32), jnp.zeros((rows_padded,), bool))
     carry = jax.lax.fori_loop(0, pl.cdiv(length, block_k), prefix_block, carry)
 
     # Tree phase: slot j of the tree lives at cache row length + j.
     j = jnp.arange(region_padded)
     real = j < region
-    k = pl_triton.load(k_ref.at[b, pl.ds(length, region_padded), kvh, :], mask=real[:, None], other=0.0)
-    v = pl_triton.load(v_ref.at[b, pl.ds(length, region_padded), kvh, :], mask=real[:, None], other=0.0)
+    k = load(k_ref.at[b, pl.ds(length, region_padded), kvh, cols], real)
+    v = load(v_ref.at[b, pl.ds(length, region_padded), kvh, cols], real)
     shift = (j % 32).astype(jnp.uint32)
     bits = jnp.zeros((rows_padded, region_padded), jnp.uint32)
     for w in range(num_words):  # static: W = ceil(N / 32) words per row
@@ -78,7 +91,10 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, anc_ref, o_ref, *, region: int, re
     m, l, acc, bad = update(carry, k, v, mask)
     out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]  # a row that saw nothing outputs 0
     out = jnp.where(bad[:, None], jnp.nan, out)
-    o_ref[b, :, h, :] = out.astype(o_ref.dtype)
+    if padded:
+        pl_triton.store(o_ref.at[b, :, h, cols], out.astype(o_ref.dtype), mask=col_ok[None, :])
+    else:
+        o_ref[b, :, h, :] = out.astype(o_ref.dtype)
 
 
 def tree_attention_pallas(q, k, v, lengths, ancestor, *, scale: float, interpret: bool, region: int | None = None,
@@ -93,7 +109,8 @@ def tree_attention_pallas(q, k, v, lengths, ancestor, *, scale: float, interpret
     q_p = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
     anc_p = jnp.pad(ancestor, ((0, 0), (0, pad), (0, 0)))  # padding rows see nothing of the tree
     kernel = functools.partial(_kernel, region=region, region_padded=padded_tree_size(region),
-                               num_words=ancestor.shape[2], groups=groups, block_k=block_k, scale=scale)
+                               num_words=ancestor.shape[2], groups=groups, block_k=block_k, scale=scale,
+                               head_dim=head_dim)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(q_p.shape, q.dtype),

@@ -70,3 +70,25 @@ def test_greedy_generation_matches_hf_generate(tmp_path):
             out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
                                     eos_token_id=None, pad_token_id=0)
         assert got == out[0, len(prompt):].tolist()
+
+
+def test_random_weights_model_keeps_the_architecture(tiny_llama_dir, tmp_path):
+    """scripts/random_weights_model.py (the GPU table's model, where the GGUF cannot travel): the
+    config written from a model, filled with transformers' random weights, loads as the same
+    architecture with other weights."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from specjax.io.hf_export import hf_config
+
+    model = specjax.load_model(tiny_llama_dir, progress=False)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(hf_config(model.config)))
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "random_weights_model.py")
+    subprocess.run([sys.executable, script, "--config", str(config), "--out", str(tmp_path / "random")], check=True,
+                   capture_output=True)
+    other = specjax.load_model(str(tmp_path / "random"), progress=False)
+    assert other.config == model.config
+    assert not np.allclose(np.asarray(other.params["embed"]), np.asarray(model.params["embed"]))

@@ -72,7 +72,9 @@ def greedy_pair(model, hf, ids: list[int], max_new_tokens: int):
     ours_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+        out = hf.generate(torch.tensor([ids], device=hf.device), max_new_tokens=max_new_tokens, do_sample=False)
+        if hf.device.type == "cuda":
+            torch.cuda.synchronize()
     theirs_s = time.perf_counter() - t0
     return ours, ours_s, out[0, len(ids):].tolist(), theirs_s
 

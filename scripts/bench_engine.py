@@ -188,7 +188,7 @@ def main() -> None:
         prompts = specjax.api.encode_prompts(model, [r["prompt"] for r in records])
         specjax.generate(model, [prompts[0]], max_new_tokens=args.e2e_tokens)  # warm up
         with torch.no_grad():
-            hf.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False)
+            hf.generate(torch.tensor([prompts[0]], device=device), max_new_tokens=8, do_sample=False)
         rows = []
         for rec, ids in zip(records, prompts):
             ours, sj, theirs, th = common.greedy_pair(model, hf, ids, args.e2e_tokens)

@@ -107,6 +107,11 @@ def main() -> None:
     greedy = SamplingArrays.from_params([SamplingParams()])
     results = {"prefill": [], "decode": [], "tree": [], "e2e": None}
 
+    def save():  # after every section: a run stopped by a time limit keeps what it measured
+        os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
+        with open(args.json_out, "w") as f:
+            json.dump({"machine": common.machine(), "command": " ".join(sys.argv), **results}, f, indent=1)
+
     print(f"{'tokens':>6} {'sj prefill tok/s':>16} {'4x buffer':>10} {'torch tok/s':>11} {'sj decode ms':>12} "
           f"{'torch decode ms':>15}")
     for length in [int(x) for x in args.lengths.split(",")]:
@@ -138,13 +143,15 @@ def main() -> None:
         with torch.no_grad():
             tids = torch.tensor([ids], device=device)
 
+            # The last position's logits only, as transformers' generate asks for them (logits_to_keep=1)
+            # and as specjax's prefill computes them: the full [T, vocab] head would be ~20% of the pass.
             def torch_prefill():
-                out = hf(tids, use_cache=True)
+                out = hf(tids, use_cache=True, logits_to_keep=1)
                 sync()
                 return out
 
             row["torch_prefill_s"] = _median(torch_prefill, args.repeats)
-            past = hf(tids, use_cache=True).past_key_values
+            past = torch_prefill().past_key_values
 
             def torch_decode():
                 import copy
@@ -163,9 +170,10 @@ def main() -> None:
               f"{length / row['torch_prefill_s']:>11.0f} {row['decode_ms']:>12.1f} {row['torch_decode_ms']:>15.1f}",
               flush=True)
 
+    save()
     # The tree pass: a bushy tree (node i under node (i - 1) // 2) over a committed prefix.
     context = args.tree_context
-    cache = init_cache(cfg, 1, _next_pow2(context) + 128, jax.tree.leaves(model.params)[0].dtype)
+    cache = init_cache(cfg, 1, _next_pow2(context) + 128, model.params["embed"].dtype)
     ids = rng.randint(0, cfg.vocab_size, context).tolist()
     _, cache = jax.jit(prefill_fn, static_argnames="cfg")(
         model.params, jnp.asarray([ids + [0] * (_next_pow2(context) - context)]), jnp.asarray([context]), cache,
@@ -183,6 +191,7 @@ def main() -> None:
             results["tree"].append({"impl": impl, "nodes": n, "ms": 1e3 * t, "relative": t / base})
             print(f"  {impl:>6} {n:>3} nodes: {1e3 * t:7.2f} ms = {t / base:.2f}x one node", flush=True)
 
+    save()
     if args.e2e and os.path.exists(args.e2e):
         records = common.load_prompts(args.e2e, None)
         prompts = specjax.api.encode_prompts(model, [r["prompt"] for r in records])
@@ -204,9 +213,7 @@ def main() -> None:
         print(f"# end to end over {len(rows)} prompts: specjax {sj_tps:.2f} tok/s, transformers {th_tps:.2f} tok/s, "
               f"ratio {sj_tps / th_tps:.2f}x; identical outputs {sum(r['identical'] for r in rows)}/{len(rows)}")
 
-    os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
-    with open(args.json_out, "w") as f:
-        json.dump({"machine": common.machine(), "command": " ".join(sys.argv), **results}, f, indent=1)
+    save()
     _plot(results, args.plot)
 
 

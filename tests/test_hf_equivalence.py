@@ -87,8 +87,9 @@ def test_random_weights_model_keeps_the_architecture(tiny_llama_dir, tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(hf_config(model.config)))
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "random_weights_model.py")
-    subprocess.run([sys.executable, script, "--config", str(config), "--out", str(tmp_path / "random")], check=True,
-                   capture_output=True)
+    done = subprocess.run([sys.executable, script, "--config", str(config), "--out", str(tmp_path / "random")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
     other = specjax.load_model(str(tmp_path / "random"), progress=False)
     assert other.config == model.config
     assert not np.allclose(np.asarray(other.params["embed"]), np.asarray(model.params["embed"]))

@@ -72,7 +72,7 @@ def main() -> None:
     from specjax.decoding.incremental import prefill as prefill_fn
     from specjax.decoding.programs import step_library, step_program
     from specjax.decoding.sampling import SamplingArrays, SamplingParams
-    from specjax.io.registry import resolve
+    from specjax.io.loader import resolve_model_path
     from specjax.models.cache import init_cache
     from specjax.speculation.commit import tree_forward
     from specjax.speculation.tree import from_parents
@@ -97,8 +97,7 @@ def main() -> None:
     print(f"# torch {torch.__version__} on {device} ({torch.get_num_threads()} CPU threads)")
     model = specjax.load_model(args.model, dtype=args.dtype, progress=False, split_layers=split_layers_arg(args))
     cfg = model.config
-    hf = common.load_hf_reference(args.model if os.path.isdir(args.model) else resolve(args.model),
-                                  dtype=args.dtype).to(device)
+    hf = common.load_hf_reference(resolve_model_path(args.model), dtype=args.dtype).to(device)
 
     def sync():
         if gpu:

@@ -31,9 +31,9 @@ def main() -> None:
         import specjax
         from specjax.io.hf_export import hf_config
 
-        model = specjax.load_model(args.config_of, progress=False)
+        config = specjax.describe_model(args.config_of).config  # the architecture only, no weights loaded
         with open(args.out, "w") as f:
-            json.dump(hf_config(model.config), f, indent=1)
+            json.dump(hf_config(config), f, indent=1)
             f.write("\n")
         print(f"wrote {args.out} ({args.config_of}'s architecture)")
         return

@@ -53,6 +53,26 @@ class TestKernel(chex.TestCase):
             floor = precision.error(jnp.asarray(x) @ jnp.asarray(w), exact)
             precision.assert_within(got, exact, floor, what=f"kernel {m}x{k}x{n}")
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_float16_panels_round_the_weights_once(self):
+        """float16 panels: float64's product with the weights rounded to float16 (each widened exactly,
+        products summed in float32), within the floor of XLA's float32 matmul of those rounded weights."""
+        rng = np.random.default_rng(4)
+        for m, k, n in SHAPES:
+            x = rng.standard_normal((m, k), dtype=np.float32)
+            w = rng.standard_normal((k, n), dtype=np.float32) / np.sqrt(k)
+            packed = cpu_matmul.pack(jnp.asarray(w), dtype=jnp.float16)
+            chex.assert_type(packed, jnp.float16)
+            # the weights the kernel multiplies, each within half a float16 step of the float32 weight
+            rounded = np.asarray(packed, np.float32).transpose(1, 0, 2).reshape(k, -1)[:, :n]
+            assert (np.abs(rounded - w) <= np.abs(w) * 2.0 ** -11 + 2.0 ** -25).all()  # half-steps: normal, subnormal
+            exact = x.astype(np.float64) @ rounded.astype(np.float64)
+            got = self.variant(lambda x, p, n=n: cpu_matmul.matmul(x, p, n))(jnp.asarray(x), packed)
+            chex.assert_shape(got, (m, n))
+            floor = precision.error(jnp.asarray(x) @ jnp.asarray(rounded), exact)
+            precision.assert_within(got, exact, floor, what=f"float16 kernel {m}x{k}x{n}")
+            assert precision.error(got, x.astype(np.float64) @ w.astype(np.float64)) > 10 * floor  # rounded
+
     def test_a_row_does_not_depend_on_its_batch_mates(self):
         """Every path (1-2 row tiles, 3+ tiles, a second row block) sums a row in the same order, so a
         row's result is bitwise the same whatever rows share the call."""
@@ -86,8 +106,10 @@ def test_pack_layout_and_checks():
     np.testing.assert_array_equal(packed[0], flat[:, :width])
     np.testing.assert_array_equal(packed[1, :, :5], flat[:, width:])
     assert not packed[1, :, 5:].any()  # the last panel's columns past N are zero
-    with pytest.raises(TypeError, match="float32 only"):
+    with pytest.raises(TypeError, match="float32 rows by float32 or float16 panels"):
         cpu_matmul.matmul(jnp.zeros((2, 6), jnp.bfloat16), jnp.asarray(packed), width + 5)
+    with pytest.raises(TypeError, match="float32 or float16 weights, not bfloat16"):
+        cpu_matmul.pack(jnp.asarray(w), contracted=2, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="does not match packed weight"):
         cpu_matmul.matmul(jnp.zeros((2, 7)), jnp.asarray(packed), width + 5)
 
@@ -105,6 +127,12 @@ def test_rows_the_kernel_takes():
         assert (cpu_matmul.TARGET in text) == kernel, rows
         np.testing.assert_allclose(np.asarray(matmul_rows(x, both)), np.asarray(x @ w), rtol=1e-6)
     assert cpu_matmul.TARGET not in str(jax.make_jaxpr(matmul_rows)(jnp.ones((2, 8), jnp.bfloat16), both))
+    # float16 panels (a drafter's): one row too, as streaming half the bytes beats XLA's vector product
+    half = PackedWeight(w, cpu_matmul.pack(w, dtype=jnp.float16))
+    for rows, kernel in ((1, True), (2, True), (KERNEL_MAX_ROWS, True), (KERNEL_MAX_ROWS + 1, False)):
+        x = jnp.ones((8,) if rows == 1 else (rows, 8), jnp.float32)
+        assert (cpu_matmul.TARGET_F16 in str(jax.make_jaxpr(matmul_rows)(x, half))) == kernel, rows
+        np.testing.assert_allclose(np.asarray(matmul_rows(x, half)), np.asarray(x @ w), rtol=1e-6)
 
 
 @needs_kernel
@@ -203,8 +231,9 @@ import os, sys, warnings
 from specjax.kernels.cpu import build
 from specjax.decoding import programs
 from specjax.errors import InputError
-if sys.argv[1] == "no-avx512":
-    build._cpu_flags = lambda: "fpu sse2 avx avx2 fma"
+# each case names its one missing piece: the no-compiler case on an AVX-512 CPU whatever this one is
+build._cpu_flags = {"no-avx512": lambda: "fpu sse2 avx avx2 fma",
+                    "no-compiler": lambda: "fpu sse2 avx avx2 fma avx512f"}[sys.argv[1]]
 why = build.status()
 assert why and sys.argv[2] in why, why
 os.environ["SPECJAX_CPU_DOTS"] = "kernel"

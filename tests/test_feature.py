@@ -367,9 +367,10 @@ def test_feature_speculation_equals_incremental_greedy_and_seeded(llama, trained
 @pytest.mark.skipif(cpu_kernels.status() is not None, reason=f"kernel unavailable: {cpu_kernels.status()}")
 def test_step_params_pack_the_drafters_matmuls_and_keep_its_features(llama, trained, monkeypatch):
     """``FeatureDrafter.step_params`` (what the step programs multiply by): fc, the layer's fused matmul
-    weights and the head's [D, Vd] copy packed once for the CPU kernel; the drafter's features and
-    logits through them (the matmul and attention kernels) match float64 within the floor of the
-    plain weights through XLA."""
+    weights and the head's [D, Vd] copy packed once for the CPU kernel as float16 panels; the drafter's
+    features and logits through them (the matmul and attention kernels) are float64's with those
+    weights rounded to float16, within the floor of the same rounded weights through XLA's float32:
+    the weights are rounded once, nothing else is lost."""
     monkeypatch.setenv(programs.ENV, "auto")
     cfg, _, params, _ = trained
     d = FeatureDrafter(cfg, depth=3, beam=2, nodes=4, ladder=(0, 4))
@@ -394,12 +395,18 @@ def test_step_params_pack_the_drafters_matmuls_and_keep_its_features(llama, trai
                                causal_meta(jnp.zeros((1,), jnp.int32)), cfg)
         return f, logits_of(p, f)
 
-    plain_f, plain_l = jax.jit(run, static_argnums=1)(params, jnp.float32)
+    assert packed["head"].packed.dtype == jnp.float16 and layer["w_gate_up"].packed.dtype == jnp.float16
+    half = lambda w: w.astype(jnp.float16).astype(w.dtype)  # noqa: E731
+    rounded = {**params, "fc": half(params["fc"]), "head": half(params["head"]),
+               "layers": {n: half(w) if n in MATMUL_WEIGHTS else w for n, w in params["layers"].items()}}
+    plain_f, plain_l = jax.jit(run, static_argnums=1)(rounded, jnp.float32)
     packed_f, packed_l = jax.jit(run, static_argnums=1)(packed, jnp.float32)
     with precision.float64():
-        exact_f, exact_l = (np.asarray(a) for a in run(precision.params64(params), jnp.float64))
+        exact_f, exact_l = (np.asarray(a) for a in run(precision.params64(rounded), jnp.float64))
+        unrounded_f = np.asarray(run(precision.params64(params), jnp.float64)[0])
     precision.assert_within(packed_f, exact_f, precision.error(plain_f, exact_f), what="features")
     precision.assert_within(packed_l, exact_l, precision.error(plain_l, exact_l), what="logits")
+    assert precision.error(packed_f, unrounded_f) > precision.error(packed_f, exact_f)  # the rounding is real
 
 
 def test_feature_drafter_in_the_engine_mid_batch_insert(llama, trained):

@@ -113,7 +113,7 @@ def step_compiler_options(batch: int, backend: str | None = None) -> dict | None
     return dict(_EIGEN) if step_library(batch, backend).endswith("eigen") else None
 
 
-_PACKED: dict[tuple, tuple] = {}  # (id of the plain weight, contracted) -> ((weakref to it,), its packed array)
+_PACKED: dict[tuple, tuple] = {}  # (id of the plain weight, contracted, dtype) -> ((weakref to it,), its packed array)
 
 
 def while_alive(memo: dict, sources: tuple, make, tag=()):
@@ -137,11 +137,12 @@ def _drop(memo: dict, key: tuple) -> None:
         del memo[key]
 
 
-def _packed(w, contracted: int = 1) -> PackedWeight:
-    """w with its packed copy, packed once while w lives (``while_alive``)."""
+def _packed(w, contracted: int = 1, dtype=jnp.float32) -> PackedWeight:
+    """w with its packed copy (panels of ``dtype``), packed once while w lives (``while_alive``)."""
     if isinstance(w, jax.core.Tracer):  # inside a caller's own jit: nothing to keep
-        return PackedWeight(w, cpu_matmul.pack(w, contracted))
-    return PackedWeight(w, while_alive(_PACKED, (w,), lambda: cpu_matmul.pack(w, contracted), (contracted,)))
+        return PackedWeight(w, cpu_matmul.pack(w, contracted, dtype))
+    return PackedWeight(w, while_alive(_PACKED, (w,), lambda: cpu_matmul.pack(w, contracted, dtype),
+                                       (contracted, jnp.dtype(dtype).name)))
 
 
 # The einsum specs of the layers contract a weight's leading axes: one, or two for the output
@@ -149,15 +150,17 @@ def _packed(w, contracted: int = 1) -> PackedWeight:
 _CONTRACTED = {"wo": 2}
 
 
-def packed_layers(layers) -> tuple:
-    """Split layers (a tuple of per-layer dicts) with every matmul weight as a ``PackedWeight``."""
-    return tuple({n: _packed(w, _CONTRACTED.get(n, 1)) if n in MATMUL_WEIGHTS else w for n, w in lp.items()}
+def packed_layers(layers, dtype=jnp.float32) -> tuple:
+    """Split layers (a tuple of per-layer dicts) with every matmul weight as a ``PackedWeight`` (panels
+    of ``dtype``)."""
+    return tuple({n: _packed(w, _CONTRACTED.get(n, 1), dtype) if n in MATMUL_WEIGHTS else w for n, w in lp.items()}
                  for lp in layers)
 
 
-def packed(w) -> PackedWeight:
-    """A [K, N] weight with its copy packed for the CPU matmul kernel (packed once while ``w`` lives)."""
-    return _packed(w)
+def packed(w, dtype=jnp.float32) -> PackedWeight:
+    """A [K, N] weight with its copy packed for the CPU matmul kernel (panels of ``dtype``: float32, or
+    float16 where rounding the weight is allowed), packed once while ``w`` lives."""
+    return _packed(w, 1, dtype)
 
 
 def step_drafter_params(drafters, drafter_params: tuple, parallel=None) -> tuple:

@@ -33,7 +33,8 @@ SOURCES = ("matmul.cc", "attention.cc", "prefill_attention.cc")  # compiled into
 HEADERS = ("parallel.h", "simd.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 # FFI target name -> the handler symbol the library exports
-TARGETS = {"specjax_cpu_matmul": "SpecjaxCpuMatmul", "specjax_cpu_attention": "SpecjaxCpuAttention",
+TARGETS = {"specjax_cpu_matmul": "SpecjaxCpuMatmul", "specjax_cpu_matmul_f16": "SpecjaxCpuMatmulF16",
+           "specjax_cpu_attention": "SpecjaxCpuAttention",
            "specjax_cpu_prefill_attention": "SpecjaxCpuPrefillAttention"}
 
 NO_AVX512 = "this CPU has no AVX-512F"

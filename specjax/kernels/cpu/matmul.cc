@@ -1,5 +1,8 @@
-// y[M, N] = x[M, K] @ W for float32, W packed once as panels [P, K, CW] (P = ceil(N / CW), columns
-// zero-padded): the weight matmuls of decode and tree passes on XLA:CPU (specjax/kernels/cpu/matmul.py).
+// y[M, N] = x[M, K] @ W for float32 x and y, W packed once as panels [P, K, CW] (P = ceil(N / CW),
+// columns zero-padded) of float32, or of float16 for weights that tolerate rounding (a drafter's: its
+// drafts are verified, never emitted unchecked) at half the bytes to stream; each float16 is widened
+// exactly and the products accumulate in float32. The weight matmuls of decode and tree passes on
+// XLA:CPU (specjax/kernels/cpu/matmul.py).
 //
 // Why a kernel of our own: a pass over 2-17 rows streams every weight once, so it should cost what a
 // one-row pass costs; XLA:CPU's libraries (Eigen, YNNPACK) repack the weights on every call and
@@ -48,10 +51,16 @@ typedef __m512 vf;
 static inline vf load(const float* p) { return _mm512_loadu_ps(p); }
 static inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
 static inline vf madd(float a, vf b, vf c) { return _mm512_fmadd_ps(_mm512_set1_ps(a), b, c); }
+// A panel row's VW weights as float32: float32 as stored, float16 (raw IEEE half bits) widened exactly.
+static inline vf wload(const float* p) { return load(p); }
+static inline vf wload(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 static_assert(MR == 4, "unit() dispatches remainders of 1-3 rows");
 
-constexpr long ROW_LINES = CW * sizeof(float) / 64;  // cache lines per panel row
+template <typename W>
+constexpr long ROW_LINES = CW * sizeof(W) / 64;  // cache lines per panel row
 
 // What a tile prefetches: cache lines [0, count) from `from`, `per_step` per iteration, into L1 (the
 // chunk it streams itself) or L2 (the next chunk, for the tiles after it).
@@ -62,20 +71,20 @@ struct Ahead {
 };
 
 // Rows [0, R) of x (row stride K) times panel rows [k0, k0 + kn) into y (row stride ys).
-template <int R>
-static inline void tile(const float* __restrict x, long K, const float* __restrict w, float* __restrict y, long ys,
+template <int R, typename W>
+static inline void tile(const float* __restrict x, long K, const W* __restrict w, float* __restrict y, long ys,
                         long k0, long kn, bool first, Ahead ahead) {
   vf acc[R][NR];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NR; ++j) acc[r][j] = first ? _mm512_setzero_ps() : load(y + r * ys + j * VW);
   for (long i = 0; i < kn; ++i) {
-    const float* wr = w + i * CW;
+    const W* wr = w + i * CW;
     for (long q = i * ahead.per_step, e = std::min(ahead.count, q + ahead.per_step); q < e; ++q) {
       if (ahead.into_l1) __builtin_prefetch(ahead.from + q * 64, 0, 3);
       else __builtin_prefetch(ahead.from + q * 64, 0, 2);
     }
     vf wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = load(wr + j * VW);
+    for (int j = 0; j < NR; ++j) wv[j] = wload(wr + j * VW);
     for (int r = 0; r < R; ++r) {
       const float xs = x[r * K + k0 + i];
       for (int j = 0; j < NR; ++j) acc[r][j] = madd(xs, wv[j], acc[r][j]);
@@ -86,8 +95,10 @@ static inline void tile(const float* __restrict x, long K, const float* __restri
 }
 
 // One work unit: rows [m0, m1) times panel p.
-static void unit(const float* x, const float* w, float* y, long M, long K, long N, long p, long m0, long m1) {
-  const float* panel = w + p * K * CW;
+template <typename W>
+static void unit(const float* x, const W* w, float* y, long M, long K, long N, long p, long m0, long m1) {
+  constexpr long row_lines = ROW_LINES<W>;
+  const W* panel = w + p * K * CW;
   const long c = p * CW;
   const bool partial = c + CW > N;  // the last panel of an N that is not a multiple of CW
   float scratch[MB * CW];
@@ -98,16 +109,16 @@ static void unit(const float* x, const float* w, float* y, long M, long K, long 
   const long kc = spread ? KC_SPREAD : KC_FEW;
   for (long k0 = 0; k0 < K; k0 += kc) {
     const long kn = std::min(kc, K - k0);
-    const float* wk = panel + k0 * CW;
+    const W* wk = panel + k0 * CW;
     const bool first = k0 == 0;
     // Spread: the next chunk's lines, shared out over all tiles' iterations in order. Otherwise the
     // first tile reads PREFETCH rows ahead of itself.
-    const long lines = spread ? std::min(kc, K - k0 - kn) * ROW_LINES : 0;
+    const long lines = spread ? std::min(kc, K - k0 - kn) * row_lines : 0;
     const long per_step = (lines + tiles * kn - 1) / (tiles * kn);
     const char* next = reinterpret_cast<const char*>(wk + kn * CW);
     auto ahead = [&](long t) {
       if (!spread)
-        return t == 0 ? Ahead{reinterpret_cast<const char*>(wk + PREFETCH * CW), kn * ROW_LINES, ROW_LINES, true}
+        return t == 0 ? Ahead{reinterpret_cast<const char*>(wk + PREFETCH * CW), kn * row_lines, row_lines, true}
                       : Ahead{};
       const long done = std::min(lines, t * kn * per_step);
       return Ahead{next + done * 64, lines - done, per_step, false};
@@ -128,8 +139,8 @@ static void unit(const float* x, const float* w, float* y, long M, long K, long 
     for (long r = m0; r < m1; ++r) std::memcpy(y + r * N + c, scratch + (r - m0) * CW, (N - c) * sizeof(float));
 }
 
-template <typename Schedule>
-static void matmul(const float* x, const float* w, float* y, long M, long K, long N, long threads,
+template <typename W, typename Schedule>
+static void matmul(const float* x, const W* w, float* y, long M, long K, long N, long threads,
                    Schedule schedule) {
   const long P = (N + CW - 1) / CW;
   const long units = P * ((M + MB - 1) / MB);
@@ -152,12 +163,17 @@ extern "C" int specjax_cpu_matmul_panel_width() { return CW; }
 extern "C" void specjax_cpu_matmul_reference(const float* x, const float* w, float* y, long M, long K, long N) {
   matmul(x, w, y, M, K, N, 1, [](auto&&) {});
 }
+extern "C" void specjax_cpu_matmul_reference_f16(const float* x, const uint16_t* w, float* y, long M, long K,
+                                                 long N) {
+  matmul(x, w, y, M, K, N, 1, [](auto&&) {});
+}
 
 #ifndef SPECJAX_NO_FFI
 #include "xla/ffi/api/ffi.h"
 namespace ffi = xla::ffi;
 
-static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+template <ffi::DataType WT>
+static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                              ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2)
@@ -173,10 +189,16 @@ static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuMatmul, MatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuMatmul, MatmulImpl<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuMatmulF16, MatmulImpl<ffi::F16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 #endif

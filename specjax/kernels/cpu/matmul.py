@@ -25,7 +25,9 @@ import numpy as np
 
 from specjax.kernels.cpu.build import library
 
-TARGET = "specjax_cpu_matmul"
+TARGET = "specjax_cpu_matmul"  # float32 panels
+TARGET_F16 = "specjax_cpu_matmul_f16"  # float16 panels
+TARGETS = {jnp.dtype(jnp.float32): TARGET, jnp.dtype(jnp.float16): TARGET_F16}
 
 
 def panel_width() -> int:
@@ -33,30 +35,35 @@ def panel_width() -> int:
     return int(library().specjax_cpu_matmul_panel_width())
 
 
-def pack(w: jax.Array, contracted: int = 1) -> jax.Array:
+def pack(w: jax.Array, contracted: int = 1, dtype=jnp.float32) -> jax.Array:
     """A weight whose leading ``contracted`` axes are multiplied ([K..., N...]) -> panels [P, K, CW]
-    (K, N the products of those axes; columns past N zero)."""
+    (K, N the products of those axes; columns past N zero) of ``dtype``: float32, or float16 (rounded
+    to nearest; half the bytes each pass streams) for weights whose products need not be exact."""
+    if jnp.dtype(dtype) not in TARGETS:
+        raise TypeError(f"the CPU matmul kernel packs float32 or float16 weights, not {jnp.dtype(dtype)}")
     width = panel_width()
     k = int(np.prod(w.shape[:contracted]))
     n = int(np.prod(w.shape[contracted:]))
     panels = -(-n // width)
-    return _pack(w.reshape(k, n), panels, width)
+    return _pack(w.reshape(k, n), panels, width, jnp.dtype(dtype))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _pack(w2d: jax.Array, panels: int, width: int) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _pack(w2d: jax.Array, panels: int, width: int, dtype) -> jax.Array:
     k, n = w2d.shape
-    padded = jnp.pad(w2d, ((0, 0), (0, panels * width - n)))
+    padded = jnp.pad(w2d.astype(dtype), ((0, 0), (0, panels * width - n)))
     return padded.reshape(k, panels, width).transpose(1, 0, 2)
 
 
 def matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
-    """x [M, K] float32 @ the weight ``pack`` made ([K, n]) -> [M, n] float32, on XLA:CPU."""
-    if x.dtype != jnp.float32 or packed.dtype != jnp.float32:
-        raise TypeError(f"the CPU matmul kernel is float32 only, got {x.dtype} x {packed.dtype}")
+    """x [M, K] float32 @ the weight ``pack`` made ([K, n], float32 or float16 panels) -> [M, n] float32
+    (float32 accumulation), on XLA:CPU."""
+    if x.dtype != jnp.float32 or packed.dtype not in TARGETS:
+        raise TypeError(f"the CPU matmul kernel multiplies float32 rows by float32 or float16 panels, got "
+                        f"{x.dtype} x {packed.dtype}")
     width = panel_width()  # also registers the target before XLA lowers the call
     if (x.ndim != 2 or packed.ndim != 3 or packed.shape[1] != x.shape[1] or packed.shape[2] != width
             or packed.shape[0] != -(-n // width)):
         raise ValueError(f"x {x.shape} does not match packed weight {packed.shape} for {n} columns "
                          f"(panels of {width})")
-    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, packed)
+    return jax.ffi.ffi_call(TARGETS[packed.dtype], jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, packed)

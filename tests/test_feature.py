@@ -274,6 +274,39 @@ def test_fused_draft_features_equal_the_unrolled_training_features(llama, corpus
 # -- the dynamic tree ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("width", [80, 600])
+def test_init_reads_the_prompt_in_chunks_as_one_pass_would(width):
+    """``FeatureDrafter.init`` runs the prompt's pairs in the LLM prefill's chunks, only as many as the
+    longest prompt needs (two 64-pair chunks here, whatever the array's width): its cache (committed
+    pairs), first feature and logits are those of one causal pass over every pair."""
+    cfg, params = toy_model(12, 0, layers=2)
+    fcfg = FeatureConfig(cfg, tuple(range(1, 12)))
+    fp = bind(init_trained(params, fcfg, jax.random.key(3)), params, fcfg)
+    d = FeatureDrafter(fcfg, depth=3, beam=2, nodes=4, ladder=(0, 4))
+    batch, cache_len = 2, 640
+    rng = np.random.RandomState(1)
+    prompts = jnp.asarray(rng.randint(0, 12, (batch, width)), jnp.int32)
+    lens = jnp.asarray([70, 5], jnp.int32)
+    first = jnp.asarray([3, 9], jnp.int32)
+    _, _, hidden = prefill(params, prompts, lens, init_cache(cfg, batch, cache_len), cfg, hidden=(cfg.num_layers,))
+    state = jax.jit(lambda h: d.init(fp, prompts, lens, cache_len=cache_len, hidden=h, first=first))(hidden)
+
+    g = llm_features(fp, hidden, fcfg)
+    prev = jnp.pad(g, ((0, 0), (1, 0), (0, 0)))
+    tokens = jnp.pad(prompts, ((0, 0), (0, 1))).at[jnp.arange(batch), lens].set(first)
+    positions = jnp.broadcast_to(jnp.arange(width + 1, dtype=jnp.int32), (batch, width + 1))
+    cache = init_feature_cache(fcfg, batch, d._cache_len(cache_len))
+    f, cache = feature_forward(fp, tokens, prev, positions, cache, causal_meta(jnp.zeros((batch,), jnp.int32)), fcfg)
+    last = f[jnp.arange(batch), lens]
+    np.testing.assert_array_equal(np.asarray(state["cache"].length), np.asarray(lens) + 1)
+    np.testing.assert_allclose(np.asarray(state["feat"]), np.asarray(last), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(state["logits"]), np.asarray(logits_of(fp, last)), rtol=1e-5, atol=1e-5)
+    for b in range(batch):
+        n = int(lens[b]) + 1
+        for got, want in ((state["cache"].k, cache.k), (state["cache"].v, cache.v)):
+            np.testing.assert_allclose(np.asarray(got[:, b, :n]), np.asarray(want[:, b, :n]), rtol=1e-5, atol=1e-5)
+
+
 class TestDynamicTree(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_best_first_closed_and_within_the_beam(self):

@@ -68,6 +68,36 @@ def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
 PREFILL_CHUNKS = (512, 256, 64)
 
 
+def chunk_sizes(width: int) -> list[int]:
+    """The chunk sizes of a prompt array ``width`` tokens wide, largest first: no chunk wider than the
+    array, so narrow prompts (a wide batch of short ones) run in one pass."""
+    return sorted({min(size, width) for size in PREFILL_CHUNKS}, reverse=True)
+
+
+def pad_for_chunks(x: jax.Array, axis: int = 1) -> jax.Array:
+    """``x`` padded along ``axis`` (its width) so that every chunk ``run_chunks`` slices is in range."""
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, -x.shape[axis] % chunk_sizes(x.shape[axis])[0])
+    return jnp.pad(x, pad)
+
+
+def run_chunks(run_chunk, longest: jax.Array, width: int, carry):
+    """``carry = run_chunk(start, size, carry)`` over the chunks (PREFILL_CHUNKS) covering the first
+    ``longest`` positions of an array ``width`` wide (padded by ``pad_for_chunks``): only the chunks the
+    longest row needs run (dynamic trip counts), whatever the width."""
+    sizes = chunk_sizes(width)
+    small = sizes[-1]
+    done = jnp.int32(0)  # positions the chunks so far cover
+    for size in sizes:
+        # chunks of this size while the rest exceeds size - small: what is left after them fits the
+        # smaller sizes (at most three chunks of the smallest); a negative rest (> -small) runs none
+        count = (longest - done + small - 1) // size
+        carry = jax.lax.fori_loop(0, count, lambda c, carry, start=done, size=size: run_chunk(start + c * size,
+                                                                                             size, carry), carry)
+        done = done + count * size
+    return carry
+
+
 def cpu_prefill_route(params, cfg: ModelConfig, parallel=None) -> bool:
     """Whether causal chunks (prefill, teacher-forced passes) run their attention in the CPU prefill
     kernel (``specjax.kernels.cpu.prefill_attention``): one float32 model on one device with the CPU
@@ -90,10 +120,7 @@ def prefill(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, cache: KVC
     """
     batch, num_tokens = prompt_tokens.shape
     lens = prompt_lens.astype(jnp.int32)
-    # No chunk wider than the prompts' array: narrow prompts (a wide batch of short ones) run in one pass.
-    sizes = sorted({min(size, num_tokens) for size in PREFILL_CHUNKS}, reverse=True)
-    small = sizes[-1]
-    padded = jnp.pad(prompt_tokens, ((0, 0), (0, -num_tokens % sizes[0])))  # every chunk slice in range
+    padded = pad_for_chunks(prompt_tokens)
     dtype = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
     cpu_prefill = cpu_prefill_route(params, cfg, parallel)
     states = None
@@ -113,17 +140,8 @@ def prefill(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, cache: KVC
         here = (lens - 1 >= start) & (lens - 1 < start + size)  # this chunk holds the last prompt token
         return out.cache, jnp.where(here[:, None], out.logits[:, 0].astype(dtype), logits), states
 
-    longest = jnp.max(lens)
     carry = (cache, jnp.zeros((batch, cfg.vocab_size), dtype), states)
-    done = jnp.int32(0)  # prompt positions the chunks so far cover
-    for size in sizes:
-        # chunks of this size while the rest exceeds size - small: what is left after them fits the
-        # smaller sizes (at most three chunks of the smallest); a negative rest (> -small) runs none
-        count = (longest - done + small - 1) // size
-        carry = jax.lax.fori_loop(0, count, lambda c, carry, start=done, size=size: run_chunk(start + c * size,
-                                                                                             size, carry), carry)
-        done = done + count * size
-    cache, logits, states = carry
+    cache, logits, states = run_chunks(run_chunk, jnp.max(lens), num_tokens, carry)
     result = (logits, cache.replace(length=lens))
     return result + (states[:, :num_tokens],) if hidden else result
 

@@ -110,18 +110,17 @@ class FeatureDrafter(Drafter):
         return max((self.depth - 1) * self.beam, 1)
 
     def step_params(self, params):
-        """``fc``, the layer's matmul weights (fused and split as the LLM's are) and the head's [D, Vd]
-        copy, packed for the CPU matmul kernel as float16 panels (float32 products and sums). Under
+        """``fc``, the layer's matmul weights (fused and split as the LLM's are) and the [D, Vd] head,
+        packed for the CPU matmul kernel as float16 panels (float32 products and sums). Under
         XLA:CPU's Eigen, which the step programs of small batches use, the drafter's 4-row matmuls cost
         49 ms of a 100 ms step (Xeon, 2 cores); with float32 panels its drafting still cost 5.8 ms a step
         at depth 6, mostly streaming the 8192-row head: float16 halves the bytes. Rounding the weights
         changes drafts only, which the LLM verifies: the output stays exact."""
         if params is None or params["fc"].dtype != jnp.float32 or isinstance(params["layers"], tuple):
             return params
-        layers, head_t = _step_plain(params)
         half = jnp.float16
-        return {**params, "fc": programs.packed(params["fc"], half), "layers": programs.packed_layers(layers, half),
-                "head": programs.packed(head_t, half)}
+        return {**params, "fc": programs.packed(params["fc"], half), "head": programs.packed(params["head"], half),
+                "layers": programs.packed_layers(_step_layers(params), half)}
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -221,16 +220,14 @@ class FeatureDrafter(Drafter):
 _PLAIN: dict[tuple, tuple] = {}  # ids of the source arrays -> (weakrefs to them, the derived arrays)
 
 
-def _step_plain(params: dict) -> tuple:
-    """(the drafter's layer as one split layer with fused weights, the head's [D, Vd] copy), derived once
-    while the arrays they come from live, so their packed copies (keyed by array) are made once too."""
-    sources = tuple(jax.tree.leaves((params["head"], params["layers"])))
+def _step_layers(params: dict) -> tuple:
+    """The drafter's layer as one split layer with fused weights, derived once while the arrays it comes
+    from live, so their packed copies (keyed by array) are made once too."""
 
     def make():
-        layer = fuse_layer({n: w[0] for n, w in params["layers"].items()})
-        return (layer,), jnp.asarray(params["head"].T)
+        return (fuse_layer({n: w[0] for n, w in params["layers"].items()}),)
 
-    return programs.while_alive(_PLAIN, sources, make)
+    return programs.while_alive(_PLAIN, tuple(jax.tree.leaves(params["layers"])), make)
 
 
 def node_depths(parent: jax.Array) -> jax.Array:

@@ -8,6 +8,7 @@ reported by name."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -25,10 +26,10 @@ from specjax.models.params import TIED_HEAD, stack_layers
 from specjax.models.weights import MATMUL_WEIGHTS, PackedWeight
 from tests import precision
 
-# Where the kernel is not built (no AVX-512F, no compiler) only the last test, which checks that case
-# is named, runs.
-needs_kernel = pytest.mark.skipif(cpu_kernels.status() is not None,
-                                  reason=f"kernel unavailable: {cpu_kernels.status()}")
+# Where the kernel is not built (neither AVX-512F nor AVX2, no compiler) only the tests of that case and
+# of the AVX2 build (any x86-64 CPU with AVX2, FMA and F16C) run.
+needs_kernel = pytest.mark.skipif(cpu_kernels.matmul_status() is not None,
+                                  reason=f"kernel unavailable: {cpu_kernels.matmul_status()}")
 
 # (rows, K, N): one row; row tiles of 4 and a remainder of 1-3; a row block of 64 and a second one;
 # N below, at and past a panel's width and not a multiple of it; K below and past the 64-row chunk of
@@ -269,12 +270,15 @@ def test_a_kernel_that_cannot_be_built_is_named(tmp_path, case, reason, warnings
 # generic one. Under rocketlake and icelake-server tuning, generic vectors moved with memcpy kept the
 # accumulator tile on the stack: 37 FMAs read it from (%rsp) and 17 rows ran 5.5x slower.
 @needs_kernel
-@pytest.mark.parametrize("tune", ["rocketlake", "icelake-server", "sapphirerapids", "generic"])
+@pytest.mark.parametrize("tune", ["rocketlake", "icelake-server", "sapphirerapids", "generic", "avx2"])
 def test_the_accumulator_tile_stays_in_registers_under_every_tuning(tmp_path, tune):
-    """The kernel as the build compiles it, with -mtune=TUNE: no FMA takes an operand from the stack."""
+    """The kernel as the build compiles it, with -mtune=TUNE (or its AVX2 build, ``-march=haswell``): no
+    FMA takes an operand from the stack."""
     from specjax.kernels.cpu import build
 
     flags = [f for f in build.FLAGS if f not in ("-shared", "-fPIC")]
+    if tune == "avx2":
+        flags, tune = [("-march=haswell" if f == "-march=native" else f) for f in flags], "haswell"
     out = tmp_path / "matmul.s"
     cmd = [*build._compiler(), *flags, f"-mtune={tune}", "-DSPECJAX_NO_FFI", "-I", str(build.HERE), "-S",
            str(build.HERE / "matmul.cc"), "-o", str(out)]
@@ -286,3 +290,42 @@ def test_the_accumulator_tile_stays_in_registers_under_every_tuning(tmp_path, tu
     assert fmas, "no FMA instructions in the kernel"
     on_stack = [f for f in fmas if "(%rsp)" in f or "(%rbp)" in f]
     assert not on_stack, f"{len(on_stack)} of {len(fmas)} FMAs read the stack under -mtune={tune}: {on_stack[:3]}"
+
+
+AVX2_CPU = all(f in cpu_kernels.build._cpu_flags().split() for f in cpu_kernels.build.AVX2)
+
+
+@pytest.mark.skipif(not AVX2_CPU or not shutil.which(os.environ.get("CXX") or "c++"),
+                    reason="needs an x86-64 CPU with AVX2, FMA and F16C and a C++ compiler")
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_the_avx2_build_matches_float64(tmp_path, dtype):
+    """matmul.cc built for AVX2 (``-march=haswell``: what CPUs without AVX-512F run, whatever this one
+    is): every shape of ``SHAPES`` (its 2-row tiles and their remainder, panels past N, chunks past K)
+    is float64's product of the packed (float32, or float16-rounded) weights within numpy's float32
+    floor."""
+    import ctypes
+
+    from specjax.kernels.cpu import build
+
+    lib_path = tmp_path / "matmul_avx2.so"
+    flags = [("-march=haswell" if f == "-march=native" else f) for f in build.FLAGS]
+    done = subprocess.run([*build._compiler(), *flags, "-DSPECJAX_NO_FFI", "-I", str(build.HERE),
+                           str(build.HERE / "matmul.cc"), "-o", str(lib_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lib = ctypes.cdll.LoadLibrary(str(lib_path))
+    width = lib.specjax_cpu_matmul_panel_width()
+    assert width == 32  # 4 AVX2 vectors of 8
+    fn = lib.specjax_cpu_matmul_reference if dtype == np.float32 else lib.specjax_cpu_matmul_reference_f16
+    rng = np.random.default_rng(7)
+    for m, k, n in SHAPES:
+        x = rng.standard_normal((m, k), dtype=np.float32)
+        w = (rng.standard_normal((k, n), dtype=np.float32) / np.sqrt(k)).astype(dtype).astype(np.float32)
+        panels = np.zeros((k, -(-n // width) * width), dtype)
+        panels[:, :n] = w
+        panels = np.ascontiguousarray(panels.reshape(k, -1, width).transpose(1, 0, 2))
+        y = np.full((m, n), np.nan, np.float32)
+        fn(*(a.ctypes.data_as(ctypes.c_void_p) for a in (x, panels, y)), ctypes.c_long(m), ctypes.c_long(k),
+           ctypes.c_long(n))
+        exact = x.astype(np.float64) @ w.astype(np.float64)
+        precision.assert_within(y, exact, precision.error(x @ w, exact), what=f"AVX2 {dtype.__name__} {m}x{k}x{n}")

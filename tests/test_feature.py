@@ -397,7 +397,8 @@ def test_feature_speculation_equals_incremental_greedy_and_seeded(llama, trained
     assert spec.stats["mean_tokens_per_pass"] > 1.2  # coupled drafts are accepted at T > 0 too
 
 
-@pytest.mark.skipif(cpu_kernels.status() is not None, reason=f"kernel unavailable: {cpu_kernels.status()}")
+@pytest.mark.skipif(cpu_kernels.matmul_status() is not None,
+                    reason=f"kernel unavailable: {cpu_kernels.matmul_status()}")
 def test_step_params_pack_the_drafters_matmuls_and_keep_its_features(llama, trained, monkeypatch):
     """``FeatureDrafter.step_params`` (what the step programs multiply by): fc, the layer's fused matmul
     weights and the head's [D, Vd] copy packed once for the CPU kernel as float16 panels; the drafter's

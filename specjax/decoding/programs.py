@@ -30,12 +30,14 @@ one-row pass. The step programs therefore multiply 2 or more rows by specjax's o
 head as a ``specjax.models.weights.PackedWeight``, the plain copy kept for one-row products), and run
 their attention (up to ``specjax.models.common.CPU_ATTENTION_MAX_QUERIES`` queries per request) in
 specjax's attention kernel (``specjax.kernels.cpu.attention``): the packed weights are what switches
-both on. Measured on 2 Xeon cores (SmolLM2, 300-token prefix, matmul kernel on in both, alternating in
+both on (the attention only where it is built: AVX-512F; with AVX2 alone the matmul kernel runs and
+XLA attends). Measured on 2 Xeon cores (SmolLM2, 300-token prefix, matmul kernel on in both, alternating in
 one process): one-node / 9-node / 17-node passes 27.4 / 37.5 / 49.5 ms with XLA's attention, 25.4 /
 29.9 / 40.0 ms with the kernel. The rule above still picks the library for the rest (one-row products).
 
 The setting: environment variable ``SPECJAX_CPU_DOTS`` = ``auto`` (the default: the kernels where they
-can run, i.e. a float32 model with split layers on one x86-64 CPU device with AVX-512, and the rule
+can run, i.e. a float32 model with split layers on one x86-64 CPU device with AVX-512 (or AVX2, FMA
+and F16C: the matmul kernel alone), and the rule
 above; kernels that cannot be built there are reported once as a warning and the rule above runs
 alone; ``step_matmuls`` in the stats and ``specjax tree-cost`` say which ran), ``kernel`` (the same,
 but kernels that cannot be built are an error), ``eigen`` or ``ynnpack`` (no kernels, that library
@@ -83,11 +85,12 @@ def _warn_unavailable(why: str) -> None:
 
 
 def kernel_enabled(backend: str | None = None) -> bool:
-    """Whether step programs run specjax's CPU kernels (2+ rows of every matmul, the attention): CPU
-    backend, the setting ``auto`` or ``kernel``, and the kernels built; ``kernel`` with none raises."""
+    """Whether step programs run specjax's CPU kernels (2+ rows of every matmul; the attention too where
+    ``attention_kernel_enabled``): CPU backend, the setting ``auto`` or ``kernel``, and the matmul kernel
+    built; ``kernel`` with none raises."""
     if (backend or jax.default_backend()) != "cpu" or cpu_dots() in ("eigen", "ynnpack"):
         return False
-    why = cpu_kernels.status()
+    why = cpu_kernels.matmul_status()
     if why is None:
         return True
     if cpu_dots() == "kernel":
@@ -95,6 +98,11 @@ def kernel_enabled(backend: str | None = None) -> bool:
     if not cpu_kernels.unsupported_cpu(why):  # a CPU it is not tuned for is the rule, not a fault
         _warn_unavailable(why)
     return False
+
+
+def attention_kernel_enabled(backend: str | None = None) -> bool:
+    """Whether the CPU attention kernels run too (``kernel_enabled`` and built: AVX-512F only)."""
+    return kernel_enabled(backend) and cpu_kernels.status() is None
 
 
 def step_library(batch: int, backend: str | None = None) -> str:

@@ -14,6 +14,7 @@ from specjax.attention import resolve_impl, tree_attention
 from specjax.attention.meta import AttentionMeta
 from specjax.attention.xla import attend, attend_written_token
 from specjax.config import ModelConfig
+from specjax.kernels import cpu as cpu_kernels
 from specjax.kernels.cpu import attention as cpu_attention
 from specjax.kernels.cpu import prefill_attention as cpu_prefill_attention
 from specjax.models.params import TIED_HEAD
@@ -127,8 +128,10 @@ def project_qkv(x, lp, positions, inv_freq, bias: bool, num_heads: int):
 
 def _cpu_attention(q, k_cache, lp) -> bool:
     """Whether this layer's attention runs in the CPU kernel: a step program's packed weights (the CPU
-    kernels are on), float32, few queries, a head_dim the kernel takes."""
-    return (packed_layer(lp) and q.dtype == jnp.float32 and k_cache.dtype == jnp.float32
+    kernels are on) where the attention kernel is built (AVX-512F), float32, few queries, a head_dim
+    the kernel takes."""
+    return (packed_layer(lp) and cpu_kernels.status() is None and q.dtype == jnp.float32
+            and k_cache.dtype == jnp.float32
             and q.shape[1] <= CPU_ATTENTION_MAX_QUERIES and q.shape[-1] <= cpu_attention.max_head_dim())
 
 

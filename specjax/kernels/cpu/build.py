@@ -4,10 +4,12 @@ compiled on first use with the system C++ compiler (``$CXX`` or ``c++``, ``-O3 -
 the cache directory (``$SPECJAX_CACHE_DIR``, default ``~/.cache/specjax``), keyed by the sources, the
 compiler, the CPU's flags and jax/jaxlib, and registered with XLA as FFI targets.
 
-x86-64 with AVX-512F only: the kernels keep their tiles in AVX-512's 32 vector registers (built for
-AVX2 the matmul's tile spilled and it ran 3x slower than XLA's libraries). ``status()`` says why they
-are unavailable (no AVX-512F, no compiler, a failed build); ``specjax.decoding.programs`` decides
-where they are used (``SPECJAX_CPU_DOTS``).
+x86-64 only. With AVX-512F, all of them (their tiles live in AVX-512's 32 vector registers). With
+AVX2, FMA and F16C but no AVX-512F (e.g. AMD EPYC guests whose hypervisor hides it), the matmul alone,
+in its own AVX2 tile shape (``matmul.cc``): XLA:CPU multiplies 2-17 rows at 2-3x the cost of one
+there, the kernel at about one row's. ``status()`` says why the kernels are not all available (no
+AVX-512F, no compiler, a failed build), ``matmul_status()`` the same for the matmul alone;
+``specjax.decoding.programs`` decides where they are used (``SPECJAX_CPU_DOTS``).
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ import jaxlib
 from specjax.config import cache_root
 
 HERE = Path(__file__).parent
-SOURCES = ("matmul.cc", "attention.cc", "prefill_attention.cc")  # compiled into one library
+SOURCES = ("matmul.cc", "attention.cc", "prefill_attention.cc")  # compiled into one library (AVX-512F)
+AVX2_SOURCES = ("matmul.cc",)  # where the CPU has AVX2, FMA and F16C but no AVX-512F
 HEADERS = ("parallel.h", "simd.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 # FFI target name -> the handler symbol the library exports
-TARGETS = {"specjax_cpu_matmul": "SpecjaxCpuMatmul", "specjax_cpu_matmul_f16": "SpecjaxCpuMatmulF16",
-           "specjax_cpu_attention": "SpecjaxCpuAttention",
+MATMUL_TARGETS = {"specjax_cpu_matmul": "SpecjaxCpuMatmul", "specjax_cpu_matmul_f16": "SpecjaxCpuMatmulF16"}
+TARGETS = {**MATMUL_TARGETS, "specjax_cpu_attention": "SpecjaxCpuAttention",
            "specjax_cpu_prefill_attention": "SpecjaxCpuPrefillAttention"}
+AVX2 = ("avx2", "fma", "f16c")
 
 NO_AVX512 = "this CPU has no AVX-512F"
 
@@ -67,17 +71,27 @@ def _compiler() -> list[str]:
     return shlex.split(cxx)  # $CXX may carry arguments ("ccache g++")
 
 
-def _build() -> Path:
-    if platform.machine().lower() not in ("x86_64", "amd64") or "avx512f" not in _cpu_flags().split():
-        raise KernelUnavailable(f"{NO_AVX512}, which the CPU kernels are tuned for (built for AVX2 the matmul ran 3x "
-                                "slower than XLA's matmuls); XLA's matmul libraries run instead")
+def _isa() -> str:
+    """"avx512" (every kernel), "avx2" (the matmul only); raises where neither builds."""
+    flags = _cpu_flags().split()
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        if "avx512f" in flags:
+            return "avx512"
+        if all(f in flags for f in AVX2):
+            return "avx2"
+    raise KernelUnavailable(f"{NO_AVX512} (nor AVX2 with FMA and F16C), which the CPU kernels are made for; XLA's "
+                            "matmul libraries run instead")
+
+
+def _build(isa: str) -> Path:
+    sources = SOURCES if isa == "avx512" else AVX2_SOURCES
     cxx = _compiler()
     try:
         version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"the C++ compiler {' '.join(cxx)!r} does not run: {e}") from e
     include = jax.ffi.include_dir()
-    texts = [(HERE / name).read_text() for name in SOURCES + HEADERS]
+    texts = [(HERE / name).read_text() for name in sources + HEADERS]
     key = hashlib.sha256("\0".join([*texts, " ".join(cxx), version, " ".join(FLAGS), _cpu_flags(),
                                     jax.__version__, jaxlib.__version__, include]).encode()).hexdigest()[:20]
     out = cache_dir() / f"specjax_cpu-{key}.so"
@@ -90,7 +104,7 @@ def _build() -> Path:
         os.close(fd)
     except OSError as e:
         raise KernelUnavailable(f"cannot write the CPU kernels under {out.parent} ($SPECJAX_CACHE_DIR): {e}") from e
-    cmd = [*cxx, *FLAGS, "-I", include, "-I", str(HERE), *(str(HERE / name) for name in SOURCES), "-o", tmp]
+    cmd = [*cxx, *FLAGS, "-I", include, "-I", str(HERE), *(str(HERE / name) for name in sources), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
@@ -106,20 +120,25 @@ def _build() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    """(the library, None) once built and its targets registered with XLA, or (None, why not)."""
+def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
+    """(the library, None or why the attention kernels are missing, None) once built and its targets
+    registered with XLA, or (None, why not, why not)."""
     try:
-        lib = ctypes.cdll.LoadLibrary(str(_build()))
-        for target, symbol in TARGETS.items():
+        isa = _isa()
+        lib = ctypes.cdll.LoadLibrary(str(_build(isa)))
+        for target, symbol in (TARGETS if isa == "avx512" else MATMUL_TARGETS).items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-        return lib, None
+        if isa == "avx512":
+            return lib, None, None
+        return lib, (f"{NO_AVX512}, which the attention kernels need (the matmul kernel runs, built for AVX2); "
+                     "XLA's attention runs instead"), None
     except (KernelUnavailable, OSError, RuntimeError, AttributeError) as e:
-        return None, str(e)
+        return None, str(e), str(e)
 
 
 def library() -> ctypes.CDLL:
     """The loaded library (building it if needed); raises ``KernelUnavailable`` saying why not."""
-    lib, why = _load()
+    lib, _, why = _load()
     if lib is None:
         raise KernelUnavailable(why)
     return lib
@@ -131,5 +150,10 @@ def unsupported_cpu(why: str | None) -> bool:
 
 
 def status() -> str | None:
-    """None when the kernels are built and registered, else why they are not."""
+    """None when every kernel (matmul and attention) is built and registered, else why not."""
     return _load()[1]
+
+
+def matmul_status() -> str | None:
+    """None when the matmul kernel is built and registered (AVX-512F or AVX2), else why not."""
+    return _load()[2]

@@ -27,16 +27,24 @@
 
 #include "parallel.h"
 
-// Tuned for AVX-512 (32 vector registers hold the 4 x 4 accumulator tile and a panel row). Built for
-// AVX2 the same code spills its tile to the stack and ran 3x slower than XLA's matmuls (a Xeon with
-// -march=haswell): the Python side builds it only where the CPU has AVX-512F.
-#if !defined(__AVX512F__)
-#error "specjax's CPU matmul kernel needs AVX-512F"
-#endif
+// Tuned for AVX-512: 32 vector registers hold the 4 x 4 accumulator tile and a panel row. Built for
+// AVX2 that tile spilled to the stack and ran 3x slower than XLA's matmuls (a Xeon with
+// -march=haswell), so AVX2 (+FMA, F16C) gets its own shape: 2 rows x 4 vectors of 8 (8 accumulators,
+// the 4-vector panel row and a broadcast: 13 of its 16 registers), the same 32-column panels.
+#if defined(__AVX512F__)
 constexpr int VW = 16;  // floats per vector register
 constexpr int NR = 4;            // vectors per panel row: CW = NR * VW columns per panel
-constexpr int CW = NR * VW;
 constexpr int MR = 4;            // rows per register tile (MR x NR accumulators); unit() handles 1-3 left
+typedef __m512 vf;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int VW = 8;
+constexpr int NR = 4;
+constexpr int MR = 2;
+typedef __m256 vf;
+#else
+#error "specjax's CPU matmul kernel needs AVX-512F, or AVX2 with FMA and F16C"
+#endif
+constexpr int CW = NR * VW;
 constexpr long KC_FEW = 64;      // panel rows per L1-resident chunk, 1-2 row tiles
 constexpr long PREFETCH = 32;    // panel rows the first of 1-2 row tiles reads ahead
 constexpr long SPREAD_TILES = 3; // from this many row tiles on, the next chunk is prefetched by all
@@ -47,7 +55,8 @@ constexpr long MB = 64;          // rows per work unit (a prefill's hundreds of 
 // rocketlake or icelake-server, e.g. a Xeon under KVM reporting model 167) copies such vectors in
 // 256-bit halves through the stack, which kept the whole accumulator tile in memory: 17 rows ran 5.5x
 // slower (30 x 576x3072 weights, one thread: 121 ms against 22 with sapphirerapids tuning).
-typedef __m512 vf;
+#if defined(__AVX512F__)
+static inline vf zero() { return _mm512_setzero_ps(); }
 static inline vf load(const float* p) { return _mm512_loadu_ps(p); }
 static inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
 static inline vf madd(float a, vf b, vf c) { return _mm512_fmadd_ps(_mm512_set1_ps(a), b, c); }
@@ -56,8 +65,18 @@ static inline vf wload(const float* p) { return load(p); }
 static inline vf wload(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+#else
+static inline vf zero() { return _mm256_setzero_ps(); }
+static inline vf load(const float* p) { return _mm256_loadu_ps(p); }
+static inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf madd(float a, vf b, vf c) { return _mm256_fmadd_ps(_mm256_set1_ps(a), b, c); }
+static inline vf wload(const float* p) { return load(p); }
+static inline vf wload(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
 
-static_assert(MR == 4, "unit() dispatches remainders of 1-3 rows");
+static_assert(MR == 4 || MR == 2, "unit() dispatches remainders of 1-3 rows");
 
 template <typename W>
 constexpr long ROW_LINES = CW * sizeof(W) / 64;  // cache lines per panel row
@@ -76,7 +95,7 @@ static inline void tile(const float* __restrict x, long K, const W* __restrict w
                         long k0, long kn, bool first, Ahead ahead) {
   vf acc[R][NR];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NR; ++j) acc[r][j] = first ? _mm512_setzero_ps() : load(y + r * ys + j * VW);
+    for (int j = 0; j < NR; ++j) acc[r][j] = first ? zero() : load(y + r * ys + j * VW);
   for (long i = 0; i < kn; ++i) {
     const W* wr = w + i * CW;
     for (long q = i * ahead.per_step, e = std::min(ahead.count, q + ahead.per_step); q < e; ++q) {
@@ -130,8 +149,8 @@ static void unit(const float* x, const W* w, float* y, long M, long K, long N, l
     float* yr = out + (r - m0) * ys;
     switch (m1 - r) {
       case 1: tile<1>(xr, K, wk, yr, ys, k0, kn, first, ahead(t)); break;
-      case 2: tile<2>(xr, K, wk, yr, ys, k0, kn, first, ahead(t)); break;
-      case 3: tile<3>(xr, K, wk, yr, ys, k0, kn, first, ahead(t)); break;
+      case 2: tile<MR == 4 ? 2 : 1>(xr, K, wk, yr, ys, k0, kn, first, ahead(t)); break;  // MR 2: never
+      case 3: tile<MR == 4 ? 3 : 1>(xr, K, wk, yr, ys, k0, kn, first, ahead(t)); break;
       default: break;
     }
   }

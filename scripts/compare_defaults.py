@@ -1,0 +1,82 @@
+"""Side by side: the default drafters (lookup + tree budget) against the candidate default (the
+feature drafter + lookup under the tree budget) and incremental decoding, end to end and decoding
+alone (batch 1, greedy, one prompt at a time, chat template). Repetitions alternate the order of the
+configurations, so a drifting machine does not favour one; every output must equal the first
+configuration's (the script exits 1 otherwise). Choosing the default (``registry._FEATURE_DEFAULT``)
+rests on this comparison.
+
+    python scripts/compare_defaults.py --which 1 --max-new-tokens 128 --repetitions 2
+
+``--which K`` takes the K-th prompt of every task kind of the prompts file (default
+``scripts/data/task_kinds.jsonl``, two per kind): 0 and 1 give its two halves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _bench_common as common  # noqa: E402
+
+TASKS = os.path.join(os.path.dirname(__file__), "data", "task_kinds.jsonl")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts-file", default=TASKS)
+    ap.add_argument("--which", type=int, default=1, help="the K-th prompt of every task kind")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repetitions", type=int, default=2)
+    ap.add_argument("--feature", default="auto", help="the feature drafter (name or directory)")
+    args = ap.parse_args()
+
+    import jax
+
+    import specjax
+    from specjax.speculation.drafters.feature import from_arg
+    from specjax.speculation.drafters.lookup import LookupDrafter
+
+    common.print_header("default drafters, side by side (batch 1, greedy)")
+    by_kind = collections.defaultdict(list)
+    for r in common.load_prompts(args.prompts_file, None):
+        by_kind[r.get("category", "?")].append(r)
+    chosen = [v[args.which] for _, v in sorted(by_kind.items()) if len(v) > args.which]
+    if not chosen:
+        sys.exit(f"{args.prompts_file}: no task kind has a prompt number {args.which}")
+    llm = specjax.load_model("smollm2-135m-instruct", progress=False)
+    prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in chosen])
+    feature = from_arg(args.feature, llm, load=True, expansion=None, draft="topk")
+    configs = {"incremental": {},
+               "lookup + budget": {"drafters": [specjax.Bound(LookupDrafter())], "budget": "auto"},
+               "feature + lookup + budget": {"drafters": [feature, specjax.Bound(LookupDrafter())],
+                                             "budget": "auto"}}
+    print(f"# {len(prompts)} prompts ({', '.join(sorted(by_kind))}), {args.max_new_tokens} new tokens")
+    reference, mismatches = {}, 0
+    for rep in range(args.repetitions):
+        for name in (list(configs) if rep % 2 == 0 else list(configs)[::-1]):
+            kw = configs[name]
+            specjax.generate(llm, [prompts[0]], max_new_tokens=8, **kw)  # compile, measure cost tables
+            tokens = seconds = prefill = passes = 0
+            for i, ids in enumerate(prompts):
+                res = specjax.generate(llm, [ids], max_new_tokens=args.max_new_tokens, on_tokens=lambda i, t: None,
+                                       **kw)
+                out = res.token_ids[0]
+                mismatches += reference.setdefault(i, out) != out
+                tokens += len(out)
+                seconds += res.stats["seconds"]
+                prefill += res.stats["prefill_seconds"]
+                passes += res.stats["llm_passes"]
+            # the prefill emits each request's first token: the decode rate counts the rest
+            print(f"rep {rep}  {name:<26} tokens/pass {tokens / max(passes, 1):.2f}  end to end "
+                  f"{tokens / seconds:6.2f} tok/s  decoding {(tokens - len(prompts)) / (seconds - prefill):6.2f} tok/s"
+                  f"  prefill {prefill / len(prompts):.3f} s/prompt", flush=True)
+            jax.clear_caches()
+    print(f"# outputs different from the first configuration's: {mismatches}")
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

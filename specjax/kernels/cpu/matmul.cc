@@ -76,7 +76,7 @@ static inline vf wload(const uint16_t* p) {
 }
 #endif
 
-static_assert(MR == 4 || MR == 2, "unit() dispatches remainders of 1-3 rows");
+static_assert(MR == 4 || MR == 2, "unit() dispatches the rows left after the tiles: 1-3");
 
 template <typename W>
 constexpr long ROW_LINES = CW * sizeof(W) / 64;  // cache lines per panel row
@@ -147,11 +147,11 @@ static void unit(const float* x, const W* w, float* y, long M, long K, long N, l
       tile<MR>(x + r * K, K, wk, out + (r - m0) * ys, ys, k0, kn, first, ahead(t));
     const float* xr = x + r * K;
     float* yr = out + (r - m0) * ys;
-    switch (m1 - r) {
-      case 1: tile<1>(xr, K, wk, yr, ys, k0, kn, first, ahead(t)); break;
-      case 2: tile<MR == 4 ? 2 : 1>(xr, K, wk, yr, ys, k0, kn, first, ahead(t)); break;  // MR 2: never
-      case 3: tile<MR == 4 ? 3 : 1>(xr, K, wk, yr, ys, k0, kn, first, ahead(t)); break;
-      default: break;
+    if (m1 - r == 1) {
+      tile<1>(xr, K, wk, yr, ys, k0, kn, first, ahead(t));
+    } else if constexpr (MR == 4) {  // 2-row tiles (AVX2) leave at most one row
+      if (m1 - r == 2) tile<2>(xr, K, wk, yr, ys, k0, kn, first, ahead(t));
+      if (m1 - r == 3) tile<3>(xr, K, wk, yr, ys, k0, kn, first, ahead(t));
     }
   }
   if (partial)

@@ -121,19 +121,16 @@ def _build(isa: str) -> Path:
 
 @functools.lru_cache(maxsize=None)
 def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
-    """(the library, None or why the attention kernels are missing, None) once built and its targets
-    registered with XLA, or (None, why not, why not)."""
+    """(the library, the ISA it was built for, None) once built and its targets registered with XLA,
+    or (None, None, why not)."""
     try:
         isa = _isa()
         lib = ctypes.cdll.LoadLibrary(str(_build(isa)))
         for target, symbol in (TARGETS if isa == "avx512" else MATMUL_TARGETS).items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-        if isa == "avx512":
-            return lib, None, None
-        return lib, (f"{NO_AVX512}, which the attention kernels need (the matmul kernel runs, built for AVX2); "
-                     "XLA's attention runs instead"), None
+        return lib, isa, None
     except (KernelUnavailable, OSError, RuntimeError, AttributeError) as e:
-        return None, str(e), str(e)
+        return None, None, str(e)
 
 
 def library() -> ctypes.CDLL:
@@ -151,7 +148,11 @@ def unsupported_cpu(why: str | None) -> bool:
 
 def status() -> str | None:
     """None when every kernel (matmul and attention) is built and registered, else why not."""
-    return _load()[1]
+    lib, isa, why = _load()
+    if lib is None or isa == "avx512":
+        return why
+    return (f"{NO_AVX512}, which the attention kernels need (the matmul kernel runs, built for AVX2); XLA's "
+            "attention runs instead")
 
 
 def matmul_status() -> str | None:

@@ -48,7 +48,7 @@ constexpr int CW = NR * VW;
 constexpr long KC_FEW = 64;      // panel rows per L1-resident chunk, 1-2 row tiles
 constexpr long PREFETCH = 32;    // panel rows the first of 1-2 row tiles reads ahead
 constexpr long SPREAD_TILES = 3; // from this many row tiles on, the next chunk is prefetched by all
-constexpr long KC_SPREAD = 128;  // panel rows per chunk then (32 KB, L1-resident)
+constexpr long KC_SPREAD = 128;  // panel rows per chunk then (at most 32 KB: L1-resident)
 constexpr long MB = 64;          // rows per work unit (a prefill's hundreds of rows are split)
 
 // Intrinsics, not generic vectors moved with memcpy: GCC tuned for some CPUs (-march=native naming
@@ -60,9 +60,7 @@ static inline vf zero() { return _mm512_setzero_ps(); }
 static inline vf load(const float* p) { return _mm512_loadu_ps(p); }
 static inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
 static inline vf madd(float a, vf b, vf c) { return _mm512_fmadd_ps(_mm512_set1_ps(a), b, c); }
-// A panel row's VW weights as float32: float32 as stored, float16 (raw IEEE half bits) widened exactly.
-static inline vf wload(const float* p) { return load(p); }
-static inline vf wload(const uint16_t* p) {
+static inline vf widen(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 #else
@@ -70,11 +68,13 @@ static inline vf zero() { return _mm256_setzero_ps(); }
 static inline vf load(const float* p) { return _mm256_loadu_ps(p); }
 static inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
 static inline vf madd(float a, vf b, vf c) { return _mm256_fmadd_ps(_mm256_set1_ps(a), b, c); }
-static inline vf wload(const float* p) { return load(p); }
-static inline vf wload(const uint16_t* p) {
+static inline vf widen(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 #endif
+// A panel row's VW weights as float32: float32 as stored, float16 (raw IEEE half bits) widened exactly.
+static inline vf wload(const float* p) { return load(p); }
+static inline vf wload(const uint16_t* p) { return widen(p); }
 
 static_assert(MR == 4 || MR == 2, "unit() dispatches the rows left after the tiles: 1-3");
 

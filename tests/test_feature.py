@@ -17,6 +17,7 @@ import specjax
 from specjax.attention.meta import AttentionMeta, causal_meta
 from specjax.boost.feature_data import FeatureSet, draft_vocabulary, split_held_out, teacher_features
 from specjax.boost.feature_train import FeatureTrainConfig, depth_agreement, make_batch, train_feature, unrolled
+from specjax.boost.feature_tune import _steps_done
 from specjax.decoding import programs
 from specjax.decoding.incremental import prefill
 from specjax.errors import CheckpointError, InputError
@@ -167,6 +168,30 @@ def test_make_batch_left_pads_so_continuations_end_together(corpus):
     assert not seqs(train) & seqs(held) and seqs(train) | seqs(held) == seqs(corpus)
 
 
+def test_gpu_batch_shapes_pad_more_and_change_nothing_else(llama, corpus):
+    """BatchShapes.gpu(): feature batches full and widths a multiple of 256 give the same features, and
+    training batches the same rows, only further left-padded."""
+    from specjax.boost.feature_tune import BatchShapes
+
+    shapes = BatchShapes.gpu()
+    seqs = [(list(range(3, 3 + n)), 2) for n in (5, 70, 9)]
+    plain = teacher_features(llama, seqs, batch_size=2)
+    padded = teacher_features(llama, seqs, batch_size=shapes.teacher_batch, width_multiple=shapes.width_multiple,
+                              full_batches=shapes.full_teacher_batches)
+    for a, b in zip(plain, padded):
+        assert a.shape == b.shape
+        chex.assert_trees_all_close(a.astype(np.float32), b.astype(np.float32), atol=1e-2, rtol=1e-2)
+    small, wide = make_batch(corpus, np.array([0, 1]), window=48), make_batch(corpus, np.array([0, 1]), 48, 256)
+    assert wide["tokens"].shape[1] == 256 and small["tokens"].shape[1] < 256
+    cut = small["tokens"].shape[1]
+    for key in small:
+        if key == "start":
+            assert (wide[key] == small[key] + 256 - cut).all()
+        else:
+            assert (wide[key][:, -cut:] == small[key]).all(), key
+            assert key not in ("tokens", "features", "loss") or not wide[key][:, :-cut].any()
+
+
 def test_training_raises_agreement_at_every_trained_depth(trained, corpus):
     cfg, start, params, history = trained
     before = depth_agreement(start, corpus, cfg, steps=4, window=TC.window)["all"]
@@ -185,6 +210,11 @@ def test_training_resumes_bit_exactly(llama, corpus, tmp_path):
     straight, _ = train_feature(start, corpus, cfg, tc, str(tmp_path / "a"), progress=False)
     train_feature(start, corpus, cfg, tc, str(tmp_path / "b"), progress=False, stop_after=2)
     resumed, _ = train_feature(start, corpus, cfg, tc, str(tmp_path / "b"), progress=False)
+    chex.assert_trees_all_equal(resumed, straight)
+    # a time budget spent after the first step: checkpointed there, and the rest resumes to the same weights
+    train_feature(start, corpus, cfg, tc, str(tmp_path / "c"), progress=False, time_budget=1e-9)
+    assert _steps_done(str(tmp_path / "c")) == 1
+    resumed, _ = train_feature(start, corpus, cfg, tc, str(tmp_path / "c"), progress=False)
     chex.assert_trees_all_equal(resumed, straight)
     with pytest.raises(InputError, match="another recipe"):
         train_feature(start, corpus, cfg, dataclasses.replace(tc, reg_weight=0.1), str(tmp_path / "b"), progress=False)

@@ -166,6 +166,22 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
         feature_tune(smollm2, corpus, str(tmp_path / "run-other"), grown, tc, drafting, stop_after=0,
                      init_from=str(tmp_path / "final"), **{**kw, "held_out": 0.4})
 
+    # a second round of requests grows the corpus in a part of its own: new requests (other meta prompts
+    # and seeds, none already answered), the earlier parts untouched and their split kept, so the drafter
+    # trained on them continues
+    grown_b = dataclasses.replace(grown, more_requests=16)
+    more_b = feature_tune(smollm2, corpus, str(tmp_path / "run-more-b"), grown_b, tc, drafting, stop_after=0,
+                          init_from=str(tmp_path / "continued"), eval_prompts=hand_written, **kw)
+    assert {p: os.path.getmtime(p) for p in stamps} == stamps
+    with open(os.path.join(corpus, "provenance.json")) as f:
+        assert {"requests-b-written", "requests-b"} <= set(json.load(f))
+    asked_b = [smollm2.tokenizer.decode(ids) for ids in _shard_prompts(os.path.join(corpus, "requests-b-written"))]
+    answered_b = [smollm2.tokenizer.decode(ids) for ids in _shard_prompts(os.path.join(corpus, "requests-b"))]
+    assert len(asked_b) == 16 and set(asked_b) != set(asked[:16]) and 0 < len(answered_b) <= 16
+    assert not set(answered_b) & set(answered)
+    assert more_b["sequences"]["train"] + more_b["sequences"]["held_out"] == \
+        more["sequences"]["train"] + more["sequences"]["held_out"] + len(answered_b)
+
 
 def _files(root):
     return sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files)

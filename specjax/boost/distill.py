@@ -321,7 +321,8 @@ class RunDir:
         else:
             with open(recipe_path, "w") as f:
                 json.dump(recipe, f)
-        self.manager = ocp.CheckpointManager(os.path.join(directory, "steps"),
+        # absolute: orbax's OCDBT writer refuses a relative path (at the first save, after training began)
+        self.manager = ocp.CheckpointManager(os.path.abspath(os.path.join(directory, "steps")),
                                              options=ocp.CheckpointManagerOptions(max_to_keep=2))
         self.history_path = os.path.join(directory, "history.json")
 

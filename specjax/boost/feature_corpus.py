@@ -10,7 +10,10 @@ Parts, in generation order (stage 2 quotes the passages part, so it comes first)
   plans, math word problems and code (``specjax.boost.task_prompts``);
 * with ``requests`` > 0, ``requests-written`` (the LLM writing user requests of many kinds,
   sampled; not training data) and ``requests`` (its greedy answers to the requests kept by
-  ``specjax.boost.request_prompts.extract_request``): prompts worded as templates cannot word them.
+  ``specjax.boost.request_prompts.extract_request``): prompts worded as templates cannot word them;
+* with ``more_requests`` > 0, a second round of the same (``requests-b-written``, ``requests-b``):
+  other meta prompts and sampling seeds, kept requests already in the corpus dropped. A part of its
+  own, so the first round's parts (and a drafter trained on them) stay as they were.
 
 Greedy parts match what greedy speculation sees; the sampled parts (temperature 1, seeded) keep
 the drafter useful when requests sample. Prompts are sorted by length inside a part so a batch
@@ -44,14 +47,16 @@ class CorpusPlan:
     requests: int = 0  # requests the LLM is asked to write (self-instruct); about half are kept
     request_tokens: int = 64
     request_temperature: float = 0.8
+    more_requests: int = 0  # a second round of self-written requests (other meta prompts and seeds)
 
     def __post_init__(self):
         for name in ("passages", "tasks", "grounded", "max_new_tokens", "passage_tokens", "batch_size",
                      "request_tokens"):
             if getattr(self, name) < 1:
                 raise InputError(f"corpus plan: {name} must be >= 1, got {getattr(self, name)}")
-        if self.requests < 0:
-            raise InputError(f"corpus plan: requests must be >= 0, got {self.requests}")
+        if self.requests < 0 or self.more_requests < 0:
+            raise InputError(f"corpus plan: requests and more_requests must be >= 0, got {self.requests}, "
+                             f"{self.more_requests}")
         if not 0.0 < self.request_temperature <= 2.0:
             raise InputError(f"corpus plan: request_temperature must be in (0, 2], got {self.request_temperature}")
         if not 0.0 <= self.sampled_fraction <= 1.0:
@@ -59,7 +64,11 @@ class CorpusPlan:
 
 
 PARTS = ("passages", "grounded-greedy", "grounded-sampled", "tasks-greedy", "tasks-sampled")
-REQUEST_PARTS = ("requests-written", "requests")  # with plan.requests > 0; the first is not training data
+# (written requests: not training data, the answers to those kept) per round of self-written requests
+REQUEST_ROUNDS = {"requests": ("requests-written", "requests"), "requests-b": ("requests-b-written", "requests-b")}
+REQUEST_PARTS = tuple(name for parts in REQUEST_ROUNDS.values() for name in parts)
+# each round's meta prompts and sampling seeds: plan.seed plus this (the first round's as it always was)
+_ROUND_SEED = {"requests": 0, "requests-b": 1_000_003}
 
 
 def part_recipe(plan: CorpusPlan, part: str) -> dict:
@@ -67,6 +76,8 @@ def part_recipe(plan: CorpusPlan, part: str) -> dict:
     fields = {"passages": ("passages",), "grounded": ("passages", "grounded", "sampled_fraction"),
               "tasks": ("tasks", "sampled_fraction"),
               "requests": ("requests", "request_tokens", "request_temperature")}[part.split("-")[0]]
+    if part.startswith("requests-b"):
+        fields = ("more_requests", "request_tokens", "request_temperature")
     return {"part": part, "plan": {k: getattr(plan, k) for k in fields}}
 
 
@@ -84,10 +95,10 @@ def build_feature_corpus(model, out_dir: str, plan: CorpusPlan = CorpusPlan(), e
     def by_length(prompts):
         return sorted(prompts, key=lambda p: len(tpl.encode(p)))
 
-    def run(name, prompts, temperature, max_new, recipe=None):
+    def run(name, prompts, temperature, max_new, recipe=None, seed=plan.seed):
         started = time.perf_counter()
         paths = generate_corpus(model, by_length(prompts), dirs[name], max_new_tokens=max_new,
-                                batch_size=plan.batch_size, temperatures=(temperature,), seed=plan.seed,
+                                batch_size=plan.batch_size, temperatures=(temperature,), seed=seed,
                                 progress=progress, recipe={**part_recipe(plan, name), **(recipe or {})})
         _record(out_dir, name, len(prompts), temperature, time.perf_counter() - started)
         return paths
@@ -108,23 +119,36 @@ def build_feature_corpus(model, out_dir: str, plan: CorpusPlan = CorpusPlan(), e
         shards[f"{name}-greedy"] = run(f"{name}-greedy", prompts[:cut], 0.0, plan.max_new_tokens)
         if cut < len(prompts):
             shards[f"{name}-sampled"] = run(f"{name}-sampled", prompts[cut:], 1.0, plan.max_new_tokens)
-    if plan.requests:
-        written = run("requests-written", [p for _, p in meta_prompts(plan.requests, seed=plan.seed)],
-                      plan.request_temperature, plan.request_tokens)
-        # a request equal to a template prompt would be the same greedy sequence in two parts, which are
-        # split apart (``feature_tune``): held out in one, trained on in the other
-        taken = set(exclude) | set(ordered) | set(grounded) | set(tasks)
-        kept = [r for r in dict.fromkeys(filter(None, map(extract_request, _continuations(written, tpl))))
-                if r not in taken]
-        if not kept:
-            raise InputError(f"{dirs['requests-written']}: none of the {plan.requests} written requests was usable; "
-                             f"remove that directory and ask for more (--requests)")
-        log(f"requests: kept {len(kept)} of {plan.requests} written")
-        # the kept requests depend on extract_request and the held-out prompts too: the manifest names them
-        digest = hashlib.sha256(json.dumps(kept).encode()).hexdigest()
-        shards["requests"] = run("requests", kept, 0.0, plan.max_new_tokens, recipe={"requests_sha256": digest})
+    taken = set(exclude) | set(ordered) | set(grounded) | set(tasks)
+    for round_name, count in (("requests", plan.requests), ("requests-b", plan.more_requests)):
+        if count:
+            kept = _request_round(run, shards, round_name, count, plan, tpl, taken, dirs, log)
+            taken |= set(kept)
     log(f"corpus {out_dir}: {sum(len(v) for v in shards.values())} shards")
     return shards
+
+
+def _request_round(run, shards: dict, round_name: str, count: int, plan: CorpusPlan, tokenizer, taken: set,
+                   dirs: dict, log) -> list[str]:
+    """One round of self-written requests: ``count`` written (sampled), the usable ones not in ``taken``
+    answered greedily into part ``round_name``; returns the kept requests."""
+    written_part, answers_part = REQUEST_ROUNDS[round_name]
+    seed = plan.seed + _ROUND_SEED[round_name]
+    written = run(written_part, [p for _, p in meta_prompts(count, seed=seed)], plan.request_temperature,
+                  plan.request_tokens, seed=seed)
+    # a request equal to a template prompt (or to one of an earlier round) would be the same greedy sequence
+    # in two parts, which are split apart (``feature_tune``): held out in one, trained on in the other
+    kept = [r for r in dict.fromkeys(filter(None, map(extract_request, _continuations(written, tokenizer))))
+            if r not in taken]
+    if not kept:
+        raise InputError(f"{dirs[written_part]}: none of the {count} written requests was usable; remove that "
+                         f"directory and ask for more")
+    log(f"{round_name}: kept {len(kept)} of {count} written")
+    # the kept requests depend on extract_request and the held-out prompts too: the manifest names them
+    digest = hashlib.sha256(json.dumps(kept).encode()).hexdigest()
+    shards[answers_part] = run(answers_part, kept, 0.0, plan.max_new_tokens, recipe={"requests_sha256": digest},
+                               seed=seed)
+    return kept
 
 
 def _continuations(paths, tokenizer) -> list[str]:

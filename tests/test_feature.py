@@ -168,16 +168,16 @@ def test_make_batch_left_pads_so_continuations_end_together(corpus):
     assert not seqs(train) & seqs(held) and seqs(train) | seqs(held) == seqs(corpus)
 
 
-def test_gpu_batch_shapes_pad_more_and_change_nothing_else(llama, corpus):
-    """BatchShapes.gpu(): feature batches full and widths a multiple of 256 give the same features, and
-    training batches the same rows, only further left-padded."""
+def test_gpu_batch_shapes_pad_more_and_change_nothing_else(llama, corpus, trained):
+    """BatchShapes.gpu(): feature batches full and widths a multiple of 256 give the same features,
+    training batches the same rows, only further left-padded, and the same held-out agreement."""
     from specjax.boost.feature_tune import BatchShapes
 
     shapes = BatchShapes.gpu()
     seqs = [(list(range(3, 3 + n)), 2) for n in (5, 70, 9)]
     plain = teacher_features(llama, seqs, batch_size=2)
     padded = teacher_features(llama, seqs, batch_size=shapes.teacher_batch, width_multiple=shapes.width_multiple,
-                              full_batches=shapes.full_teacher_batches)
+                              full_batches=shapes.full_batches)
     for a, b in zip(plain, padded):
         assert a.shape == b.shape
         chex.assert_trees_all_close(a.astype(np.float32), b.astype(np.float32), atol=1e-2, rtol=1e-2)
@@ -190,6 +190,12 @@ def test_gpu_batch_shapes_pad_more_and_change_nothing_else(llama, corpus):
         else:
             assert (wide[key][:, -cut:] == small[key]).all(), key
             assert key not in ("tokens", "features", "loss") or not wide[key][:, :-cut].any()
+    cfg, _, params, _ = trained
+    plain = depth_agreement(params, corpus, cfg, steps=3, window=TC.window, batch_size=5)  # a 4-row last batch
+    padded = depth_agreement(params, corpus, cfg, steps=3, window=TC.window, batch_size=5,
+                             width_multiple=shapes.width_multiple, full_batches=True)
+    assert padded["positions"] == plain["positions"]  # the repeated rows are not counted
+    np.testing.assert_allclose(padded["all"], plain["all"], atol=1.0 / plain["positions"])
 
 
 def test_training_raises_agreement_at_every_trained_depth(trained, corpus):

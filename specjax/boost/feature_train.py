@@ -219,18 +219,21 @@ def split_params(params: dict, cfg: FeatureConfig) -> tuple[dict, dict]:
 
 
 def depth_agreement(params: dict, data: FeatureSet, cfg: FeatureConfig, steps: int = 6, window: int = 176,
-                    batch_size: int = 8, width_multiple: int = WIDTH_MULTIPLE) -> dict:
+                    batch_size: int = 8, width_multiple: int = WIDTH_MULTIPLE, full_batches: bool = False) -> dict:
     """Held-out top-1 agreement with the LLM's greedy token at draft depths 1..steps (the drafter fed its
     own features, no noise; positions of greedy continuations), overall and per corpus part:
-    {"all": [steps], part: [steps], "positions": n}."""
+    {"all": [steps], part: [steps], "positions": n}. ``width_multiple`` as in ``make_batch``; with
+    ``full_batches`` the last batch is padded to ``batch_size`` rows (repeats, not counted): one shape fewer
+    to compile, where compiles cost more than the padding (a GPU)."""
     fn = _agreement_fn(cfg, steps, window)
     hits = np.zeros((len(data.part_names), steps))
     counts = np.zeros((len(data.part_names), steps))
     order = np.argsort(data.lengths, kind="stable")
     for start in range(0, len(order), batch_size):
         index = order[start:start + batch_size]
-        batch = make_batch(data, index, window, width_multiple)
-        h, c = (np.asarray(a) for a in fn(params, {k: jnp.asarray(v) for k, v in batch.items()}))
+        rows = np.pad(index, (0, batch_size - len(index)), mode="edge") if full_batches else index
+        batch = make_batch(data, rows, window, width_multiple)
+        h, c = (np.asarray(a)[:len(index)] for a in fn(params, {k: jnp.asarray(v) for k, v in batch.items()}))
         np.add.at(hits, data.parts[index], h)
         np.add.at(counts, data.parts[index], c)
     out = {"all": (hits.sum(0) / np.maximum(counts.sum(0), 1)).tolist(), "positions": int(counts[:, 0].sum())}
@@ -262,7 +265,8 @@ def _agreement_fn(cfg: FeatureConfig, steps: int, window: int):
 def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: FeatureTrainConfig, run_dir: str, *,
                   held_out: FeatureSet | None = None, eval_prompts: FeatureSet | None = None, eval_steps: int = 6,
                   progress: bool = True, log=print, stop_after: int | None = None, time_budget: float | None = None,
-                  start: str | None = None, width_multiple: int = WIDTH_MULTIPLE) -> tuple[dict, list[dict]]:
+                  start: str | None = None, width_multiple: int = WIDTH_MULTIPLE,
+                  full_batches: bool = False) -> tuple[dict, list[dict]]:
     """Train the drafter (bound params: ``specjax.models.feature.bind``) on ``data``; resumes from the
     newest checkpoint in ``run_dir``. Returns (trained bound params, evaluation history). History rows:
     {step, loss, per-step ce/reg/agreement of the last batch, held-out agreement by depth, and the same
@@ -271,7 +275,8 @@ def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: Featur
     the step that ends this many seconds of this call (checkpointed there, so a later call resumes;
     the learning-rate schedule stays the planned one). ``start``: what
     names the starting weights when they are not the seed's initialisation (a continued drafter's
-    digest): part of the run's recipe, so a run directory is not resumed from other weights."""
+    digest): part of the run's recipe, so a run directory is not resumed from other weights.
+    ``width_multiple`` and ``full_batches``: how batches are padded (``make_batch``, ``depth_agreement``)."""
     import optax
     from tqdm import tqdm
 
@@ -305,12 +310,12 @@ def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: Featur
             row.update(ce=stats[:, 0].tolist(), reg=stats[:, 1].tolist(), batch_agreement=stats[:, 2].tolist())
         if held_out is not None:
             agreement = depth_agreement({**frozen, **trained}, held_out, cfg, eval_steps, tc.window, tc.batch_size,
-                                        width_multiple)
+                                        width_multiple, full_batches)
             row["held_out"] = agreement
             bar.set_postfix(d1=f"{agreement['all'][0]:.3f}", d2=f"{agreement['all'][1]:.3f}")
         if eval_prompts is not None:
             row["eval_prompts"] = depth_agreement({**frozen, **trained}, eval_prompts, cfg, eval_steps, tc.window,
-                                                  tc.batch_size, width_multiple)
+                                                  tc.batch_size, width_multiple, full_batches)
         history.append(row)
 
     bar = tqdm(total=total, initial=step, desc="train feature drafter", disable=not progress)

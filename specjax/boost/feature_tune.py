@@ -35,13 +35,14 @@ EVAL_DEPTHS = 6
 
 @dataclasses.dataclass(frozen=True)
 class BatchShapes:
-    """How the LLM's feature pass and the training pad their batches. The defaults suit a CPU (little
-    padding); on a GPU compiling a shape costs more than computing padding, so fewer, larger shapes
-    (``gpu()``): widths a multiple of 256, feature batches of 32 rows, always full."""
+    """How the LLM's feature pass, the training and the evaluation pad their batches. The defaults suit a
+    CPU (little padding); on a GPU compiling a shape costs more than computing padding (an H200: the
+    two held-out evaluations of a stop-47 drafter took 220 s, nearly all compiling), so fewer, larger
+    shapes (``gpu()``): widths a multiple of 256, feature batches of 32 rows, every batch full."""
 
     teacher_batch: int = 8
     width_multiple: int = 64
-    full_teacher_batches: bool = False
+    full_batches: bool = False
 
     def __post_init__(self):
         if self.teacher_batch < 1 or self.width_multiple < 1:
@@ -49,11 +50,11 @@ class BatchShapes:
 
     @classmethod
     def gpu(cls) -> "BatchShapes":
-        return cls(teacher_batch=32, width_multiple=256, full_teacher_batches=True)
+        return cls(teacher_batch=32, width_multiple=256, full_batches=True)
 
     def features(self, llm: Model, paths, out_dir: str, progress: bool, log) -> list[str]:
         return feature_shards(llm, paths, out_dir, batch_size=self.teacher_batch, progress=progress, log=log,
-                              width_multiple=self.width_multiple, full_batches=self.full_teacher_batches)
+                              width_multiple=self.width_multiple, full_batches=self.full_batches)
 
 
 def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc: FeatureTrainConfig, drafting: dict,
@@ -68,8 +69,11 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
     draft vocabulary kept (fine-tuning on a grown corpus) instead of a fresh start. ``eval_prompts``:
     prompts from outside the corpus's generator (hand-written; held out of training too) whose
     greedy continuations are a second held-out set, reported beside the split's: the split shares its
-    training data's generator, so it flatters the drafter (``eval_prompt_set``). ``time_budget`` and
-    ``shapes``: as in ``tune_on_shards``."""
+    training data's generator, so it flatters the drafter (``eval_prompt_set``). ``time_budget``: seconds
+    from now after which training stops (the corpus, features and evaluations count; the step under way
+    finishes and is checkpointed, then the run evaluates and exports; running again resumes).
+    ``shapes``: how batches are padded (``BatchShapes``)."""
+    deadline = None if time_budget is None else time.monotonic() + time_budget
     started = time.perf_counter()
     exclude = list(dict.fromkeys([*exclude, *eval_prompts]))  # evaluation prompts are never training prompts
     shards = build_feature_corpus(llm, corpus_dir, plan, exclude=exclude, progress=progress, log=log)
@@ -78,7 +82,7 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
                   if eval_prompts else None)
     return tune_on_shards(llm, corpus_dir, shards, run_dir, plan, tc, drafting, draft_vocab=draft_vocab,
                           held_out=held_out, max_eval=max_eval, export=export, model_name=model_name,
-                          stop_after=stop_after, time_budget=time_budget, init_from=init_from, eval_set=prompt_set,
+                          stop_after=stop_after, deadline=deadline, init_from=init_from, eval_set=prompt_set,
                           eval_prompt_count=len(eval_prompts), progress=progress, log=log,
                           timing={"corpus_s": corpus_s}, shapes=shapes)
 
@@ -86,14 +90,14 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
 def tune_on_shards(llm: Model, corpus_dir: str, shards: dict[str, list[str]], run_dir: str, plan: CorpusPlan,
                    tc: FeatureTrainConfig, drafting: dict, *, draft_vocab: int, held_out: float, max_eval: int,
                    export: str | None = None, model_name: str = "", stop_after: int | None = None,
-                   time_budget: float | None = None, init_from: str | None = None, eval_set: FeatureSet | None = None,
+                   deadline: float | None = None, init_from: str | None = None, eval_set: FeatureSet | None = None,
                    eval_prompt_count: int = 0, progress: bool = True, log=print, timing: dict | None = None,
                    shapes: BatchShapes | None = None) -> dict:
     """``feature_tune`` from its corpus on: ``shards`` {part: corpus shard paths} (``build_feature_corpus``,
     or a corpus made elsewhere), their features, the split, training, evaluation, export. ``eval_set``:
-    the evaluation prompts' continuations with their features (``eval_prompt_set``). ``time_budget``:
-    seconds of training in this run at most (as ``stop_after``: a later run resumes). ``shapes``: how
-    batches are padded (``BatchShapes``)."""
+    the evaluation prompts' continuations with their features (``eval_prompt_set``). ``deadline``: a
+    ``time.monotonic()`` time after which training stops (as ``stop_after``: a later run resumes); none
+    is taken if it has passed before training starts. ``shapes``: how batches are padded (``BatchShapes``)."""
     shapes = shapes or BatchShapes()
     timing = dict(timing or {})
     started = time.perf_counter()
@@ -112,17 +116,24 @@ def tune_on_shards(llm: Model, corpus_dir: str, shards: dict[str, list[str]], ru
         coverage = vocabulary_coverage(train, cfg.draft_vocab)
     evaluation = held.subset(np.arange(min(max_eval, len(held))))
     prompt_set = eval_set
+    time_budget = None
+    if deadline is not None:
+        time_budget = deadline - time.monotonic()
+        if time_budget <= 0:
+            log("the time budget was spent before training started: no step taken")
+            stop_after, time_budget = 0, None
     started = time.perf_counter()
     params, history = train_feature(params, train, cfg, tc, run_dir, held_out=evaluation, eval_prompts=prompt_set,
                                     start=start, eval_steps=EVAL_DEPTHS, progress=progress, log=log,
                                     stop_after=stop_after, time_budget=time_budget,
-                                    width_multiple=shapes.width_multiple)
+                                    width_multiple=shapes.width_multiple, full_batches=shapes.full_batches)
     timing["train_s_this_run"] = time.perf_counter() - started
     final = depth_agreement(params, held, cfg, steps=EVAL_DEPTHS, window=tc.window, batch_size=tc.batch_size,
-                            width_multiple=shapes.width_multiple)
+                            width_multiple=shapes.width_multiple, full_batches=shapes.full_batches)
     on_prompts = None if prompt_set is None else depth_agreement(params, prompt_set, cfg, steps=EVAL_DEPTHS,
                                                                  window=tc.window, batch_size=tc.batch_size,
-                                                                 width_multiple=shapes.width_multiple)
+                                                                 width_multiple=shapes.width_multiple,
+                                                                 full_batches=shapes.full_batches)
     summary = {"model": model_name, "corpus": os.path.abspath(corpus_dir), "plan": dataclasses.asdict(plan),
                "train": dataclasses.asdict(tc), "drafting": {k: list(v) if isinstance(v, tuple) else v
                                                              for k, v in drafting.items()},

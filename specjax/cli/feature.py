@@ -64,8 +64,9 @@ def add_parser(sub, formatter_class) -> None:
                    help="train at most this many steps in this run (0: none), then evaluate and export what there is; "
                         "running again resumes (default: none, train to the end)")
     f.add_argument("--time-budget", type=float, default=None,
-                   help="seconds of training in this run at most, then checkpoint, evaluate and export what there is "
-                        "(the learning-rate schedule stays the planned one; running again resumes) (default: none)")
+                   help="seconds this run may take before its training stops (counted from its start: the corpus, "
+                        "features and evaluations count), then checkpoint, evaluate and export what there is (the "
+                        "learning-rate schedule stays the planned one; running again resumes) (default: none)")
     f.add_argument("--batch-shapes", choices=("auto", "cpu", "gpu"), default="auto",
                    help="how feature and training batches are padded: cpu (little padding), gpu (widths a multiple of "
                         "256, full feature batches of 32: few shapes, since compiles cost more than padding there); "

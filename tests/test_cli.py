@@ -295,6 +295,9 @@ def test_bad_boost_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, arg
     (["--exclude-prompts", "/nonexistent.jsonl"], "prompts file not found"),
     (["--stop-after", "-1"], "--stop-after must be >= 0 steps"),
     (["--requests", "-1"], "requests must be >= 0"),
+    (["--more-requests", "-2"], "more_requests must be >= 0, got 0, -2"),
+    (["--time-budget", "0"], "--time-budget must be a positive number of seconds, got 0.0"),
+    (["--time-budget", "nan"], "--time-budget must be a positive number of seconds, got nan"),
     (["--eval-prompts", "/nonexistent.jsonl"], "prompts file not found"),
     (["--init-from", "/nonexistent-drafter"], "not a registered name"),
 ])

@@ -5,8 +5,10 @@ Runs what ``specjax feature-tune`` runs after its corpus, on a few corpus shards
 agreement and the export. The LLM can be SmolLM2's architecture with random weights
 (``scripts/random_weights_model.py``: its GGUF takes two calls to reach the GPU machine), since a
 pass costs the same whatever the weights. Prints one JSON line: seconds per training step at
-``--batch-size`` (compiles excluded) and what each stage took, so the real run's ``--epochs`` can
-be sized to the time it has (``scripts/gpu_feature_tune.sh`` reads it).
+``--batch-size`` and what each stage took, so the real run's ``--epochs`` can be sized to the time
+it has (``scripts/gpu_feature_tune.sh``'s STEP_SECONDS). The step time is an upper bound: the timed
+call follows a first call of 5 steps but compiles its step function again (one per call), and may
+meet new batch widths and checkpoint saves.
 
     python scripts/gpu_feature_check.py --model /tmp/smollm2-random --corpus feature-out/feature-corpus \
         --init-from smollm2-feature --out /tmp/feature-check --json-out gpu_out/check.json

@@ -22,6 +22,8 @@
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 STEP_SECONDS=${STEP_SECONDS:?the seconds of one training step, from scripts/gpu_feature_check.py}
+CORPUS=${CORPUS:?the feature corpus directory}
+DEV_PROMPTS=${DEV_PROMPTS:?the dev prompts file (held out, and the second evaluation set)}
 SLOWDOWN=${SLOWDOWN:-1.5}  # two runs share the GPU
 BATCH=${BATCH:-32}
 mkdir -p "$OUT"
@@ -49,6 +51,7 @@ n = sum(len(np.load(p)["prompt_lens"]) for part in parts for p in glob.glob(f"{c
 print(math.ceil(n * 0.98 / batch))
 EOF
 ) || exit 1
+[ "$EPOCH_STEPS" -gt 0 ] || { echo "$CORPUS: no corpus shards"; exit 1; }
 epochs() { $PY -c "print(round(max(0.25, $1 / ($STEP_SECONDS * $SLOWDOWN) / $EPOCH_STEPS), 2))"; }
 INIT=(--init-from "${INIT_FROM-smollm2-feature}"); [ -n "${INIT_FROM-smollm2-feature}" ] || INIT=()
 COMMON=(--corpus "$CORPUS" --exclude-prompts "$DEV_PROMPTS" --exclude-prompts scripts/data/task_kinds.jsonl
@@ -62,17 +65,22 @@ END=${END_SECONDS:-90}
 E=$(epochs $(( TOTAL - END - ${FEATURES_SECONDS:-150} )))
 left() { local t=$(( DEADLINE - $(date +%s) - END )); echo $(( t > 1 ? t : 1 )); }  # seconds, at least 1
 echo "=== $(date +%T) $EPOCH_STEPS steps an epoch at batch $BATCH: $E epochs"
-$PY -m specjax feature-tune "${COMMON[@]}" "${INIT[@]}" --epochs "$E" --learning-rate 5e-4 \
-  --out feature-out/run-gpu-a --export feature-out/smollm2-feature-gpu-a \
+# a rerun on the same machine resumes the run directories; the exports are written afresh, and a watchdog
+# (timeout) stops a run that overruns the deadline, so the call still returns its logs
+rm -rf feature-out/smollm2-feature-gpu-a feature-out/smollm2-feature-gpu-b
+guard() { echo $(( DEADLINE - $(date +%s) - 10 )); }
+timeout -k 5 "$(guard)" $PY -m specjax feature-tune "${COMMON[@]}" ${INIT[@]+"${INIT[@]}"} --epochs "$E" \
+  --learning-rate 5e-4 --out feature-out/run-gpu-a --export feature-out/smollm2-feature-gpu-a \
   --time-budget "$(left)" > "$OUT/a.log" 2>&1 &
 A=$!
-n=$(ls "$CORPUS"/requests-b/shard-*.npz | wc -l)
-while [ "$(ls "$CORPUS"/features/requests-b/features-?????.npz 2>/dev/null | wc -l)" -lt "$n" ]; do
+# every training part's features (A writes them part by part; B must not compute them beside it)
+n=$(ls "$CORPUS"/{passages,grounded-*,tasks-*,requests,requests-b}/shard-*.npz 2>/dev/null | wc -l)
+while [ "$(ls "$CORPUS"/features/*/features-?????.npz 2>/dev/null | wc -l)" -lt "$n" ]; do
   kill -0 $A 2>/dev/null || break  # A failed: B computes the features itself
   sleep 2
 done
 echo "=== $(date +%T) features written after $(( $(date +%s) - START )) s; B starts"
-$PY -m specjax feature-tune "${COMMON[@]}" --epochs "$E" --learning-rate 1e-3 \
+timeout -k 5 "$(guard)" $PY -m specjax feature-tune "${COMMON[@]}" --epochs "$E" --learning-rate 1e-3 \
   --out feature-out/run-gpu-b --export feature-out/smollm2-feature-gpu-b \
   --time-budget "$(left)" > "$OUT/b.log" 2>&1 &
 B=$!

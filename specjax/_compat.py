@@ -18,6 +18,8 @@ def gguf_tokenizer_from_fields(architecture: str, tokenizer_dict: dict, tokenize
         from transformers.integrations.ggml import convert_gguf_tokenizer
     backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
     # the GGUF's own metadata wins over the converter's guesses: transformers 5.17's converter also returns
-    # bos/eos/unk (SmolLM2's eos as <|im_start|>, where the GGUF says <|im_end|>), and both as keywords raise
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **{**extra, **tokenizer_config})
+    # bos/eos/unk (SmolLM2's eos as <|im_start|>, where the GGUF says <|im_end|>), and both as keywords raise;
+    # a token the GGUF does not name (None) leaves the converter's
+    named = {k: v for k, v in tokenizer_config.items() if v is not None}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **{**extra, **named})
 

@@ -208,7 +208,7 @@ def test_training_raises_agreement_at_every_trained_depth(trained, corpus):
         assert after[d] > before[d] + 0.1, (before, after)
 
 
-def test_training_resumes_bit_exactly(llama, corpus, tmp_path):
+def test_training_resumes_bit_exactly(llama, corpus, tmp_path, monkeypatch):
     cfg = FeatureConfig(llama.config, tuple(range(llama.config.vocab_size)))
     start = bind(init_trained(llama.params, cfg, jax.random.key(2)), llama.params, cfg)
     tc = FeatureTrainConfig(epochs=1, batch_size=8, window=48, warmup_steps=1, unrolled_steps=2, eval_every=1000,
@@ -217,9 +217,17 @@ def test_training_resumes_bit_exactly(llama, corpus, tmp_path):
     train_feature(start, corpus, cfg, tc, str(tmp_path / "b"), progress=False, stop_after=2)
     resumed, _ = train_feature(start, corpus, cfg, tc, str(tmp_path / "b"), progress=False)
     chex.assert_trees_all_equal(resumed, straight)
-    # a time budget spent after the first step: checkpointed there, and the rest resumes to the same weights
-    train_feature(start, corpus, cfg, tc, str(tmp_path / "c"), progress=False, time_budget=1e-9)
+    # a deadline passed after the first step (a clock that ticks once a step, checked before each): that
+    # step is checkpointed though it is not a checkpoint step, and the rest resumes to the same weights
+    import specjax.boost.feature_train as feature_train
+
+    clock = iter(range(1000))
+    monkeypatch.setattr(feature_train, "_now", lambda: next(clock))
+    train_feature(start, corpus, cfg, tc, str(tmp_path / "c"), progress=False, deadline=0.5)
     assert _steps_done(str(tmp_path / "c")) == 1
+    # a deadline already passed when training would start (after the step-0 evaluation): no step
+    train_feature(start, corpus, cfg, tc, str(tmp_path / "d"), progress=False, deadline=-1.0)
+    assert _steps_done(str(tmp_path / "d")) == 0
     resumed, _ = train_feature(start, corpus, cfg, tc, str(tmp_path / "c"), progress=False)
     chex.assert_trees_all_equal(resumed, straight)
     with pytest.raises(InputError, match="another recipe"):

@@ -13,7 +13,9 @@ Parts, in generation order (stage 2 quotes the passages part, so it comes first)
   ``specjax.boost.request_prompts.extract_request``): prompts worded as templates cannot word them;
 * with ``more_requests`` > 0, a second round of the same (``requests-b-written``, ``requests-b``):
   other meta prompts and sampling seeds, kept requests already in the corpus dropped. A part of its
-  own, so the first round's parts (and a drafter trained on them) stay as they were.
+  own, so the first round's parts (and a drafter trained on them) stay as they were; which requests
+  it keeps depends on the first round's, so a changed ``requests`` makes it a different part
+  (its manifest guard refuses the old one).
 
 Greedy parts match what greedy speculation sees; the sampled parts (temperature 1, seeded) keep
 the drafter useful when requests sample. Prompts are sorted by length inside a part so a batch

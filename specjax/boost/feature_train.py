@@ -41,6 +41,7 @@ from specjax.models.feature import FeatureConfig, llm_features, logits_of, outpu
 from specjax.models.llama import mlp
 
 WIDTH_MULTIPLE = 64
+_now = time.monotonic  # the deadline's clock (a test steps it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,16 +265,17 @@ def _agreement_fn(cfg: FeatureConfig, steps: int, window: int):
 
 def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: FeatureTrainConfig, run_dir: str, *,
                   held_out: FeatureSet | None = None, eval_prompts: FeatureSet | None = None, eval_steps: int = 6,
-                  progress: bool = True, log=print, stop_after: int | None = None, time_budget: float | None = None,
+                  progress: bool = True, log=print, stop_after: int | None = None, deadline: float | None = None,
                   start: str | None = None, width_multiple: int = WIDTH_MULTIPLE,
                   full_batches: bool = False) -> tuple[dict, list[dict]]:
     """Train the drafter (bound params: ``specjax.models.feature.bind``) on ``data``; resumes from the
     newest checkpoint in ``run_dir``. Returns (trained bound params, evaluation history). History rows:
     {step, loss, per-step ce/reg/agreement of the last batch, held-out agreement by depth, and the same
     on ``eval_prompts`` (continuations of prompts from outside the corpus's generator)}.
-    ``stop_after``: return after this many steps of this call (a later call resumes); ``time_budget``: after
-    the step that ends this many seconds of this call (checkpointed there, so a later call resumes;
-    the learning-rate schedule stays the planned one). ``start``: what
+    ``stop_after``: return after this many steps of this call (a later call resumes); ``deadline``: a
+    ``time.monotonic()`` time at which no further step starts (the step under way finishes and is
+    checkpointed, so a later call resumes; evaluations count; the learning-rate schedule stays the
+    planned one). ``start``: what
     names the starting weights when they are not the seed's initialisation (a continued drafter's
     digest): part of the run's recipe, so a run directory is not resumed from other weights.
     ``width_multiple`` and ``full_batches``: how batches are padded (``make_batch``, ``depth_agreement``)."""
@@ -323,8 +325,13 @@ def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: Featur
         run_eval(0, None, None)
     end = total if stop_after is None else min(total, step + stop_after)
     order = (None, None)
-    deadline = None if time_budget is None else time.monotonic() + time_budget
+    saved = step
     while step < end:
+        if deadline is not None and _now() >= deadline:
+            if step != saved:
+                run.save(step, trained, opt_state, history)
+            log(f"time budget spent at step {step}/{total}; running again resumes")
+            break
         epoch, index = divmod(step, per_epoch)
         if order[0] != epoch:
             order = (epoch, epoch_batches(data, tc.batch_size, tc.seed, epoch))
@@ -340,12 +347,9 @@ def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: Featur
         bar.set_postfix(loss=f"{loss:.3f}", a1=f"{stats[0, 2]:.2f}", a2=f"{stats[min(1, len(stats) - 1), 2]:.2f}")
         if step % tc.eval_every == 0 or step == total:
             run_eval(step, loss, stats)
-        out_of_time = deadline is not None and time.monotonic() >= deadline
-        if step % tc.checkpoint_every == 0 or step == end or out_of_time:
+        if step % tc.checkpoint_every == 0 or step == end:
             run.save(step, trained, opt_state, history)
-        if out_of_time:
-            log(f"time budget of {time_budget:g} s spent at step {step}/{total}; running again resumes")
-            break
+            saved = step
     bar.close()
     run.close()
     return {**frozen, **trained}, history

@@ -96,8 +96,8 @@ def tune_on_shards(llm: Model, corpus_dir: str, shards: dict[str, list[str]], ru
     """``feature_tune`` from its corpus on: ``shards`` {part: corpus shard paths} (``build_feature_corpus``,
     or a corpus made elsewhere), their features, the split, training, evaluation, export. ``eval_set``:
     the evaluation prompts' continuations with their features (``eval_prompt_set``). ``deadline``: a
-    ``time.monotonic()`` time after which training stops (as ``stop_after``: a later run resumes); none
-    is taken if it has passed before training starts. ``shapes``: how batches are padded (``BatchShapes``)."""
+    ``time.monotonic()`` time after which no training step starts (``train_feature``; a later run
+    resumes). ``shapes``: how batches are padded (``BatchShapes``)."""
     shapes = shapes or BatchShapes()
     timing = dict(timing or {})
     started = time.perf_counter()
@@ -116,16 +116,10 @@ def tune_on_shards(llm: Model, corpus_dir: str, shards: dict[str, list[str]], ru
         coverage = vocabulary_coverage(train, cfg.draft_vocab)
     evaluation = held.subset(np.arange(min(max_eval, len(held))))
     prompt_set = eval_set
-    time_budget = None
-    if deadline is not None:
-        time_budget = deadline - time.monotonic()
-        if time_budget <= 0:
-            log("the time budget was spent before training started: no step taken")
-            stop_after, time_budget = 0, None
     started = time.perf_counter()
     params, history = train_feature(params, train, cfg, tc, run_dir, held_out=evaluation, eval_prompts=prompt_set,
                                     start=start, eval_steps=EVAL_DEPTHS, progress=progress, log=log,
-                                    stop_after=stop_after, time_budget=time_budget,
+                                    stop_after=stop_after, deadline=deadline,
                                     width_multiple=shapes.width_multiple, full_batches=shapes.full_batches)
     timing["train_s_this_run"] = time.perf_counter() - started
     final = depth_agreement(params, held, cfg, steps=EVAL_DEPTHS, window=tc.window, batch_size=tc.batch_size,

@@ -44,7 +44,8 @@ def add_parser(sub, formatter_class) -> None:
     f.add_argument("--more-requests", type=int, default=0,
                    help="a second round of self-written requests (other meta prompts and sampling seeds; those "
                         "already in the corpus dropped), answered into a part of its own: grows a corpus without "
-                        "changing its earlier parts (default: 0, none)")
+                        "changing its earlier parts; it depends on the first round, so keep --requests as it was "
+                        "made with (default: 0, none)")
     f.add_argument("--sampled-fraction", type=float, default=0.25,
                    help="share of task and grounded prompts continued at temperature 1 (seeded)")
     f.add_argument("--corpus-batch", type=int, default=128, help="prompts per generation batch")
@@ -147,7 +148,9 @@ def _cmd_feature_tune(args, out) -> int:
     summary = feature_tune(llm, args.corpus, args.out, plan, tc, drafting, draft_vocab=args.draft_vocab,
                            held_out=args.held_out, max_eval=args.max_eval, exclude=held, export=args.export,
                            model_name=args.model, stop_after=args.stop_after, init_from=args.init_from,
-                           eval_prompts=evaluate, progress=not args.no_progress, time_budget=args.time_budget,
+                           eval_prompts=evaluate, progress=not args.no_progress,
+                           time_budget=None if args.time_budget is None  # the model's loading counts too
+                           else args.time_budget - (time.perf_counter() - started),
                            shapes=BatchShapes.gpu() if gpu else BatchShapes())
     depth = summary["held_out_agreement"]["all"]
     on_prompts = summary["eval_prompts_agreement"]

@@ -64,7 +64,7 @@ def test_a_second_request_round_answers_only_requests_not_already_in_the_corpus(
     """A round keeps the usable written requests that no earlier part holds (a template prompt, a held-out
     prompt or an earlier round's request would be the same greedy sequence in two parts split apart),
     with its own meta prompts and seeds; with none left it says so."""
-    from specjax.boost.feature_corpus import _request_round, part_dirs
+    from specjax.boost.feature_corpus import REQUEST_ROUNDS, _request_round, part_dirs
 
     texts = ["How do I repot a cactus without hurting my hands?", "Explain how a bicycle gear works, step by step.",
              "Why?"]  # the third is too short to be a request
@@ -83,14 +83,14 @@ def test_a_second_request_round_answers_only_requests_not_already_in_the_corpus(
         return [shard] if name.endswith("-written") else ["answers.npz"]
 
     plan, shards = CorpusPlan(requests=3, more_requests=3), {}
-    kept = _request_round(run, shards, "requests-b", 3, plan, Tokenizer(), {texts[0]}, part_dirs(str(tmp_path)),
-                          lambda *a: None)
+    kept = _request_round(run, shards, REQUEST_ROUNDS["requests-b"], plan, Tokenizer(), {texts[0]},
+                          part_dirs(str(tmp_path)), lambda *a: None)
     assert kept == [texts[1]] and shards == {"requests-b": ["answers.npz"]}
     (written, asked, seed), (answers, answered, answer_seed) = calls
     assert (written, answers, answered) == ("requests-b-written", "requests-b", [texts[1]])
     assert asked == [p for _, p in meta_prompts(3, seed=seed)] and seed == answer_seed != plan.seed
     with pytest.raises(InputError, match="none of the 3 written requests was usable"):
-        _request_round(run, {}, "requests-b", 3, plan, Tokenizer(), set(texts), part_dirs(str(tmp_path)),
+        _request_round(run, {}, REQUEST_ROUNDS["requests-b"], plan, Tokenizer(), set(texts), part_dirs(str(tmp_path)),
                        lambda *a: None)
 
 

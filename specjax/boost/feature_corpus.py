@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import time
+from typing import NamedTuple
 
 from specjax.boost.corpus import generate_corpus, read_shard
 from specjax.boost.request_prompts import extract_request, meta_prompts
@@ -66,21 +67,31 @@ class CorpusPlan:
 
 
 PARTS = ("passages", "grounded-greedy", "grounded-sampled", "tasks-greedy", "tasks-sampled")
-# (written requests: not training data, the answers to those kept) per round of self-written requests
-REQUEST_ROUNDS = {"requests": ("requests-written", "requests"), "requests-b": ("requests-b-written", "requests-b")}
-REQUEST_PARTS = tuple(name for parts in REQUEST_ROUNDS.values() for name in parts)
-# each round's meta prompts and sampling seeds: plan.seed plus this (the first round's as it always was)
-_ROUND_SEED = {"requests": 0, "requests-b": 1_000_003}
+
+
+class RequestRound(NamedTuple):
+    """A round of self-written requests: its parts (the written requests, not training data; the answers
+    to those kept), the plan field that counts them, and its seed offset (meta prompts and sampling seeds
+    are plan.seed plus this; the first round's as it always was)."""
+
+    written: str
+    answers: str
+    count_field: str
+    seed_offset: int
+
+
+REQUEST_ROUNDS = {"requests": RequestRound("requests-written", "requests", "requests", 0),
+                  "requests-b": RequestRound("requests-b-written", "requests-b", "more_requests", 1_000_003)}
+REQUEST_PARTS = tuple(name for r in REQUEST_ROUNDS.values() for name in (r.written, r.answers))
 
 
 def part_recipe(plan: CorpusPlan, part: str) -> dict:
     """What a part's prompts depend on (its manifest guard): changing another part's size leaves it valid."""
     fields = {"passages": ("passages",), "grounded": ("passages", "grounded", "sampled_fraction"),
               "tasks": ("tasks", "sampled_fraction"),
-              "requests": ("requests", "request_tokens", "request_temperature")}[part.split("-")[0]]
-    if part.startswith("requests-b"):
-        fields = ("more_requests", "request_tokens", "request_temperature")
-    return {"part": part, "plan": {k: getattr(plan, k) for k in fields}}
+              "requests": ("request_tokens", "request_temperature")}[part.split("-")[0]]
+    rounds = [r.count_field for r in REQUEST_ROUNDS.values() if part in (r.written, r.answers)]
+    return {"part": part, "plan": {k: getattr(plan, k) for k in (*rounds, *fields)}}
 
 
 def part_dirs(out_dir: str) -> dict[str, str]:
@@ -122,20 +133,19 @@ def build_feature_corpus(model, out_dir: str, plan: CorpusPlan = CorpusPlan(), e
         if cut < len(prompts):
             shards[f"{name}-sampled"] = run(f"{name}-sampled", prompts[cut:], 1.0, plan.max_new_tokens)
     taken = set(exclude) | set(ordered) | set(grounded) | set(tasks)
-    for round_name, count in (("requests", plan.requests), ("requests-b", plan.more_requests)):
-        if count:
-            kept = _request_round(run, shards, round_name, count, plan, tpl, taken, dirs, log)
-            taken |= set(kept)
+    for request_round in REQUEST_ROUNDS.values():
+        if getattr(plan, request_round.count_field):
+            taken |= set(_request_round(run, shards, request_round, plan, tpl, taken, dirs, log))
     log(f"corpus {out_dir}: {sum(len(v) for v in shards.values())} shards")
     return shards
 
 
-def _request_round(run, shards: dict, round_name: str, count: int, plan: CorpusPlan, tokenizer, taken: set,
+def _request_round(run, shards: dict, request_round: RequestRound, plan: CorpusPlan, tokenizer, taken: set,
                    dirs: dict, log) -> list[str]:
-    """One round of self-written requests: ``count`` written (sampled), the usable ones not in ``taken``
-    answered greedily into part ``round_name``; returns the kept requests."""
-    written_part, answers_part = REQUEST_ROUNDS[round_name]
-    seed = plan.seed + _ROUND_SEED[round_name]
+    """One round of self-written requests: its count written (sampled), the usable ones not in ``taken``
+    answered greedily into its answers part; returns the kept requests."""
+    written_part, answers_part, count_field, seed_offset = request_round
+    count, seed = getattr(plan, count_field), plan.seed + seed_offset
     written = run(written_part, [p for _, p in meta_prompts(count, seed=seed)], plan.request_temperature,
                   plan.request_tokens, seed=seed)
     # a request equal to a template prompt (or to one of an earlier round) would be the same greedy sequence
@@ -145,7 +155,7 @@ def _request_round(run, shards: dict, round_name: str, count: int, plan: CorpusP
     if not kept:
         raise InputError(f"{dirs[written_part]}: none of the {count} written requests was usable; remove that "
                          f"directory and ask for more")
-    log(f"{round_name}: kept {len(kept)} of {count} written")
+    log(f"{answers_part}: kept {len(kept)} of {count} written")
     # the kept requests depend on extract_request and the held-out prompts too: the manifest names them
     digest = hashlib.sha256(json.dumps(kept).encode()).hexdigest()
     shards[answers_part] = run(answers_part, kept, 0.0, plan.max_new_tokens, recipe={"requests_sha256": digest},

@@ -70,36 +70,16 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
     prompts from outside the corpus's generator (hand-written; held out of training too) whose
     greedy continuations are a second held-out set, reported beside the split's: the split shares its
     training data's generator, so it flatters the drafter (``eval_prompt_set``). ``time_budget``: seconds
-    from now after which training stops (the corpus, features and evaluations count; the step under way
-    finishes and is checkpointed, then the run evaluates and exports; running again resumes).
+    from now after which no training step starts (the corpus, features and evaluations count; the last
+    step is checkpointed, then the run evaluates and exports; running again resumes: ``train_feature``).
     ``shapes``: how batches are padded (``BatchShapes``)."""
     deadline = None if time_budget is None else time.monotonic() + time_budget
+    shapes = shapes or BatchShapes()
+    timing = {}
     started = time.perf_counter()
     exclude = list(dict.fromkeys([*exclude, *eval_prompts]))  # evaluation prompts are never training prompts
     shards = build_feature_corpus(llm, corpus_dir, plan, exclude=exclude, progress=progress, log=log)
-    corpus_s = time.perf_counter() - started
-    prompt_set = (eval_prompt_set(llm, corpus_dir, list(eval_prompts), plan, progress, log, shapes=shapes)
-                  if eval_prompts else None)
-    return tune_on_shards(llm, corpus_dir, shards, run_dir, plan, tc, drafting, draft_vocab=draft_vocab,
-                          held_out=held_out, max_eval=max_eval, export=export, model_name=model_name,
-                          stop_after=stop_after, deadline=deadline, init_from=init_from, eval_set=prompt_set,
-                          eval_prompt_count=len(eval_prompts), progress=progress, log=log,
-                          timing={"corpus_s": corpus_s}, shapes=shapes)
-
-
-def tune_on_shards(llm: Model, corpus_dir: str, shards: dict[str, list[str]], run_dir: str, plan: CorpusPlan,
-                   tc: FeatureTrainConfig, drafting: dict, *, draft_vocab: int, held_out: float, max_eval: int,
-                   export: str | None = None, model_name: str = "", stop_after: int | None = None,
-                   deadline: float | None = None, init_from: str | None = None, eval_set: FeatureSet | None = None,
-                   eval_prompt_count: int = 0, progress: bool = True, log=print, timing: dict | None = None,
-                   shapes: BatchShapes | None = None) -> dict:
-    """``feature_tune`` from its corpus on: ``shards`` {part: corpus shard paths} (``build_feature_corpus``,
-    or a corpus made elsewhere), their features, the split, training, evaluation, export. ``eval_set``:
-    the evaluation prompts' continuations with their features (``eval_prompt_set``). ``deadline``: a
-    ``time.monotonic()`` time after which no training step starts (``train_feature``; a later run
-    resumes). ``shapes``: how batches are padded (``BatchShapes``)."""
-    shapes = shapes or BatchShapes()
-    timing = dict(timing or {})
+    timing["corpus_s"] = time.perf_counter() - started
     started = time.perf_counter()
     parts = {name: (paths, shapes.features(llm, paths, os.path.join(corpus_dir, "features", name), progress, log))
              for name, paths in shards.items()}
@@ -115,7 +95,8 @@ def tune_on_shards(llm: Model, corpus_dir: str, shards: dict[str, list[str]], ru
         start = weights_digest(split_params(params, cfg)[0])
         coverage = vocabulary_coverage(train, cfg.draft_vocab)
     evaluation = held.subset(np.arange(min(max_eval, len(held))))
-    prompt_set = eval_set
+    prompt_set = (eval_prompt_set(llm, corpus_dir, list(eval_prompts), plan, progress, log, shapes=shapes)
+                  if eval_prompts else None)
     started = time.perf_counter()
     params, history = train_feature(params, train, cfg, tc, run_dir, held_out=evaluation, eval_prompts=prompt_set,
                                     start=start, eval_steps=EVAL_DEPTHS, progress=progress, log=log,
@@ -139,7 +120,7 @@ def tune_on_shards(llm: Model, corpus_dir: str, shards: dict[str, list[str]], ru
                "steps": {"done": _steps_done(run_dir),
                          "planned": math.ceil(tc.epochs * batches_per_epoch(len(train), tc.batch_size))},
                "held_out_agreement": final,
-               "eval_prompts_agreement": None if on_prompts is None else {"prompts": eval_prompt_count, **on_prompts},
+               "eval_prompts_agreement": None if on_prompts is None else {"prompts": len(eval_prompts), **on_prompts},
                "timing": timing, "history": history}
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -164,7 +145,7 @@ def _split(parts: dict, fraction: float, seed: int) -> tuple[FeatureSet, Feature
     base = {name: paths for name, paths in parts.items() if name not in REQUEST_PARTS}
     train, held = split_held_out(load_feature_set(base), fraction, seed=seed)
     groups = {"templates": {"train": len(train), "held_out": len(held)}}
-    for round_name, (_, answers) in REQUEST_ROUNDS.items():
+    for round_name, (_, answers, _, _) in REQUEST_ROUNDS.items():
         if answers in parts:
             more_train, more_held = split_held_out(load_feature_set({answers: parts[answers]}), fraction, seed=seed)
             train, held = concat_sets(train, more_train), concat_sets(held, more_held)
@@ -213,8 +194,7 @@ def _check_split(name: str, trained: dict | None, groups: dict, seed: int) -> No
     if not trained or not {"plan", "train", "sequences"} <= set(trained):
         raise InputError(f"--init-from {name}: its metadata does not record its training run (plan, seed, split), "
                          f"so its held-out split cannot be checked against this run's")
-    covered = ["templates"] + [group for group, field in (("requests", "requests"), ("requests-b", "more_requests"))
-                               if trained["plan"].get(field)]
+    covered = ["templates"] + [group for group, r in REQUEST_ROUNDS.items() if trained["plan"].get(r.count_field)]
     if any(g not in groups for g in covered):
         raise InputError(f"--init-from {name}: it was trained with a requests part this corpus plan does not have")
     here = {k: sum(groups[g][k] for g in covered) for k in ("train", "held_out")}

@@ -71,7 +71,7 @@ def add_parser(sub, formatter_class) -> None:
     f.add_argument("--batch-shapes", choices=("auto", "cpu", "gpu"), default="auto",
                    help="how feature and training batches are padded: cpu (little padding), gpu (widths a multiple of "
                         "256, full feature batches of 32: few shapes, since compiles cost more than padding there); "
-                        "auto: gpu on a GPU backend (default: auto)")
+                        "auto: gpu on any accelerator backend (default: auto)")
     f.add_argument("--seed", type=int, default=0, help="seed of the prompts, sampling, split and training")
     f.add_argument("--no-progress", action="store_true", help="no progress bars")
     f.set_defaults(func=_cmd_feature_tune)
@@ -141,8 +141,7 @@ def _cmd_feature_tune(args, out) -> int:
     from specjax.boost.feature_tune import BatchShapes, feature_tune
     from specjax.io.loader import load_model
 
-    gpu = args.batch_shapes == "gpu" or (args.batch_shapes == "auto" and jax.default_backend() in ("gpu", "cuda",
-                                                                                                    "rocm"))
+    gpu = args.batch_shapes == "gpu" or (args.batch_shapes == "auto" and jax.default_backend() != "cpu")
     started = time.perf_counter()
     llm = load_model(args.model, progress=not args.no_progress)
     summary = feature_tune(llm, args.corpus, args.out, plan, tc, drafting, draft_vocab=args.draft_vocab,

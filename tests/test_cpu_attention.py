@@ -3,9 +3,15 @@ walks every query's visible slots, with the floor from XLA's own float32 attenti
 (``specjax.attention.xla.attend``, the path it replaces) over decode steps, causal chains, token trees
 and drafting frontiers; GQA, MQA and head dims that are not a multiple of 16; prefixes across work
 chunks; non-finite K/V reaching exactly the queries that see them; results independent of the
-buffer's length, of the batch and of threads; and the step programs' tree passes through it."""
+buffer's length, of the batch and of threads; and the step programs' tree passes through it. The
+source is built here for both ISAs it supports, so a CPU with AVX-512 checks the AVX2 build too."""
 
 from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
 
 import chex
 import jax
@@ -19,8 +25,8 @@ from specjax.kernels import cpu as cpu_kernels
 from specjax.kernels.cpu import attention as cpu_attention
 from tests import precision
 
-needs_kernel = pytest.mark.skipif(cpu_kernels.status() is not None,
-                                  reason=f"kernels unavailable: {cpu_kernels.status()}")
+needs_kernel = pytest.mark.skipif(cpu_kernels.attention_status() is not None,
+                                  reason=f"kernel unavailable: {cpu_kernels.attention_status()}")
 
 # (batch, queries, heads, kv heads, head_dim, lengths, region, in_cache): a decode step; GQA tree
 # passes whose prefixes cross one and two 256-slot work chunks (one empty); MQA with an odd head_dim;
@@ -113,6 +119,17 @@ class TestKernel(chex.TestCase):
             floor = precision.error(_xla(q, k, v, 1, lengths, anc, region, scale, in_cache), exact)
             precision.assert_within(got, exact, floor, what=f"{(batch, num_q, heads, kv_heads, head_dim)}")
 
+    def test_scores_far_apart_match_float64(self):
+        """Scores hundreds apart: exponentials down to the subnormals and below (where AVX2, without
+        AVX-512's scalef, scales in two steps) stay within the float32 floor of XLA's attention."""
+        rng = np.random.default_rng(5)
+        q, k, v, lengths, anc = _case(rng, 2, 5, 4, 2, 32, [70, 300], 5)
+        k = k * np.float32(40.0)
+        got = _kernel(q, k, v, 0, lengths, anc, 5, 0.3, False)
+        exact = _reference(q, k, v, 0, lengths, anc, 5, 0.3)
+        floor = precision.error(_xla(q, k, v, 0, lengths, anc, 5, 0.3, False), exact)
+        precision.assert_within(got, exact, floor, what="scores far apart")
+
     def test_a_query_that_sees_nothing_is_zero(self):
         q, k, v, _, anc = _case(np.random.default_rng(1), 1, 2, 2, 1, 16, [0], 2)
         got = _kernel(q, k, v, 0, np.zeros(1, np.int32), np.zeros_like(anc), 2, 0.25, False)
@@ -179,3 +196,63 @@ def test_bad_inputs_are_named():
         cpu_attention.attend(jnp.asarray(q), *args, 33, 0.25)
     with pytest.raises(ValueError, match="is not \\[B, region"):
         cpu_attention.attend(jnp.asarray(q), *args, 2, 0.25, jnp.zeros((1, 3, 2, 16)), jnp.zeros((1, 3, 2, 16)))
+
+
+HAS_COMPILER = bool(shutil.which(os.environ.get("CXX") or "c++"))
+AVX2_CPU = all(f in cpu_kernels.build._cpu_flags().split() for f in cpu_kernels.build.AVX2)
+
+
+def _build_for(tmp_path, march: str, run: bool):
+    """attention.cc built with ``-march=<march>`` and without the FFI (its one-thread reference entry)."""
+    from specjax.kernels.cpu import build
+
+    lib_path = tmp_path / f"attention_{march}.so"
+    flags = [(f"-march={march}" if f == "-march=native" else f) for f in build.FLAGS]
+    done = subprocess.run([*build._compiler(), *flags, "-DSPECJAX_NO_FFI", "-I", str(build.HERE),
+                           str(build.HERE / "attention.cc"), "-o", str(lib_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return ctypes.cdll.LoadLibrary(str(lib_path)) if run else None
+
+
+@pytest.mark.skipif(not AVX2_CPU or not HAS_COMPILER,
+                    reason="needs an x86-64 CPU with AVX2, FMA and F16C and a C++ compiler")
+def test_the_avx2_build_matches_float64(tmp_path):
+    """attention.cc built for AVX2 (``-march=haswell``: two 8-float halves per vector, 3-row groups,
+    outputs summed one column block at a time), whatever this CPU is: every case of ``CASES`` and
+    scores hundreds apart within XLA's float32 floor; a query that sees nothing is zero."""
+    fn = _build_for(tmp_path, "haswell", run=True).specjax_cpu_attention_reference
+    ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+
+    def call(q, k, v, layer, lengths, anc, region, scale, in_cache):
+        kb, vb = _block(k, v, layer, lengths, region, in_cache)
+        kb = np.zeros(1, np.float32) if kb is None else np.ascontiguousarray(kb)
+        vb = np.zeros(1, np.float32) if vb is None else np.ascontiguousarray(vb)
+        out = np.full(q.shape, np.nan, np.float32)
+        dims = (*q.shape[:3], k.shape[3], q.shape[3], k.shape[0], k.shape[2], anc.shape[2], region)
+        fn(ptr(q), ptr(k), ptr(v), ptr(kb), ptr(vb), ctypes.c_int(int(in_cache)), ctypes.c_long(layer),
+           ptr(np.ascontiguousarray(lengths, np.int32)), ptr(np.ascontiguousarray(anc, np.uint32)), ptr(out),
+           *(ctypes.c_long(d) for d in dims), ctypes.c_float(scale))
+        return out
+
+    rng = np.random.default_rng(6)
+    cases = [(c, 1.0) for c in CASES] + [((2, 5, 4, 2, 32, [70, 300], 5, False), 40.0)]
+    for (batch, num_q, heads, kv_heads, head_dim, lengths, region, in_cache), k_scale in cases:
+        q, k, v, lengths, anc = _case(rng, batch, num_q, heads, kv_heads, head_dim, lengths, region)
+        k = k * np.float32(k_scale)
+        scale = head_dim ** -0.5
+        got = call(q, k, v, 1, lengths, anc, region, scale, in_cache)
+        exact = _reference(q, k, v, 1, lengths, anc, region, scale)
+        floor = precision.error(_xla(q, k, v, 1, lengths, anc, region, scale, in_cache), exact)
+        precision.assert_within(got, exact, floor, what=f"AVX2 {(batch, num_q, heads, kv_heads, head_dim)} x{k_scale}")
+    q, k, v, _, anc = _case(rng, 1, 2, 2, 1, 16, [0], 2)
+    got = call(q, k, v, 0, np.zeros(1, np.int32), np.zeros_like(anc), 2, 0.25, False)
+    assert np.array_equal(got, np.zeros_like(got))
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="needs a C++ compiler")
+def test_the_avx512_build_compiles(tmp_path):
+    """The same source for AVX-512F (one register per vector, 4-row groups), built whatever this CPU
+    is, so a CPU without AVX-512 still checks that it compiles (it runs in the tests above where the
+    CPU has AVX-512F)."""
+    _build_for(tmp_path, "skylake-avx512", run=False)

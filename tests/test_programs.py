@@ -33,7 +33,7 @@ KERNEL = cpu_matmul.TARGET  # the custom call of specjax's matmul kernel
 ATTENTION = cpu_attention.TARGET  # ... and of its attention kernel
 # Where the kernel cannot be built here, auto runs XLA's libraries alone (tested in test_cpu_matmul).
 K = "kernel+" if cpu_kernels.matmul_status() is None else ""
-ATTENTION_BUILT = cpu_kernels.status() is None  # the attention kernels: AVX-512F only
+ATTENTION_BUILT = cpu_kernels.attention_status() is None  # the step attention kernel: AVX-512F or AVX2
 
 
 def test_the_rule_and_its_setting(monkeypatch):

@@ -18,7 +18,7 @@ from flax import struct
 from specjax.attention.meta import causal_meta
 from specjax.config import ModelConfig
 from specjax.decoding.host_step import step_if_active
-from specjax.decoding.programs import attention_kernel_enabled
+from specjax.decoding.programs import prefill_kernel_enabled
 from specjax.decoding.sampling import SamplingArrays, finite_rows, sample_tokens
 from specjax.kernels.cpu.attention import max_head_dim
 from specjax.models import forward
@@ -101,8 +101,8 @@ def run_chunks(run_chunk, longest: jax.Array, width: int, carry):
 def cpu_prefill_route(params, cfg: ModelConfig, parallel=None) -> bool:
     """Whether causal chunks (prefill, teacher-forced passes) run their attention in the CPU prefill
     kernel (``specjax.kernels.cpu.prefill_attention``): one float32 model on one device with the CPU
-    attention kernels on; at 4096 tokens XLA's attention took over half the prefill."""
-    return (parallel is None and jax.tree.leaves(params)[0].dtype == jnp.float32 and attention_kernel_enabled()
+    prefill kernel on (AVX-512F); at 4096 tokens XLA's attention took over half the prefill."""
+    return (parallel is None and jax.tree.leaves(params)[0].dtype == jnp.float32 and prefill_kernel_enabled()
             and cfg.head_dim <= max_head_dim())
 
 

@@ -30,14 +30,16 @@ one-row pass. The step programs therefore multiply 2 or more rows by specjax's o
 head as a ``specjax.models.weights.PackedWeight``, the plain copy kept for one-row products), and run
 their attention (up to ``specjax.models.common.CPU_ATTENTION_MAX_QUERIES`` queries per request) in
 specjax's attention kernel (``specjax.kernels.cpu.attention``): the packed weights are what switches
-both on (the attention only where it is built: AVX-512F; with AVX2 alone the matmul kernel runs and
-XLA attends). Measured on 2 Xeon cores (SmolLM2, 300-token prefix, matmul kernel on in both, alternating in
-one process): one-node / 9-node / 17-node passes 27.4 / 37.5 / 49.5 ms with XLA's attention, 25.4 /
-29.9 / 40.0 ms with the kernel. The rule above still picks the library for the rest (one-row products).
+both on (AVX-512F, or AVX2 with FMA and F16C; the prefill attention kernel is AVX-512F only).
+Measured on 2 Xeon cores (SmolLM2, 300-token prefix, matmul kernel on in both, alternating in one
+process): one-node / 9-node / 17-node passes 27.4 / 37.5 / 49.5 ms with XLA's attention, 25.4 / 29.9 /
+40.0 ms with the kernel; on 2 AMD EPYC cores (AVX2, 256-token prefix, four alternating rounds) 9 / 17 /
+33 nodes 42-49 / 72-84 / 125-141 ms with XLA's, 38-42 / 62-72 / 111-132 ms with the kernel. The rule
+above still picks the library for the rest (one-row products).
 
 The setting: environment variable ``SPECJAX_CPU_DOTS`` = ``auto`` (the default: the kernels where they
 can run, i.e. a float32 model with split layers on one x86-64 CPU device with AVX-512 (or AVX2, FMA
-and F16C: the matmul kernel alone), and the rule
+and F16C: all but the prefill attention kernel), and the rule
 above; kernels that cannot be built there are reported once as a warning and the rule above runs
 alone; ``step_matmuls`` in the stats and ``specjax tree-cost`` say which ran), ``kernel`` (the same,
 but kernels that cannot be built are an error), ``eigen`` or ``ynnpack`` (no kernels, that library
@@ -85,9 +87,9 @@ def _warn_unavailable(why: str) -> None:
 
 
 def kernel_enabled(backend: str | None = None) -> bool:
-    """Whether step programs run specjax's CPU kernels (2+ rows of every matmul; the attention too where
-    ``attention_kernel_enabled``): CPU backend, the setting ``auto`` or ``kernel``, and the matmul kernel
-    built; ``kernel`` with none raises."""
+    """Whether step programs run specjax's CPU kernels (2+ rows of every matmul and the step attention;
+    the prefill attention too where ``prefill_kernel_enabled``): CPU backend, the setting ``auto`` or
+    ``kernel``, and the matmul kernel built; ``kernel`` with none raises."""
     if (backend or jax.default_backend()) != "cpu" or cpu_dots() in ("eigen", "ynnpack"):
         return False
     why = cpu_kernels.matmul_status()
@@ -100,8 +102,8 @@ def kernel_enabled(backend: str | None = None) -> bool:
     return False
 
 
-def attention_kernel_enabled(backend: str | None = None) -> bool:
-    """Whether the CPU attention kernels run too (``kernel_enabled`` and built: AVX-512F only)."""
+def prefill_kernel_enabled(backend: str | None = None) -> bool:
+    """Whether the CPU prefill attention kernel runs (``kernel_enabled`` and built: AVX-512F only)."""
     return kernel_enabled(backend) and cpu_kernels.status() is None
 
 

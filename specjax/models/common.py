@@ -128,9 +128,9 @@ def project_qkv(x, lp, positions, inv_freq, bias: bool, num_heads: int):
 
 def _cpu_attention(q, k_cache, lp) -> bool:
     """Whether this layer's attention runs in the CPU kernel: a step program's packed weights (the CPU
-    kernels are on) where the attention kernel is built (AVX-512F), float32, few queries, a head_dim
-    the kernel takes."""
-    return (packed_layer(lp) and cpu_kernels.status() is None and q.dtype == jnp.float32
+    kernels are on) where the attention kernel is built (AVX-512F or AVX2), float32, few queries, a
+    head_dim the kernel takes."""
+    return (packed_layer(lp) and cpu_kernels.attention_status() is None and q.dtype == jnp.float32
             and k_cache.dtype == jnp.float32
             and q.shape[1] <= CPU_ATTENTION_MAX_QUERIES and q.shape[-1] <= cpu_attention.max_head_dim())
 

@@ -19,6 +19,10 @@
 // their sum; the outputs (Dh floats per row) in registers. (A running rescale per 16 slots, flash
 // style, ran ~10% slower.) Chunks are merged in order, so results never depend on threads, on the
 // buffer's length or on other requests.
+//
+// One source for AVX-512F and for AVX2 + FMA (vec16.h: a 16-float vector is one register or two
+// halves). With AVX2's 16 registers a group is 3 query rows and the outputs are summed one 16-float
+// column block at a time (the same sums in the same order).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -30,21 +34,16 @@
 #include <vector>
 
 #include "parallel.h"
-#include "simd.h"
-
-#if !defined(__AVX512F__)
-#error "specjax's CPU attention kernel needs AVX-512F"
-#endif
+#include "vec16.h"
 
 namespace {
 
-using specjax::exp_ps;
-using specjax::not_finite;
-using specjax::transpose16;
+using namespace specjax;  // vec16.h: V16 and its operations (AVX-512F, or AVX2 + FMA)
 
 constexpr long CHUNK = 256;  // slots per work unit: a 300-token tree pass splits into 2 x KVH units
 constexpr int BS = 16;       // slots per block: one vector of scores per query row
 constexpr int MAX_NC = 8;    // head_dim up to 128 (8 vectors)
+constexpr int RB_AVX2 = 3;   // query rows per group on AVX2 (see run): 2 and 4 ran 3-5% slower
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 struct Args {
@@ -97,7 +96,7 @@ struct Unit {
   void prepare() {
     const Args& A = *a;
     const long G = A.H / A.KVH, nslots = s1 - s0, nblk = (nslots + BS - 1) / BS, nc = dp / 16;
-    const __mmask16 tail = A.Dh % 16 ? (__mmask16)((1u << (A.Dh % 16)) - 1u) : (__mmask16)0xFFFF;
+    const Mask16 tail = A.Dh % 16 ? (Mask16)((1u << (A.Dh % 16)) - 1u) : ALL16;
     sc->q.assign((rows + 4) * dp, 0.0f);
     for (long t = 0; t < A.T; ++t)
       for (long g = 0; g < G; ++g) {
@@ -116,7 +115,7 @@ struct Unit {
     const bool in_cache = A.block_in_cache;
     auto krow = [&](long s) { return s < len || in_cache ? kbase + s * stride : A.kb + boff + s * stride; };
     auto vrow = [&](long s) { return s < len || in_cache ? vbase + s * stride : A.vb + boff + s * stride; };
-    const __m512 zero = _mm512_setzero_ps();
+    const V16 zero = v16_zero();
     // (Software prefetch of the rows two blocks ahead did not change a 4k-token decode step: it is
     // bound by the memory bandwidth of the K/V rows.)
     for (long i = 0; i < nblk; ++i) {
@@ -128,10 +127,10 @@ struct Unit {
         const float* vr = vrow(s);
         float* vdst = sc->vc.data() + (i * BS + j) * dp;
         if (s >= len) {
-          __mmask16 bad = 0;
+          Mask16 bad = 0;
           for (long c = 0; c < nc; ++c) {
-            const __mmask16 m = c == nc - 1 ? tail : (__mmask16)0xFFFF;
-            bad |= not_finite(_mm512_maskz_loadu_ps(m, kr + c * 16)) | not_finite(_mm512_maskz_loadu_ps(m, vr + c * 16));
+            const Mask16 m = c == nc - 1 ? tail : ALL16;
+            bad |= v16_not_finite(v16_maskz_loadu(m, kr + c * 16)) | v16_not_finite(v16_maskz_loadu(m, vr + c * 16));
           }
           if (bad) {  // zeroed here, NaN for the queries that see it (run)
             const long t = s - len;
@@ -140,19 +139,18 @@ struct Unit {
           }
         }
         keep |= 1u << j;
-        for (long c = 0; c < nc; ++c)
-          _mm512_storeu_ps(vdst + c * 16, _mm512_maskz_loadu_ps(c == nc - 1 ? tail : (__mmask16)0xFFFF, vr + c * 16));
+        for (long c = 0; c < nc; ++c) v16_storeu(vdst + c * 16, v16_maskz_loadu(c == nc - 1 ? tail : ALL16, vr + c * 16));
       }
       for (int j = 0; j < BS; ++j)
         if (!((keep >> j) & 1u)) std::memset(sc->vc.data() + (i * BS + j) * dp, 0, dp * sizeof(float));
       for (long c = 0; c < nc; ++c) {
-        const __mmask16 m = c == nc - 1 ? tail : (__mmask16)0xFFFF;
-        __m512 r[16];
+        const Mask16 m = c == nc - 1 ? tail : ALL16;
+        V16 r[16];
         for (int j = 0; j < BS; ++j)
-          r[j] = (keep >> j) & 1u ? _mm512_maskz_loadu_ps(m, krow(s0 + i * BS + j) + c * 16) : zero;
-        transpose16(r);
+          r[j] = (keep >> j) & 1u ? v16_maskz_loadu(m, krow(s0 + i * BS + j) + c * 16) : zero;
+        v16_transpose(r);
         float* dst = sc->kt.data() + (i * dp + c * 16) * BS;
-        for (int d = 0; d < 16; ++d) _mm512_storeu_ps(dst + d * BS, r[d]);
+        for (int d = 0; d < 16; ++d) v16_storeu(dst + d * BS, r[d]);
       }
     }
   }
@@ -168,9 +166,9 @@ struct Unit {
     alignas(64) float sp[R][CHUNK];  // scores, then their exponentials
     uint16_t vis[R][CHUNK / BS];
     long t[R];
-    __mmask16 bad[R] = {};  // lanes whose scores were not finite (a non-finite K or query)
-    const __m512 neg = _mm512_set1_ps(NEG_INF);
-    __m512 top[R];
+    Mask16 bad[R] = {};  // lanes whose scores were not finite (a non-finite K or query)
+    const V16 neg = v16_set1(NEG_INF);
+    V16 top[R];
     for (int r = 0; r < R; ++r) t[r] = (r0 + r) / G, top[r] = neg;
     for (long i = 0; i < nblk; ++i) {
       const long sb = s0 + i * BS;
@@ -178,64 +176,79 @@ struct Unit {
       for (int r = 0; r < R; ++r) any |= vis[r][i] = sb + BS <= std::min(len, s1) ? 0xFFFF : visible(t[r], sb);
       if (!any) continue;
       const float* kt = sc->kt.data() + i * dp * BS;
-      __m512 s[R], s2[R];  // even and odd dims: two chains per row hide the FMA latency
-      for (int r = 0; r < R; ++r) s[r] = s2[r] = _mm512_setzero_ps();
+      V16 s[R], s2[R];  // even and odd dims: two chains per row hide the FMA latency
+      for (int r = 0; r < R; ++r) s[r] = s2[r] = v16_zero();
       for (int d = 0; d < NC * 16; d += 2) {
-        const __m512 k0 = _mm512_loadu_ps(kt + d * BS), k1 = _mm512_loadu_ps(kt + (d + 1) * BS);
+        const V16 k0 = v16_loadu(kt + d * BS), k1 = v16_loadu(kt + (d + 1) * BS);
         for (int r = 0; r < R; ++r) {
-          s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r * dp + d]), k0, s[r]);
-          s2[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r * dp + d + 1]), k1, s2[r]);
+          s[r] = v16_fmadd(v16_set1(qs[r * dp + d]), k0, s[r]);
+          s2[r] = v16_fmadd(v16_set1(qs[r * dp + d + 1]), k1, s2[r]);
         }
       }
       for (int r = 0; r < R; ++r) {
-        const __mmask16 mk = vis[r][i];
-        const __m512 sr = _mm512_add_ps(s[r], s2[r]);
-        bad[r] |= not_finite(sr) & mk;
-        const __m512 shown = _mm512_mask_mov_ps(neg, mk, sr);
-        top[r] = _mm512_max_ps(top[r], shown);
-        _mm512_store_ps(sp[r] + i * BS, shown);
+        const Mask16 mk = vis[r][i];
+        const V16 sr = v16_add(s[r], s2[r]);
+        bad[r] |= v16_not_finite(sr) & mk;
+        const V16 shown = v16_select(mk, sr, neg);
+        top[r] = v16_max(top[r], shown);
+        v16_store(sp[r] + i * BS, shown);
       }
     }
-    __m512 acc[R][NC];
     float m[R], sum[R];
     for (int r = 0; r < R; ++r) {
-      m[r] = _mm512_reduce_max_ps(top[r]);
-      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
-      __m512 lv = _mm512_setzero_ps();
-      const __m512 mv = _mm512_set1_ps(m[r] == NEG_INF ? 0.0f : m[r]);
+      m[r] = v16_reduce_max(top[r]);
+      V16 lv = v16_zero();
+      const V16 mv = v16_set1(m[r] == NEG_INF ? 0.0f : m[r]);
       for (long i = 0; i < nblk; ++i) {
-        const __mmask16 mk = vis[r][i];
-        const __m512 e = mk ? _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(_mm512_load_ps(sp[r] + i * BS), mv)))
-                            : _mm512_setzero_ps();
-        lv = _mm512_add_ps(lv, e);
-        _mm512_store_ps(sp[r] + i * BS, e);
+        const Mask16 mk = vis[r][i];
+        const V16 e = mk ? v16_maskz(mk, v16_exp(v16_sub(v16_load(sp[r] + i * BS), mv))) : v16_zero();
+        lv = v16_add(lv, e);
+        v16_store(sp[r] + i * BS, e);
       }
-      sum[r] = _mm512_reduce_add_ps(lv);
+      sum[r] = v16_reduce_add(lv);
     }
     const long ns = s1 - s0;
     const float* vb = sc->vc.data();
-    for (long j = 0; j < ns; ++j) {
+    alignas(64) float o[R][NC * 16];
+    Mask16 nonfinite[R];  // an output that is not finite: a non-finite V
+    for (int r = 0; r < R; ++r) nonfinite[r] = bad[r];
+    if constexpr (V16_ONE_REGISTER) {  // every row's NC accumulators stay in the 32 registers
+      V16 acc[R][NC];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NC; ++c) acc[r][c] = v16_zero();
+      for (long j = 0; j < ns; ++j) {
+        for (int c = 0; c < NC; ++c) {
+          const V16 vv = v16_loadu(vb + j * dp + c * 16);
+          for (int r = 0; r < R; ++r) acc[r][c] = v16_fmadd(v16_set1(sp[r][j]), vv, acc[r][c]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NC; ++c) nonfinite[r] |= v16_not_finite(acc[r][c]), v16_store(o[r] + c * 16, acc[r][c]);
+    } else {  // 16 registers: one 16-float column block of the R rows at a time (the same sums)
       for (int c = 0; c < NC; ++c) {
-        const __m512 vv = _mm512_loadu_ps(vb + j * dp + c * 16);
-        for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(sp[r][j]), vv, acc[r][c]);
+        V16 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = v16_zero();
+        for (long j = 0; j < ns; ++j) {
+          const V16 vv = v16_loadu(vb + j * dp + c * 16);
+          for (int r = 0; r < R; ++r) acc[r] = v16_fmadd(v16_set1(sp[r][j]), vv, acc[r]);
+        }
+        for (int r = 0; r < R; ++r) nonfinite[r] |= v16_not_finite(acc[r]), v16_store(o[r] + c * 16, acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) {
       const long row = r0 + r;
-      __mmask16 nonfinite = bad[r];  // an output that is not finite: a non-finite V
-      for (int c = 0; c < NC; ++c) nonfinite |= not_finite(acc[r][c]);
       pm[row] = m[r];
-      pl[row] = nonfinite || std::isnan(sum[r]) ? std::numeric_limits<float>::quiet_NaN() : sum[r];
-      alignas(64) float o[NC * 16];
-      for (int c = 0; c < NC; ++c) _mm512_store_ps(o + c * 16, acc[r][c]);
-      std::memcpy(pacc + row * A.Dh, o, A.Dh * sizeof(float));
+      pl[row] = nonfinite[r] || std::isnan(sum[r]) ? std::numeric_limits<float>::quiet_NaN() : sum[r];
+      std::memcpy(pacc + row * A.Dh, o[r], A.Dh * sizeof(float));
     }
   }
 
   template <int NC>
   void run(float* pm, float* pl, float* pacc) {
     prepare();
-    constexpr int RB = NC <= 4 ? 4 : 2;  // RB x NC accumulators + RB score vectors in 32 registers
+    // AVX-512: RB x NC accumulators + RB score vectors in 32 registers. AVX2: RB_AVX2 rows' two
+    // score chains of two halves and the K rows in its 16.
+    constexpr int RB = V16_ONE_REGISTER ? (NC <= 4 ? 4 : 2) : RB_AVX2;
     long r0 = 0;
     for (; r0 + RB <= rows; r0 += RB) rows_group<NC, RB>(r0, pm, pl, pacc);
     switch (rows - r0) {

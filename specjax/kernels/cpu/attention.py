@@ -13,7 +13,7 @@ Why: XLA runs that attention as a chain of small ops per layer, each a pass thro
 view of the cache transposed per layer; at 17 nodes over a 300-token prefix it cost 12.9 ms of a
 48.8 ms SmolLM2 tree pass on 2 Xeon cores, 3.6 ms in the kernel, which reads each K/V row once per
 call and keeps scores and outputs in registers and L1 (``attention.cc`` says how). Built and
-loaded by ``specjax.kernels.cpu.build`` (AVX-512F only).
+loaded by ``specjax.kernels.cpu.build`` (AVX-512F, or AVX2 with FMA and F16C: ``vec16.h``).
 """
 
 from __future__ import annotations

@@ -5,11 +5,13 @@ the cache directory (``$SPECJAX_CACHE_DIR``, default ``~/.cache/specjax``), keye
 compiler, the CPU's flags and jax/jaxlib, and registered with XLA as FFI targets.
 
 x86-64 only. With AVX-512F, all of them (their tiles live in AVX-512's 32 vector registers). With
-AVX2, FMA and F16C but no AVX-512F (e.g. AMD EPYC guests whose hypervisor hides it), the matmul alone,
-in its own AVX2 tile shape (``matmul.cc``): XLA:CPU multiplies 2-17 rows at 2-3x the cost of one
-there, the kernel at about one row's. ``status()`` says why the kernels are not all available (no
-AVX-512F, no compiler, a failed build), ``matmul_status()`` the same for the matmul alone;
-``specjax.decoding.programs`` decides where they are used (``SPECJAX_CPU_DOTS``).
+AVX2, FMA and F16C but no AVX-512F (e.g. AMD EPYC guests whose hypervisor hides it), the matmul in its
+own AVX2 tile shape (``matmul.cc``: XLA:CPU multiplies 2-17 rows at 2-3x the cost of one there, the
+kernel at about one row's) and the attention of decode steps, tree passes and drafting passes
+(``attention.cc`` over ``vec16.h``'s two-halves vectors); the prefill attention stays AVX-512F only.
+``status()`` says why the kernels are not all available (no AVX-512F, no compiler, a failed build),
+``attention_status()`` the same for the matmul and the step attention, ``matmul_status()`` for the
+matmul alone; ``specjax.decoding.programs`` decides where they are used (``SPECJAX_CPU_DOTS``).
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ from specjax.config import cache_root
 
 HERE = Path(__file__).parent
 SOURCES = ("matmul.cc", "attention.cc", "prefill_attention.cc")  # compiled into one library (AVX-512F)
-AVX2_SOURCES = ("matmul.cc",)  # where the CPU has AVX2, FMA and F16C but no AVX-512F
-HEADERS = ("parallel.h", "simd.h")
+AVX2_SOURCES = ("matmul.cc", "attention.cc")  # where the CPU has AVX2, FMA and F16C but no AVX-512F
+HEADERS = ("parallel.h", "simd.h", "vec16.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 # FFI target name -> the handler symbol the library exports
 MATMUL_TARGETS = {"specjax_cpu_matmul": "SpecjaxCpuMatmul", "specjax_cpu_matmul_f16": "SpecjaxCpuMatmulF16"}
-TARGETS = {**MATMUL_TARGETS, "specjax_cpu_attention": "SpecjaxCpuAttention",
-           "specjax_cpu_prefill_attention": "SpecjaxCpuPrefillAttention"}
+AVX2_TARGETS = {**MATMUL_TARGETS, "specjax_cpu_attention": "SpecjaxCpuAttention"}
+TARGETS = {**AVX2_TARGETS, "specjax_cpu_prefill_attention": "SpecjaxCpuPrefillAttention"}
 AVX2 = ("avx2", "fma", "f16c")
 
 NO_AVX512 = "this CPU has no AVX-512F"
@@ -72,7 +74,7 @@ def _compiler() -> list[str]:
 
 
 def _isa() -> str:
-    """"avx512" (every kernel), "avx2" (the matmul only); raises where neither builds."""
+    """"avx512" (every kernel), "avx2" (the matmul and the step attention); raises where neither builds."""
     flags = _cpu_flags().split()
     if platform.machine().lower() in ("x86_64", "amd64"):
         if "avx512f" in flags:
@@ -126,7 +128,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
     try:
         isa = _isa()
         lib = ctypes.cdll.LoadLibrary(str(_build(isa)))
-        for target, symbol in (TARGETS if isa == "avx512" else MATMUL_TARGETS).items():
+        for target, symbol in (TARGETS if isa == "avx512" else AVX2_TARGETS).items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         return lib, isa, None
     except (KernelUnavailable, OSError, RuntimeError, AttributeError) as e:
@@ -147,14 +149,21 @@ def unsupported_cpu(why: str | None) -> bool:
 
 
 def status() -> str | None:
-    """None when every kernel (matmul and attention) is built and registered, else why not."""
+    """None when every kernel (matmul, step attention, prefill attention) is built and registered,
+    else why not."""
     lib, isa, why = _load()
     if lib is None or isa == "avx512":
         return why
-    return (f"{NO_AVX512}, which the attention kernels need (the matmul kernel runs, built for AVX2); XLA's "
-            "attention runs instead")
+    return (f"{NO_AVX512}, which the prefill attention kernel needs (the matmul and step attention kernels "
+            "run, built for AVX2); XLA's attention runs in prefill instead")
 
 
 def matmul_status() -> str | None:
     """None when the matmul kernel is built and registered (AVX-512F or AVX2), else why not."""
     return _load()[2]
+
+
+# The step attention kernel (decode steps, tree and drafting passes) is built with the matmul on both
+# ISAs: one is available exactly when the other is.
+attention_status = matmul_status
+

@@ -1,4 +1,4 @@
-// AVX-512 helpers shared by the attention kernels (attention.cc, prefill_attention.cc).
+// AVX-512 helpers shared by the attention kernels (prefill_attention.cc; attention.cc through vec16.h).
 #pragma once
 #include <immintrin.h>
 

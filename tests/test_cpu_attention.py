@@ -120,8 +120,9 @@ class TestKernel(chex.TestCase):
             precision.assert_within(got, exact, floor, what=f"{(batch, num_q, heads, kv_heads, head_dim)}")
 
     def test_scores_far_apart_match_float64(self):
-        """Scores hundreds apart: exponentials down to the subnormals and below (where AVX2, without
-        AVX-512's scalef, scales in two steps) stay within the float32 floor of XLA's attention."""
+        """Scores hundreds apart (weights down to the subnormals and 0) stay within the float32 floor of
+        XLA's attention: nothing turns NaN or inf. (The subnormal exponentials themselves are below
+        float32's resolution here; ``test_the_exponential_matches_float64`` checks them.)"""
         rng = np.random.default_rng(5)
         q, k, v, lengths, anc = _case(rng, 2, 5, 4, 2, 32, [70, 300], 5)
         k = k * np.float32(40.0)
@@ -143,26 +144,35 @@ class TestKernel(chex.TestCase):
             assert seen == list(range(t + 1))
 
 
-@needs_kernel
-def test_non_finite_kv_reaches_exactly_the_queries_that_see_it():
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_non_finite_kv_reaches_exactly_the_queries_that_see_it(build, request):
     """A NaN/inf K or V in the tree turns the queries that see that slot NaN and leaves the others bit
-    for bit; one in the committed prefix turns every query of its KV head NaN, not the other heads'."""
+    for bit; one in the committed prefix turns every query of its KV head NaN, not the other heads'.
+    In this CPU's build (through XLA) and in the AVX2 build (its one-thread entry), whatever the CPU."""
+    if build == "native":
+        if cpu_kernels.attention_status() is not None:
+            pytest.skip(f"kernel unavailable: {cpu_kernels.attention_status()}")
+        fn = None
+    else:
+        if not (AVX2_CPU and HAS_COMPILER):
+            pytest.skip("needs an x86-64 CPU with AVX2, FMA and F16C and a C++ compiler")
+        fn = _ctypes_attend(request.getfixturevalue("avx2_build"))
     rng = np.random.default_rng(2)
     q, k, v, lengths, anc = _case(rng, 1, 6, 4, 2, 64, [300], 6)
     anc[0, :, 0] = [0b1, 0b11, 0b101, 0b1011, 0b10101, 0b100001]  # slot 3 seen by query 3 only
-    clean = _kernel(q, k, v, 0, lengths, anc, 6, 0.125, False)
+    clean = _kernel(q, k, v, 0, lengths, anc, 6, 0.125, False, fn=fn)
     for bad in (np.nan, np.inf, -np.inf):
         for cache in ("k", "v"):
             kk, vv = k.copy(), v.copy()
             (kk if cache == "k" else vv)[0, 0, 303, 1, 5] = bad  # tree slot 3, KV head 1
-            got = _kernel(q, kk, vv, 0, lengths, anc, 6, 0.125, False)
+            got = _kernel(q, kk, vv, 0, lengths, anc, 6, 0.125, False, fn=fn)
             assert np.isnan(got[0, 3, 2:]).all(), (bad, cache)  # query 3, query heads 2, 3 (KV head 1)
             others = np.ones(got.shape, bool)
             others[0, 3, 2:] = False
             assert np.array_equal(got[others], clean[others]), (bad, cache)
             kk, vv = k.copy(), v.copy()
             (kk if cache == "k" else vv)[0, 0, 100, 0, 7] = bad  # prefix slot 100, KV head 0
-            got = _kernel(q, kk, vv, 0, lengths, anc, 6, 0.125, False)
+            got = _kernel(q, kk, vv, 0, lengths, anc, 6, 0.125, False, fn=fn)
             assert np.isnan(got[0, :, :2]).all() and np.array_equal(got[0, :, 2:], clean[0, :, 2:]), (bad, cache)
 
 
@@ -200,59 +210,119 @@ def test_bad_inputs_are_named():
 
 HAS_COMPILER = bool(shutil.which(os.environ.get("CXX") or "c++"))
 AVX2_CPU = all(f in cpu_kernels.build._cpu_flags().split() for f in cpu_kernels.build.AVX2)
+needs_avx2_build = pytest.mark.skipif(not AVX2_CPU or not HAS_COMPILER,
+                                      reason="needs an x86-64 CPU with AVX2, FMA and F16C and a C++ compiler")
 
 
-def _build_for(tmp_path, march: str, run: bool):
-    """attention.cc built with ``-march=<march>`` and without the FFI (its one-thread reference entry)."""
+def _compile(out, march: str, *extra: str):
+    """attention.cc built with ``-march=<march>`` and without the FFI (its one-thread entries)."""
     from specjax.kernels.cpu import build
 
-    lib_path = tmp_path / f"attention_{march}.so"
     flags = [(f"-march={march}" if f == "-march=native" else f) for f in build.FLAGS]
-    done = subprocess.run([*build._compiler(), *flags, "-DSPECJAX_NO_FFI", "-I", str(build.HERE),
-                           str(build.HERE / "attention.cc"), "-o", str(lib_path)], capture_output=True, text=True,
+    done = subprocess.run([*build._compiler(), *flags, *extra, "-DSPECJAX_NO_FFI", "-I", str(build.HERE),
+                           str(build.HERE / "attention.cc"), "-o", str(out)], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    return ctypes.cdll.LoadLibrary(str(lib_path)) if run else None
 
 
-@pytest.mark.skipif(not AVX2_CPU or not HAS_COMPILER,
-                    reason="needs an x86-64 CPU with AVX2, FMA and F16C and a C++ compiler")
-def test_the_avx2_build_matches_float64(tmp_path):
-    """attention.cc built for AVX2 (``-march=haswell``: two 8-float halves per vector, 3-row groups,
-    outputs summed one column block at a time), whatever this CPU is: every case of ``CASES`` and
-    scores hundreds apart within XLA's float32 floor; a query that sees nothing is zero."""
-    fn = _build_for(tmp_path, "haswell", run=True).specjax_cpu_attention_reference
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory):
+    """The AVX2 build (``-march=haswell``: two 8-float halves per vector, 3-row groups, outputs summed
+    one column block at a time), loaded whatever this CPU is."""
+    out = tmp_path_factory.mktemp("avx2") / "attention_haswell.so"
+    _compile(out, "haswell")
+    return ctypes.cdll.LoadLibrary(str(out))
+
+
+def _ctypes_attend(lib):
+    """``cpu_attention.attend``'s signature over a build's one-thread reference entry."""
     ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
 
-    def call(q, k, v, layer, lengths, anc, region, scale, in_cache):
-        kb, vb = _block(k, v, layer, lengths, region, in_cache)
-        kb = np.zeros(1, np.float32) if kb is None else np.ascontiguousarray(kb)
-        vb = np.zeros(1, np.float32) if vb is None else np.ascontiguousarray(vb)
+    def attend(q, k, v, layer, lengths, anc, region, scale, kb=None, vb=None):
+        q, k, v = (np.ascontiguousarray(a, np.float32) for a in (q, k, v))
+        in_cache = kb is None
+        kb, vb = (np.zeros(1, np.float32) if a is None else np.ascontiguousarray(a, np.float32) for a in (kb, vb))
+        lengths, anc = np.ascontiguousarray(lengths, np.int32), np.ascontiguousarray(anc, np.uint32)
         out = np.full(q.shape, np.nan, np.float32)
         dims = (*q.shape[:3], k.shape[3], q.shape[3], k.shape[0], k.shape[2], anc.shape[2], region)
-        fn(ptr(q), ptr(k), ptr(v), ptr(kb), ptr(vb), ctypes.c_int(int(in_cache)), ctypes.c_long(layer),
-           ptr(np.ascontiguousarray(lengths, np.int32)), ptr(np.ascontiguousarray(anc, np.uint32)), ptr(out),
-           *(ctypes.c_long(d) for d in dims), ctypes.c_float(scale))
+        lib.specjax_cpu_attention_reference(ptr(q), ptr(k), ptr(v), ptr(kb), ptr(vb), ctypes.c_int(int(in_cache)),
+                                            ctypes.c_long(layer), ptr(lengths), ptr(anc), ptr(out),
+                                            *(ctypes.c_long(d) for d in dims), ctypes.c_float(scale))
         return out
 
+    return attend
+
+
+@needs_avx2_build
+def test_the_avx2_build_matches_float64(avx2_build):
+    """The AVX2 build, whatever this CPU is: every case of ``CASES``, a head_dim that leaves 4 floats
+    of a low half (20) and scores hundreds apart, within XLA's float32 floor; a query that sees
+    nothing is zero."""
+    fn = _ctypes_attend(avx2_build)
     rng = np.random.default_rng(6)
-    cases = [(c, 1.0) for c in CASES] + [((2, 5, 4, 2, 32, [70, 300], 5, False), 40.0)]
+    cases = [(c, 1.0) for c in CASES] + [((1, 6, 4, 2, 20, [33], 6, False), 1.0),
+                                         ((2, 5, 4, 2, 32, [70, 300], 5, False), 40.0)]
     for (batch, num_q, heads, kv_heads, head_dim, lengths, region, in_cache), k_scale in cases:
         q, k, v, lengths, anc = _case(rng, batch, num_q, heads, kv_heads, head_dim, lengths, region)
         k = k * np.float32(k_scale)
         scale = head_dim ** -0.5
-        got = call(q, k, v, 1, lengths, anc, region, scale, in_cache)
+        got = _kernel(q, k, v, 1, lengths, anc, region, scale, in_cache, fn=fn)
         exact = _reference(q, k, v, 1, lengths, anc, region, scale)
         floor = precision.error(_xla(q, k, v, 1, lengths, anc, region, scale, in_cache), exact)
         precision.assert_within(got, exact, floor, what=f"AVX2 {(batch, num_q, heads, kv_heads, head_dim)} x{k_scale}")
     q, k, v, _, anc = _case(rng, 1, 2, 2, 1, 16, [0], 2)
-    got = call(q, k, v, 0, np.zeros(1, np.int32), np.zeros_like(anc), 2, 0.25, False)
+    got = _kernel(q, k, v, 0, np.zeros(1, np.int32), np.zeros_like(anc), 2, 0.25, False, fn=fn)
     assert np.array_equal(got, np.zeros_like(got))
 
 
+def _builds(avx2_build):
+    """The builds to check here: this CPU's (through XLA) where it is built, and the AVX2 one."""
+    out = []
+    if cpu_kernels.attention_status() is None:
+        out.append(("native", cpu_kernels.build.library()))
+    if AVX2_CPU and HAS_COMPILER:
+        out.append(("avx2", avx2_build))
+    if not out:
+        pytest.skip("no build of the attention kernel runs here")
+    return out
+
+
+@pytest.fixture(scope="module")
+def maybe_avx2_build(request):
+    return request.getfixturevalue("avx2_build") if AVX2_CPU and HAS_COMPILER else None
+
+
+def test_the_exponential_matches_float64(maybe_avx2_build):
+    """The kernel's e^x over [-110, 0] (normal results within 1 ulp of float64's rounded, subnormal ones
+    within one step of the smallest subnormal; e^0 = e^-0 = 1; NaN stays NaN), in each build that runs
+    here: the AVX2 build scales by 2^n in two steps where AVX-512 has scalef."""
+    x = np.concatenate([np.linspace(-110.0, 0.0, 160_000, dtype=np.float32),
+                        np.float32([0.0, -0.0, np.nan, -87.3, -88.7, -103.0, -103.97, -104.5])])
+    x = np.concatenate([x, np.zeros(-len(x) % 16, np.float32)])
+    exact = np.exp(x.astype(np.float64))
+    tiny = float(np.finfo(np.float32).smallest_subnormal)
+    for name, lib in _builds(maybe_avx2_build):
+        y = np.full_like(x, -1.0)
+        lib.specjax_cpu_attention_exp(x.ctypes.data_as(ctypes.c_void_p), y.ctypes.data_as(ctypes.c_void_p),
+                                      ctypes.c_long(len(x)))
+        assert np.isnan(y[np.isnan(x)]).all() and not np.isnan(y[~np.isnan(x)]).any(), name
+        assert (y[x == 0] == 1.0).all(), name
+        fine = ~np.isnan(x)
+        normal = fine & (exact >= np.finfo(np.float32).tiny)
+        ulp = np.spacing(exact[normal].astype(np.float32)).astype(np.float64)
+        assert (np.abs(y[normal] - exact[normal]) <= ulp).all(), name
+        sub = fine & ~normal
+        assert (np.abs(y[sub] - exact[sub]) <= tiny).all(), name
+
+
 @pytest.mark.skipif(not HAS_COMPILER, reason="needs a C++ compiler")
-def test_the_avx512_build_compiles(tmp_path):
-    """The same source for AVX-512F (one register per vector, 4-row groups), built whatever this CPU
-    is, so a CPU without AVX-512 still checks that it compiles (it runs in the tests above where the
-    CPU has AVX-512F)."""
-    _build_for(tmp_path, "skylake-avx512", run=False)
+@pytest.mark.parametrize("march", ["skylake-avx512", "haswell"])
+def test_each_build_compiles_with_its_fmas_in_registers(tmp_path, march):
+    """Both ISAs' builds, whatever this CPU is (a CPU without AVX-512 still compiles that one; it runs
+    where the CPU has AVX-512F): no FMA reads an operand from the stack (a spilled tile)."""
+    out = tmp_path / "attention.s"
+    _compile(out, march, "-S")
+    fmas = [line.strip() for line in out.read_text().splitlines() if line.strip().startswith("vfmadd")]
+    assert fmas, "no FMA instructions in the kernel"
+    on_stack = [f for f in fmas if "(%rsp)" in f or "(%rbp)" in f]
+    assert not on_stack, f"{len(on_stack)} of {len(fmas)} FMAs read the stack ({march}): {on_stack[:3]}"

@@ -100,8 +100,9 @@ class FeatureConfig:
 def head_columns(llm_params: dict, cfg: FeatureConfig) -> jax.Array:
     """[D, Vd] the LLM's output-head columns of the draft vocabulary. Kept [D, Vd], not as the tied
     embedding's [Vd, D] rows: under the Eigen options of small-batch step programs, 4 rows by the
-    transposed [8192, 576] head cost 7.3 ms against 1.05 ms for [576, 8192] (AMD EPYC without
-    AVX-512, where the CPU kernels do not run), 6 times per drafting step."""
+    transposed [8192, 576] head cost 7.3 ms against 1.05 ms for [576, 8192] (an AMD EPYC without
+    AVX-512, measured before its AVX2 kernels; it holds wherever XLA multiplies), 6 times per
+    drafting step."""
     ids = np.asarray(cfg.draft_vocab)
     if cfg.llm.tie_word_embeddings:
         return llm_params["embed"][ids].T

@@ -368,6 +368,11 @@ extern "C" void specjax_cpu_attention_reference(const float* q, const float* k, 
 
 extern "C" int specjax_cpu_attention_max_head_dim() { return MAX_NC * 16; }
 
+// For tests: the kernel's exponential (vec16.h's, for x <= 0) over n floats (n a multiple of 16).
+extern "C" void specjax_cpu_attention_exp(const float* x, float* y, long n) {
+  for (long i = 0; i + 16 <= n; i += 16) v16_storeu(y + i, v16_exp(v16_loadu(x + i)));
+}
+
 #ifndef SPECJAX_NO_FFI
 #include "xla/ffi/api/ffi.h"
 namespace ffi = xla::ffi;

@@ -8,7 +8,8 @@ x86-64 only. With AVX-512F, all of them (their tiles live in AVX-512's 32 vector
 AVX2, FMA and F16C but no AVX-512F (e.g. AMD EPYC guests whose hypervisor hides it), the matmul in its
 own AVX2 tile shape (``matmul.cc``: XLA:CPU multiplies 2-17 rows at 2-3x the cost of one there, the
 kernel at about one row's) and the attention of decode steps, tree passes and drafting passes
-(``attention.cc`` over ``vec16.h``'s two-halves vectors); the prefill attention stays AVX-512F only.
+(``attention.cc`` over ``vec16.h``'s two-halves vectors), in one library, so a failure to build
+either loses both; the prefill attention stays AVX-512F only.
 ``status()`` says why the kernels are not all available (no AVX-512F, no compiler, a failed build),
 ``attention_status()`` the same for the matmul and the step attention, ``matmul_status()`` for the
 matmul alone; ``specjax.decoding.programs`` decides where they are used (``SPECJAX_CPU_DOTS``).

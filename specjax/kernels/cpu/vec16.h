@@ -45,8 +45,10 @@ inline float v16_reduce_add(V16 a) { return _mm512_reduce_add_ps(a.v); }
 inline V16 v16_exp(V16 a) { return {exp_ps(a.v)}; }
 inline Mask16 v16_not_finite(V16 a) { return not_finite(a.v); }
 inline void v16_transpose(V16 r[16]) {  // r[i] (16 rows of 16 floats) becomes column i
-  static_assert(sizeof(V16) == sizeof(__m512), "V16 is one register");
-  transpose16(reinterpret_cast<__m512*>(r));
+  __m512 t[16];  // a copy the compiler removes, rather than an __m512 view of the V16 array
+  for (int i = 0; i < 16; ++i) t[i] = r[i].v;
+  transpose16(t);
+  for (int i = 0; i < 16; ++i) r[i].v = t[i];
 }
 
 #else  // AVX2 + FMA: two halves
@@ -100,7 +102,9 @@ inline float v16_reduce_add(V16 a) { return reduce8_add(_mm256_add_ps(a.lo, a.hi
 
 // e^x for x <= 0 (NaN stays NaN): simd.h's exp_ps (Cephes' expf) on 8 lanes. AVX2 has no scalef:
 // 2^n (n in [-150, 0]) is applied as 2^(n/2) times 2^(n - n/2), both normal floats, so only the
-// second product can round (into the subnormals), as scalef rounds once.
+// second product can round (into the subnormals), as scalef rounds once. x > 0 is outside its range
+// (above ~88 the powers overflow into garbage, where scalef gives inf): the kernel's arguments are
+// scores minus their row maximum, positive only in a row that saw a non-finite score and is NaN.
 inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(_mm256_set1_ps(-103.972084f), x);  // max keeps its second operand when NaN
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),

@@ -42,6 +42,10 @@ CASES = [
     (2, 3, 9, 3, 64, [100, 7], 11, True),
 ]
 
+# ... plus a head_dim that leaves 4 floats of a low AVX2 half (20), and scores hundreds apart (K x 40:
+# weights down to the subnormals and 0; nothing may turn NaN or inf).
+K_SCALED_CASES = [(c, 1.0) for c in CASES] + [((1, 6, 4, 2, 20, [33], 6, False), 1.0),
+                                             ((2, 5, 4, 2, 32, [70, 300], 5, False), 40.0)]
 
 def _case(rng, batch, num_q, heads, kv_heads, head_dim, lengths, region, layers=2, spare=40):
     """Random q and caches whose slots past each request's prefix + block are NaN; random ancestor
@@ -104,37 +108,30 @@ def _xla(q, k, v, layer, lengths, anc, region, scale, in_cache):
                                  layer=jnp.int32(layer)))
 
 
+def _assert_cases_match_float64(fn, seed: int, label: str):
+    """``fn`` (``attend``'s signature) on every case of ``K_SCALED_CASES``, within XLA's float32 floor of
+    the float64 reference; a query that sees nothing is zero."""
+    rng = np.random.default_rng(seed)
+    for (batch, num_q, heads, kv_heads, head_dim, lengths, region, in_cache), k_scale in K_SCALED_CASES:
+        q, k, v, lengths, anc = _case(rng, batch, num_q, heads, kv_heads, head_dim, lengths, region)
+        k = k * np.float32(k_scale)
+        scale = head_dim ** -0.5
+        got = _kernel(q, k, v, 1, lengths, anc, region, scale, in_cache, fn=fn)
+        chex.assert_shape(got, q.shape)
+        exact = _reference(q, k, v, 1, lengths, anc, region, scale)
+        floor = precision.error(_xla(q, k, v, 1, lengths, anc, region, scale, in_cache), exact)
+        case = (batch, num_q, heads, kv_heads, head_dim)
+        precision.assert_within(got, exact, floor, what=f"{label} {case} x{k_scale}")
+    q, k, v, _, anc = _case(rng, 1, 2, 2, 1, 16, [0], 2)
+    got = _kernel(q, k, v, 0, np.zeros(1, np.int32), np.zeros_like(anc), 2, 0.25, False, fn=fn)
+    assert np.array_equal(got, np.zeros_like(got)), label
+
 @needs_kernel
 class TestKernel(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_matches_float64_within_xla_float32_floor(self):
-        rng = np.random.default_rng(0)
-        for batch, num_q, heads, kv_heads, head_dim, lengths, region, in_cache in CASES:
-            q, k, v, lengths, anc = _case(rng, batch, num_q, heads, kv_heads, head_dim, lengths, region)
-            scale = head_dim ** -0.5
-            fn = self.variant(cpu_attention.attend, static_argnames=("region", "scale"))
-            got = _kernel(q, k, v, 1, lengths, anc, region, scale, in_cache, fn=fn)
-            chex.assert_shape(got, q.shape)
-            exact = _reference(q, k, v, 1, lengths, anc, region, scale)
-            floor = precision.error(_xla(q, k, v, 1, lengths, anc, region, scale, in_cache), exact)
-            precision.assert_within(got, exact, floor, what=f"{(batch, num_q, heads, kv_heads, head_dim)}")
-
-    def test_scores_far_apart_match_float64(self):
-        """Scores hundreds apart (weights down to the subnormals and 0) stay within the float32 floor of
-        XLA's attention: nothing turns NaN or inf. (The subnormal exponentials themselves are below
-        float32's resolution here; ``test_the_exponential_matches_float64`` checks them.)"""
-        rng = np.random.default_rng(5)
-        q, k, v, lengths, anc = _case(rng, 2, 5, 4, 2, 32, [70, 300], 5)
-        k = k * np.float32(40.0)
-        got = _kernel(q, k, v, 0, lengths, anc, 5, 0.3, False)
-        exact = _reference(q, k, v, 0, lengths, anc, 5, 0.3)
-        floor = precision.error(_xla(q, k, v, 0, lengths, anc, 5, 0.3, False), exact)
-        precision.assert_within(got, exact, floor, what="scores far apart")
-
-    def test_a_query_that_sees_nothing_is_zero(self):
-        q, k, v, _, anc = _case(np.random.default_rng(1), 1, 2, 2, 1, 16, [0], 2)
-        got = _kernel(q, k, v, 0, np.zeros(1, np.int32), np.zeros_like(anc), 2, 0.25, False)
-        assert np.array_equal(got, np.zeros_like(got))
+        _assert_cases_match_float64(self.variant(cpu_attention.attend, static_argnames=("region", "scale")), 0,
+                                    "native")
 
     def test_causal_ancestor_rows(self):
         words = np.asarray(cpu_attention.causal_ancestor(2, 40))
@@ -144,19 +141,11 @@ class TestKernel(chex.TestCase):
             assert seen == list(range(t + 1))
 
 
-@pytest.mark.parametrize("build", ["native", "avx2"])
-def test_non_finite_kv_reaches_exactly_the_queries_that_see_it(build, request):
+def test_non_finite_kv_reaches_exactly_the_queries_that_see_it(kernel_build):
     """A NaN/inf K or V in the tree turns the queries that see that slot NaN and leaves the others bit
     for bit; one in the committed prefix turns every query of its KV head NaN, not the other heads'.
     In this CPU's build (through XLA) and in the AVX2 build (its one-thread entry), whatever the CPU."""
-    if build == "native":
-        if cpu_kernels.attention_status() is not None:
-            pytest.skip(f"kernel unavailable: {cpu_kernels.attention_status()}")
-        fn = None
-    else:
-        if not (AVX2_CPU and HAS_COMPILER):
-            pytest.skip("needs an x86-64 CPU with AVX2, FMA and F16C and a C++ compiler")
-        fn = _ctypes_attend(request.getfixturevalue("avx2_build"))
+    _, fn = kernel_build
     rng = np.random.default_rng(2)
     q, k, v, lengths, anc = _case(rng, 1, 6, 4, 2, 64, [300], 6)
     anc[0, :, 0] = [0b1, 0b11, 0b101, 0b1011, 0b10101, 0b100001]  # slot 3 seen by query 3 only
@@ -255,64 +244,46 @@ def _ctypes_attend(lib):
 
 @needs_avx2_build
 def test_the_avx2_build_matches_float64(avx2_build):
-    """The AVX2 build, whatever this CPU is: every case of ``CASES``, a head_dim that leaves 4 floats
-    of a low half (20) and scores hundreds apart, within XLA's float32 floor; a query that sees
-    nothing is zero."""
-    fn = _ctypes_attend(avx2_build)
-    rng = np.random.default_rng(6)
-    cases = [(c, 1.0) for c in CASES] + [((1, 6, 4, 2, 20, [33], 6, False), 1.0),
-                                         ((2, 5, 4, 2, 32, [70, 300], 5, False), 40.0)]
-    for (batch, num_q, heads, kv_heads, head_dim, lengths, region, in_cache), k_scale in cases:
-        q, k, v, lengths, anc = _case(rng, batch, num_q, heads, kv_heads, head_dim, lengths, region)
-        k = k * np.float32(k_scale)
-        scale = head_dim ** -0.5
-        got = _kernel(q, k, v, 1, lengths, anc, region, scale, in_cache, fn=fn)
-        exact = _reference(q, k, v, 1, lengths, anc, region, scale)
-        floor = precision.error(_xla(q, k, v, 1, lengths, anc, region, scale, in_cache), exact)
-        precision.assert_within(got, exact, floor, what=f"AVX2 {(batch, num_q, heads, kv_heads, head_dim)} x{k_scale}")
-    q, k, v, _, anc = _case(rng, 1, 2, 2, 1, 16, [0], 2)
-    got = _kernel(q, k, v, 0, np.zeros(1, np.int32), np.zeros_like(anc), 2, 0.25, False, fn=fn)
-    assert np.array_equal(got, np.zeros_like(got))
+    """The AVX2 build, whatever this CPU is, on the cases the native build meets."""
+    _assert_cases_match_float64(_ctypes_attend(avx2_build), 6, "AVX2")
 
 
-def _builds(avx2_build):
-    """The builds to check here: this CPU's (through XLA) where it is built, and the AVX2 one."""
-    out = []
-    if cpu_kernels.attention_status() is None:
-        out.append(("native", cpu_kernels.build.library()))
-    if AVX2_CPU and HAS_COMPILER:
-        out.append(("avx2", avx2_build))
-    if not out:
-        pytest.skip("no build of the attention kernel runs here")
-    return out
 
+@pytest.fixture(params=["native", "avx2"])
+def kernel_build(request):
+    """(library, attend) of this CPU's build (attend None: ``cpu_attention.attend`` through XLA) or of
+    the AVX2 build (its one-thread entry), whatever the CPU; skipped where that build cannot run."""
+    if request.param == "native":
+        if cpu_kernels.attention_status() is not None:
+            pytest.skip(f"kernel unavailable: {cpu_kernels.attention_status()}")
+        return cpu_kernels.build.library(), None
+    if not (AVX2_CPU and HAS_COMPILER):
+        pytest.skip("needs an x86-64 CPU with AVX2, FMA and F16C and a C++ compiler")
+    lib = request.getfixturevalue("avx2_build")
+    return lib, _ctypes_attend(lib)
 
-@pytest.fixture(scope="module")
-def maybe_avx2_build(request):
-    return request.getfixturevalue("avx2_build") if AVX2_CPU and HAS_COMPILER else None
-
-
-def test_the_exponential_matches_float64(maybe_avx2_build):
+def test_the_exponential_matches_float64(kernel_build):
     """The kernel's e^x over [-110, 0] (normal results within 1 ulp of float64's rounded, subnormal ones
-    within one step of the smallest subnormal; e^0 = e^-0 = 1; NaN stays NaN), in each build that runs
-    here: the AVX2 build scales by 2^n in two steps where AVX-512 has scalef."""
+    within one step of the smallest subnormal; e^0 = e^-0 = 1; NaN stays NaN), in each build: the AVX2
+    build scales by 2^n in two steps where AVX-512 has scalef. (Attention outputs cannot show the
+    subnormal weights: they are below float32's resolution beside the row's largest, 1.)"""
     x = np.concatenate([np.linspace(-110.0, 0.0, 160_000, dtype=np.float32),
                         np.float32([0.0, -0.0, np.nan, -87.3, -88.7, -103.0, -103.97, -104.5])])
     x = np.concatenate([x, np.zeros(-len(x) % 16, np.float32)])
     exact = np.exp(x.astype(np.float64))
     tiny = float(np.finfo(np.float32).smallest_subnormal)
-    for name, lib in _builds(maybe_avx2_build):
-        y = np.full_like(x, -1.0)
-        lib.specjax_cpu_attention_exp(x.ctypes.data_as(ctypes.c_void_p), y.ctypes.data_as(ctypes.c_void_p),
-                                      ctypes.c_long(len(x)))
-        assert np.isnan(y[np.isnan(x)]).all() and not np.isnan(y[~np.isnan(x)]).any(), name
-        assert (y[x == 0] == 1.0).all(), name
-        fine = ~np.isnan(x)
-        normal = fine & (exact >= np.finfo(np.float32).tiny)
-        ulp = np.spacing(exact[normal].astype(np.float32)).astype(np.float64)
-        assert (np.abs(y[normal] - exact[normal]) <= ulp).all(), name
-        sub = fine & ~normal
-        assert (np.abs(y[sub] - exact[sub]) <= tiny).all(), name
+    lib, _ = kernel_build
+    y = np.full_like(x, -1.0)
+    lib.specjax_cpu_attention_exp(x.ctypes.data_as(ctypes.c_void_p), y.ctypes.data_as(ctypes.c_void_p),
+                                  ctypes.c_long(len(x)))
+    assert np.isnan(y[np.isnan(x)]).all() and not np.isnan(y[~np.isnan(x)]).any()
+    assert (y[x == 0] == 1.0).all()
+    fine = ~np.isnan(x)
+    normal = fine & (exact >= np.finfo(np.float32).tiny)
+    ulp = np.spacing(exact[normal].astype(np.float32)).astype(np.float64)
+    assert (np.abs(y[normal] - exact[normal]) <= ulp).all()
+    sub = fine & ~normal
+    assert (np.abs(y[sub] - exact[sub]) <= tiny).all()
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="needs a C++ compiler")

@@ -7,12 +7,12 @@ they are not all available, ``matmul_status()`` why the matmul is not and ``atte
 the step attention is not (they build together)."""
 
 from specjax.kernels.cpu.build import (
-                                       NO_AVX512,
-                                       KernelUnavailable,
-                                       attention_status,
-                                       matmul_status,
-                                       status,
-                                       unsupported_cpu,
+    NO_AVX512,
+    KernelUnavailable,
+    attention_status,
+    matmul_status,
+    status,
+    unsupported_cpu,
 )
 
 __all__ = ["NO_AVX512", "KernelUnavailable", "attention_status", "matmul_status", "status", "unsupported_cpu"]

@@ -23,8 +23,6 @@
 // One source for AVX-512F and for AVX2 + FMA (vec16.h: a 16-float vector is one register or two
 // halves). With AVX2's 16 registers a group is 3 query rows and the outputs are summed one 16-float
 // column block at a time (the same sums in the same order).
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -11,8 +11,9 @@ kernel at about one row's) and the attention of decode steps, tree passes and dr
 (``attention.cc`` over ``vec16.h``'s two-halves vectors), in one library, so a failure to build
 either loses both; the prefill attention stays AVX-512F only.
 ``status()`` says why the kernels are not all available (no AVX-512F, no compiler, a failed build),
-``attention_status()`` the same for the matmul and the step attention, ``matmul_status()`` for the
-matmul alone; ``specjax.decoding.programs`` decides where they are used (``SPECJAX_CPU_DOTS``).
+``matmul_status()`` (also named ``attention_status()``) why the matmul and the step attention, which
+build together, are not; ``specjax.decoding.programs`` decides where they are used
+(``SPECJAX_CPU_DOTS``).
 """
 
 from __future__ import annotations
@@ -167,4 +168,3 @@ def matmul_status() -> str | None:
 # The step attention kernel (decode steps, tree and drafting passes) is built with the matmul on both
 # ISAs: one is available exactly when the other is.
 attention_status = matmul_status
-

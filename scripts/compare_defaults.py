@@ -1,9 +1,10 @@
-"""Side by side: the default drafters (lookup + tree budget) against the candidate default (the
-feature drafter + lookup under the tree budget) and incremental decoding, end to end and decoding
-alone (batch 1, greedy, one prompt at a time, chat template). Repetitions alternate the order of the
-configurations, so a drifting machine does not favour one; every output must equal the first
-configuration's (the script exits 1 otherwise). Choosing the default (``registry._FEATURE_DEFAULT``)
-rests on this comparison.
+"""Side by side: the candidate default drafters under the tree budget (the lookup drafter alone; the
+corpus drafter over the shipped corpus of the LLM's own answers; the feature drafter + lookup) and
+incremental decoding, end to end and decoding alone (batch 1, greedy, one prompt at a time, chat
+template). Repetitions alternate the order of the configurations, so a drifting machine does not
+favour one; every output must equal the first configuration's (the script exits 1 otherwise).
+Choosing the default (``registry._FEATURE_DEFAULT``, ``registry._CORPUS_DEFAULT``) rests on this
+comparison.
 
     python scripts/compare_defaults.py --which 1 --max-new-tokens 128 --repetitions 2
 
@@ -31,11 +32,13 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repetitions", type=int, default=2)
     ap.add_argument("--feature", default="auto", help="the feature drafter (name or directory)")
+    ap.add_argument("--corpus", default="auto", help="the corpus drafter's corpus (auto, a shipped name or a path)")
     args = ap.parse_args()
 
     import jax
 
     import specjax
+    from specjax.speculation.drafters import corpus as corpus_drafter
     from specjax.speculation.drafters.feature import from_arg
     from specjax.speculation.drafters.lookup import LookupDrafter
 
@@ -49,10 +52,13 @@ def main() -> int:
     llm = specjax.load_model("smollm2-135m-instruct", progress=False)
     prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in chosen])
     feature = from_arg(args.feature, llm, load=True, expansion=None, draft="topk")
+    corpus = corpus_drafter.from_arg(args.corpus, llm, load=True, expansion=None, draft="topk")
     configs = {"incremental": {},
                "lookup + budget": {"drafters": [specjax.Bound(LookupDrafter())], "budget": "auto"},
+               "corpus + budget": {"drafters": [corpus], "budget": "auto"},
                "feature + lookup + budget": {"drafters": [feature, specjax.Bound(LookupDrafter())],
-                                             "budget": "auto"}}
+                                             "budget": "auto"},
+               "feature + corpus + budget": {"drafters": [feature, corpus], "budget": "auto"}}
     print(f"# {len(prompts)} prompts ({', '.join(sorted(by_kind))}), {args.max_new_tokens} new tokens")
     reference, mismatches = {}, 0
     for rep in range(args.repetitions):

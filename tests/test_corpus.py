@@ -79,7 +79,9 @@ class TestCorpusRule(chex.TestCase):
             docs = [rng.randint(0, vocab, rng.randint(2, 30)).tolist()]  # one copyable document, then any
             docs += [rng.randint(0, vocab, rng.randint(0, 30)).tolist() for _ in range(rng.randint(0, 3))]
             total = sum(len(d) + 1 for d in docs)
-            params = build_index(docs, max_n, depth, vocab, capacity=total + trial % 3 * 7)  # padded or exact
+            # odd trials: a vocabulary whose n-grams do not fit one int64 (build_index sorts their columns)
+            index_vocab = vocab if trial % 2 == 0 else 1 << 40
+            params = build_index(docs, max_n, depth, index_vocab, capacity=total + trial % 3 * 7)  # padded or exact
             batch, size = 6, 16
             history = rng.randint(0, vocab, (batch, size)).astype(np.int32)
             length = rng.randint(0, size - 1, batch).astype(np.int32)
@@ -108,6 +110,15 @@ def test_the_most_frequent_continuation_comes_first():
     params = build_index([[1, 1, 2]], 2, 3, 10)
     chains, known, ngram = find_in_corpus(params, jnp.asarray([[1, 1]]), jnp.asarray([1]), 3, 2, 2, 1, 8)
     assert chains[0, 0, :known[0, 0]].tolist() == [2] and known[0, 1] == 0 and ngram[0, 0] == 2
+
+
+def test_packed_and_column_sort_keys_build_the_same_index():
+    """build_index packs an n-gram into one int64 where vocab_size ** n fits, else sorts its columns: the
+    two orders are the same, so the index is too (many ties: a vocabulary of 5 over 400 tokens)."""
+    rng = np.random.RandomState(3)
+    docs = [rng.randint(0, 5, rng.randint(1, 60)).tolist() for _ in range(12)]
+    packed, columns = build_index(docs, 5, 4, 5), build_index(docs, 5, 4, 1 << 40)
+    chex.assert_trees_all_equal(packed, columns)
 
 
 def test_bad_corpora_and_settings_are_refused(tmp_path):

@@ -24,15 +24,24 @@ _FEATURE_DRAFTERS = {"smollm2-feature": ("smollm2-feature", "smollm2-135m-instru
 # Feature drafters that speculate by default for their LLM (``default_drafters``): only one measured to
 # beat the lookup drafter alone end to end (scripts/eval_feature.py) earns it; see models/<name>/README.md.
 _FEATURE_DEFAULT = frozenset()
+# Shipped corpora for the corpus drafter (models/<name>/, card in README.md there): name -> (directory,
+# LLM whose tokenizer and whose own outputs they hold). ``corpus:auto`` = the one for the running LLM.
+_CORPORA = {"smollm2-answers": ("smollm2-answers", "smollm2-135m-instruct")}
+# Corpora that speculate by default for their LLM (``default_drafters``): measured to beat the lookup
+# drafter alone end to end (scripts/compare_defaults.py); see models/<name>/README.md.
+_CORPUS_DEFAULT = frozenset({"smollm2-answers"})
+CORPUS_FILE = "documents.npz"  # in a shipped corpus's directory: token ids (specjax.speculation.drafters.corpus)
 MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models")
 
 # What `specjax generate` and `specjax serve` speculate with when neither --ssm nor --drafter is given
 # (``default_drafters``): for an LLM whose feature drafter is in _FEATURE_DEFAULT, that drafter merged
-# with the lookup drafter; otherwise the lookup drafter alone (no weights). Both under the measured tree
-# budget, which falls back to incremental-cost passes where drafts do not pay. The shipped SSMs stay
-# available with --ssm.
+# with the lookup drafter; else for an LLM whose shipped corpus is in _CORPUS_DEFAULT, the corpus drafter
+# over it (lookup drafting that also copies from the LLM's own earlier answers); otherwise the lookup
+# drafter alone (no weights). All under the measured tree budget, which falls back to incremental-cost
+# passes where drafts do not pay. The shipped SSMs stay available with --ssm.
 DEFAULT_DRAFTERS = ("lookup:auto",)
 FEATURE_DEFAULT_DRAFTERS = ("feature:auto", "lookup:auto")
+CORPUS_DEFAULT_DRAFTERS = ("corpus:auto",)
 DEFAULT_SSMS = ("smollm2-ssm-a",)  # the best shipped SSM for the default LLM (scripts/eval_ssm.py)
 DEFAULT_EXPANSION = (1,)  # one drafted token per pass: the SSMs' fastest measured shape (1.17x incremental)
 DEFAULT_SEQUENCE = (1,) * 8  # --mode sequence without --expansion: a chain of 8
@@ -99,13 +108,51 @@ def default_drafters(llm_config) -> tuple[str, ...]:
     for name in sorted(_FEATURE_DEFAULT):
         if describe_model(_FEATURE_DRAFTERS[name][1]).config == llm_config:
             return FEATURE_DEFAULT_DRAFTERS
+    for name in sorted(_CORPUS_DEFAULT):
+        if describe_model(_CORPORA[name][1]).config == llm_config:
+            return CORPUS_DEFAULT_DRAFTERS
     return DEFAULT_DRAFTERS
 
 
 def describe_default_drafters() -> str:
     """The default --drafter entries in words, for help texts (no model is loaded)."""
-    plain = ",".join(DEFAULT_DRAFTERS)
-    if not _FEATURE_DEFAULT:
-        return plain
-    llms = ", ".join(sorted({_FEATURE_DRAFTERS[name][1] for name in _FEATURE_DEFAULT}))
-    return f"{','.join(FEATURE_DEFAULT_DRAFTERS)} for {llms}, else {plain}"
+    out = []
+    for defaults, names, table in ((FEATURE_DEFAULT_DRAFTERS, _FEATURE_DEFAULT, _FEATURE_DRAFTERS),
+                                   (CORPUS_DEFAULT_DRAFTERS, _CORPUS_DEFAULT, _CORPORA)):
+        if names:
+            out.append(f"{','.join(defaults)} for {', '.join(sorted({table[n][1] for n in names}))}")
+    return ", ".join(out + [f"else {','.join(DEFAULT_DRAFTERS)}"]) if out else ",".join(DEFAULT_DRAFTERS)
+
+
+def is_corpus(name: str) -> bool:
+    return name in _CORPORA
+
+
+def corpus_names() -> list[str]:
+    return sorted(_CORPORA)
+
+
+def corpus_llm(name: str) -> str:
+    """The registered LLM whose tokenizer and outputs a shipped corpus holds."""
+    return _CORPORA[name][1]
+
+
+def resolve_corpus(name: str) -> str:
+    """Path of a shipped corpus's documents file (models/<name>/documents.npz)."""
+    path = os.path.join(MODELS_DIR, _CORPORA[name][0], CORPUS_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"corpus {name!r} is not at {path}: it ships in the models/ directory of a specjax "
+                              f"source checkout (install with `pip install -e .` from it)")
+    return path
+
+
+def default_corpus(llm_config) -> str:
+    """The shipped corpus written by an LLM with this config (``corpus:auto``)."""
+    from specjax.errors import InputError
+    from specjax.io.loader import describe_model
+
+    for name, (_, llm_name) in sorted(_CORPORA.items()):
+        if describe_model(llm_name).config == llm_config:
+            return name
+    raise InputError(f"no shipped corpus was written by this LLM ({corpus_names()} hold "
+                     f"{sorted({llm for _, llm in _CORPORA.values()})}'s answers); pass your own: corpus:PATH")

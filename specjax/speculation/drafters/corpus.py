@@ -188,15 +188,33 @@ def build_index(documents, max_ngram: int, depth: int, vocab_size: int, capacity
             ok = ok & (back != SEPARATOR)
         p = pos[ok]
         cols = [corpus[p - j] for j in range(n)]  # the n-gram read backwards from p
-        rows = np.stack(cols + [nxt[p]], axis=1).reshape(p.size, n + 1)
-        _, first, counts = np.unique(rows, axis=0, return_index=True, return_counts=True)  # first: smallest p
+        # Groups of equal (n-gram, next token), each at its smallest p: sorted by the row, then by p (a
+        # lexsort of int columns; np.unique over rows sorts byte strings, ~10x slower at 1M+ tokens).
+        keys = [p, nxt[p]] + _ngram_keys(cols, vocab_size)
+        by_row = np.lexsort(keys)  # the last key is the primary one
+        new_group = np.ones(p.size, bool)
+        new_group[1:] = np.any(np.stack([np.diff(k[by_row]) != 0 for k in keys[1:]]), axis=0)
+        starts = np.flatnonzero(new_group)
+        first = by_row[starts]  # each group's smallest p
+        counts = np.diff(np.append(starts, p.size))
         p, freq = p[first], counts
         cols = [c[first] for c in cols]
-        order = np.lexsort((p, -freq) + tuple(cols[::-1]))  # the last key is the primary one
+        order = np.lexsort([p, -freq] + _ngram_keys(cols, vocab_size))
         index[n - 1, :p.size] = p[order]
         count[n - 1] = p.size
     tokens = np.concatenate([corpus, np.full(depth + 1, SEPARATOR)]).astype(np.int32)
     return {"tokens": jnp.asarray(tokens), "index": jnp.asarray(index), "count": jnp.asarray(count)}
+
+
+def _ngram_keys(cols: list, vocab_size: int) -> list:
+    """Sort keys (for np.lexsort, the last one primary) ordering n-grams as their columns read in order:
+    one int64 of the packed tokens where vocab_size ** n fits, else the columns themselves."""
+    if vocab_size ** len(cols) < 2 ** 63:
+        packed = np.zeros_like(cols[0], dtype=np.int64)
+        for c in cols:
+            packed = packed * vocab_size + c
+        return [packed]
+    return cols[::-1]
 
 
 def find_in_corpus(params: dict, history: jax.Array, length: jax.Array, depth: int, branches: int,
@@ -344,7 +362,8 @@ def parse_arg(arg: str) -> tuple[str, dict]:
     corpus)."""
     path, *items = arg.split(",")
     if not path:
-        raise InputError("--drafter corpus:PATH needs the corpus path (a .jsonl, a text file or a directory)")
+        raise InputError("--drafter corpus:PATH needs the corpus path (a .jsonl, a text file or a directory), "
+                         "or auto / a shipped corpus's name")
     values = {}
     for item in items:
         key, _, value = item.partition("=")
@@ -359,10 +378,67 @@ def parse_arg(arg: str) -> tuple[str, dict]:
 
 
 def from_arg(arg: str, llm, *, load: bool, expansion, draft: str) -> Bound:
-    """``--drafter corpus:ARG`` (see ``parse_arg``). Without ``load`` (the checks before the weights load)
-    the corpus files are read and checked too, not yet tokenized and indexed."""
+    """``--drafter corpus:ARG`` (see ``parse_arg``): ``corpus:auto`` (the shipped corpus of the LLM's own
+    answers), ``corpus:NAME`` (a shipped corpus, ``registry.corpus_names()``) or ``corpus:PATH``. Without
+    ``load`` (the checks before the weights load) the corpus files are read and checked too, not yet
+    tokenized and indexed."""
+    from specjax.io import registry
+
     path, values = parse_arg(arg)
+    if path == "auto" or registry.is_corpus(path):
+        name = registry.default_corpus(llm.config) if path == "auto" else path
+        if path != "auto" and os.path.exists(path):
+            raise InputError(f"--drafter corpus:{path} names both the shipped corpus {path!r} and the path "
+                             f"{os.path.abspath(path)!r}; for the path write corpus:./{path}")
+        return shipped_corpus_drafter(name, llm, load=load, **values)
     named = read_documents(path, labels=True)
     if not load:
         return Bound(CorpusDrafter(**values), ())
     return corpus_drafter(llm, [d for _, d in named], labels=[label for label, _ in named], **values)
+
+
+def save_documents(path: str, documents) -> None:
+    """Token-id documents as one .npz (``tokens``: all of them concatenated, uint16 where every id fits;
+    ``offsets`` [n + 1]: document i is tokens[offsets[i]:offsets[i + 1]])."""
+    docs = [np.asarray(d, np.int64).reshape(-1) for d in documents]
+    tokens = np.concatenate(docs) if docs else np.zeros(0, np.int64)
+    if tokens.size and tokens.min() < 0:
+        raise InputError(f"corpus documents: negative token id {int(tokens.min())}")
+    dtype = np.uint16 if not tokens.size or tokens.max() < 2 ** 16 else np.int32
+    offsets = np.concatenate([[0], np.cumsum([d.size for d in docs])]).astype(np.int64)
+    np.savez_compressed(path, tokens=tokens.astype(dtype), offsets=offsets)
+
+
+def load_documents(path: str) -> list[np.ndarray]:
+    """The documents of a ``save_documents`` file, checked (keys, shapes, offsets)."""
+    try:
+        with np.load(path) as z:
+            missing = {"tokens", "offsets"} - set(z.files)
+            if missing:
+                raise InputError(f"corpus documents {path}: missing {sorted(missing)} (has {sorted(z.files)})")
+            tokens, offsets = z["tokens"], z["offsets"]
+    except (OSError, ValueError) as e:
+        raise InputError(f"corpus documents {path}: not a readable .npz: {e}") from e
+    if tokens.ndim != 1 or offsets.ndim != 1 or offsets.size < 1 or offsets[0] != 0 or offsets[-1] != tokens.size \
+            or np.any(np.diff(offsets) < 0):
+        raise InputError(f"corpus documents {path}: offsets {offsets.shape} must rise from 0 to the {tokens.size} "
+                         f"tokens (tokens shape {tokens.shape})")
+    tokens = tokens.astype(np.int64)
+    return [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def shipped_corpus_drafter(name: str, llm, load: bool = True, **settings) -> Bound:
+    """The corpus drafter over a shipped corpus (``registry.corpus_names()``), refused for an LLM other than
+    the one whose tokenizer and answers it holds; ``settings`` are ``CorpusDrafter`` fields."""
+    from specjax.io import registry
+    from specjax.io.loader import describe_model
+
+    path = registry.resolve_corpus(name)
+    owner = registry.corpus_llm(name)
+    if describe_model(owner).config != llm.config:
+        raise InputError(f"corpus {name!r} holds token ids of {owner}; this LLM has another configuration "
+                         f"(vocab {llm.config.vocab_size}): pass a corpus of its own, corpus:PATH")
+    if not load:
+        return Bound(CorpusDrafter(**settings), ())
+    docs = load_documents(path)
+    return corpus_drafter(llm, docs, labels=[f"{name} document {i}" for i in range(len(docs))], **settings)

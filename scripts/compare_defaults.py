@@ -33,6 +33,8 @@ def main() -> int:
     ap.add_argument("--repetitions", type=int, default=2)
     ap.add_argument("--feature", default="auto", help="the feature drafter (name or directory)")
     ap.add_argument("--corpus", default="auto", help="the corpus drafter's corpus (auto, a shipped name or a path)")
+    ap.add_argument("--configs", help="comma-separated configuration names to run (default: all), e.g. "
+                    "'incremental,lookup + budget,corpus + budget'")
     args = ap.parse_args()
 
     import jax
@@ -59,6 +61,11 @@ def main() -> int:
                "feature + lookup + budget": {"drafters": [feature, specjax.Bound(LookupDrafter())],
                                              "budget": "auto"},
                "feature + corpus + budget": {"drafters": [feature, corpus], "budget": "auto"}}
+    if args.configs:
+        unknown = [c for c in args.configs.split(",") if c not in configs]
+        if unknown:
+            sys.exit(f"--configs: unknown {unknown}; choose from {list(configs)}")
+        configs = {c: configs[c] for c in args.configs.split(",")}
     print(f"# {len(prompts)} prompts ({', '.join(sorted(by_kind))}), {args.max_new_tokens} new tokens")
     reference, mismatches = {}, 0
     for rep in range(args.repetitions):

@@ -12,6 +12,8 @@ running the LLM:
    (``propose``, ``expected_accepted``, ``commit``, ``choose_level``: the jitted code itself) and
    price every pass, against an oracle that knows each step's accepted run before choosing (the
    bound on what better acceptance estimates could give) and against every fixed level.
+   With ``--answers`` the same replay for the corpus drafter (the lookup rule with a corpus of the
+   LLM's own earlier answers as a second source, ``specjax.speculation.drafters.corpus``).
 3. **What per-step agreement a drafter needs**: a drafter whose depth-d draft is right with
    probability a (given the draft so far was right) gives E[tokens per pass] = sum_{d=0..D} a^d for a
    chain of depth D; a tree that keeps the top-k at each depth gives sum_d prod_{i<=d} a_k with a_k
@@ -22,6 +24,8 @@ running the LLM:
 
     python scripts/offline_acceptance.py --corpus /work/data/feature-corpus --parts passages,tasks-greedy
     python scripts/offline_acceptance.py --prompts-file scripts/data/task_kinds.jsonl --max-new-tokens 128
+    python scripts/offline_acceptance.py --corpus feature-out/feature-corpus \
+        --parts eval-43136b690851/continuations --settings 8x2 --answers auto     # the dev prompts' continuations
     python scripts/offline_acceptance.py --prompts-file scripts/data/grounded_copy.jsonl \
         --costs 0.0248,0.0317,0.0423,0.0493,0.0611
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import sys
@@ -40,14 +45,26 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _bench_common as common  # noqa: E402
 
 
-def replay_lookup(sequences, depth: int, branches: int, max_ngram: int = 3) -> list[list[int]]:
-    """Accepted tokens + 1 of every greedy step of every (ids, prompt_len), lookup drafter only."""
+def replay_lookup(sequences, depth: int, branches: int, max_ngram: int = 3, corpus=None) -> list[list[int]]:
+    """Accepted tokens + 1 of every greedy step of every (ids, prompt_len), lookup drafter only, or with
+    ``corpus`` (the corpus drafter's index params) the corpus drafter's rule at its default n-grams."""
     import jax
     import jax.numpy as jnp
 
+    from specjax.speculation.drafters.corpus import CorpusDrafter, find_in_corpus, pick_chains
     from specjax.speculation.drafters.lookup import find_chains
 
-    find = jax.jit(lambda h, n: find_chains(h, n, depth, branches, max_ngram, 1))
+    if corpus is None:
+        find = jax.jit(lambda h, n: find_chains(h, n, depth, branches, max_ngram, 1))
+    else:
+        c = CorpusDrafter(depth=depth, branches=branches, max_ngram=max_ngram)
+
+        def both(params, h, n):
+            own = find_chains(h, n, depth, branches, max_ngram, 1)
+            quoted = find_in_corpus(params, h, n, depth, branches, c.corpus_max_ngram, c.corpus_min_ngram, c.window)
+            return pick_chains(own, quoted, depth, branches)[:3]
+
+        find = functools.partial(jax.jit(both), corpus)
     size = max(len(s) for s, _ in sequences) + depth + 2
     size = -(-size // 64) * 64
     history = np.zeros((len(sequences), size), np.int32)
@@ -242,6 +259,8 @@ def main() -> None:
     ap.add_argument("--costs", help="seconds per LLM pass at each level of the lookup drafter's budget ladder "
                                     "(none, 1, 4, 8, 16 nodes below the root): replay the tree budget against "
                                     "an oracle")
+    ap.add_argument("--answers", help="also replay the corpus drafter over this corpus (auto = the shipped one "
+                                      "for SmolLM2, a shipped name, or a path as --drafter corpus: takes)")
     ap.add_argument("--json", help="write the numbers here")
     args = ap.parse_args()
     common.print_header("offline acceptance: lookup replay and the agreement a drafter needs")
@@ -271,6 +290,21 @@ def main() -> None:
             row.append(float(np.mean([x for s in steps for x in s])))
         report["lookup"][part] = dict(zip([f"{d}x{b}" for d, b in settings], row))
         print(f"| {part} | {len(seqs)} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
+    if args.answers:
+        import specjax
+        from specjax.speculation.drafters import corpus as corpus_drafter
+
+        llm = specjax.describe_model("smollm2-135m-instruct")
+        index = corpus_drafter.from_arg(f"{args.answers},depth={max(d for d, _ in settings)}", llm, load=True,
+                                        expansion=None, draft="topk").params
+        print(f"\n## the corpus drafter over {args.answers} (greedy replay, whole tree): mean tokens per LLM pass")
+        print("| part | sequences | " + " | ".join(f"depth {d} x {b}" for d, b in settings) + " |")
+        print("|---|---|" + "---|" * len(settings))
+        report["corpus"] = {}
+        for part, seqs in data.items():
+            row = [float(np.mean([x for s in replay_lookup(seqs, d, b, corpus=index) for x in s])) for d, b in settings]
+            report["corpus"][part] = dict(zip([f"{d}x{b}" for d, b in settings], row))
+            print(f"| {part} | {len(seqs)} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
     if costs:
         policies = ["budget", "oracle"] + [f"level={i}" for i in range(len(costs))]
         print(f"\n## the tree budget's level choice (costs {args.costs} s per pass): modelled speed over "

@@ -1,13 +1,14 @@
 """Benchmark: lookup drafting and the tree budget vs incremental decoding and transformers, side by side.
 
 Part 1 (batch 1, greedy, float32, N new tokens, chat template), per prompt in one run: specjax
-incremental, lookup only (the default: ``--budget auto``), SSM only (smollm2-ssm-a, chain <1>), merged
+incremental, the default (``corpus:auto``: lookup drafting that also copies from the shipped corpus of
+SmolLM2's own answers, under ``--budget auto``), lookup only (under the budget), SSM only (smollm2-ssm-a, chain <1>), merged
 (lookup + SSM, whole tree), transformers ``generate``, transformers prompt-lookup decoding
 (``prompt_lookup_num_tokens``) and transformers assisted generation with the same SSM. Tokens/s by
 task kind. specjax's time excludes compilation (the host loop compiles ahead of time and times the
 generation alone); transformers compiles nothing.
 
-Part 2: tokens/s vs batch size for specjax incremental and the default (lookup + budget, goal
+Part 2: tokens/s vs batch size for specjax incremental and the default (corpus:auto + budget, goal
 "finish"; with ``--compare-rate`` also goal "rate"), every prompt generated in batches of that size,
 the configurations alternating batch by batch (this machine's speed drifts within minutes).
 
@@ -64,13 +65,17 @@ def main() -> None:
     from specjax.io.hf_export import draft_vocab_mask, export_hf
     from specjax.io.registry import resolve
 
-    common.print_header("lookup drafting + tree budget vs incremental vs transformers (greedy, float32)")
+    common.print_header("the default drafter (corpus:auto) and lookup drafting under the tree budget vs incremental vs "
+                        "transformers (greedy, float32)")
     records = common.load_prompts(args.prompts_file, None)
     llm = specjax.load_model("smollm2-135m-instruct", progress=False, split_layers=split_layers_arg(args))
     prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in records])
     kinds = [r.get("category", "?") for r in records]
     n = args.max_new_tokens
     lookup = specjax.Bound(specjax.LookupDrafter())
+    from specjax.speculation.drafters.corpus import from_arg as corpus_from_arg
+
+    answers = corpus_from_arg("auto", llm, load=True, expansion=None, draft="topk")  # the default's drafter
     skip = set(args.skip.split(","))
     results = {"machine": common.machine(), "command": sys.argv}
 
@@ -98,7 +103,8 @@ def main() -> None:
 
         systems = {
             "specjax incremental": sj(),
-            "specjax lookup + budget (default)": sj(drafters=[lookup], budget="auto"),
+            "specjax corpus:auto + budget (default)": sj(drafters=[answers], budget="auto"),
+            "specjax lookup + budget": sj(drafters=[lookup], budget="auto"),
             "specjax SSM <1>": sj(ssms=[ssm], expansion=(1,)),
             "specjax lookup + SSM (whole tree)": sj(drafters=[lookup], ssms=[ssm], expansion=(1,)),
             "transformers greedy": hf_run(),
@@ -135,7 +141,7 @@ def main() -> None:
             print(f"{name:<36} " + " ".join(f"{table[name][k]:>11.2f}" for k in kind_names)
                   + f" {total(name, GROUNDED):>9.2f} {total(name):>7.2f}")
         base, plk = "specjax incremental", "transformers prompt lookup"
-        dflt = "specjax lookup + budget (default)"
+        dflt = "specjax corpus:auto + budget (default)"
         print(f"# default vs transformers prompt lookup, input-grounded kinds {GROUNDED}: "
               f"{total(dflt, GROUNDED) / total(plk, GROUNDED):.2f}x; all kinds: {total(dflt) / total(plk):.2f}x")
         print(f"# default vs specjax incremental: grounded {total(dflt, GROUNDED) / total(base, GROUNDED):.2f}x, "
@@ -152,11 +158,11 @@ def main() -> None:
 
         sizes = [int(x) for x in args.batch_sizes.split(",")]
         m = args.batch_max_new_tokens
-        default = "specjax lookup + budget (default)"
-        configs = {"specjax incremental": {}, default: dict(drafters=[lookup], budget="auto")}
+        default = "specjax corpus:auto + budget (default)"
+        configs = {"specjax incremental": {}, default: dict(drafters=[answers], budget="auto")}
         if args.compare_rate:
-            configs["specjax lookup + budget, goal rate"] = dict(
-                drafters=[lookup], budget=specjax.Budget(default_levels((lookup.drafter,)), goal="rate"))
+            configs["specjax corpus:auto + budget, goal rate"] = dict(
+                drafters=[answers], budget=specjax.Budget(default_levels((answers.drafter,)), goal="rate"))
         sweep = {name: {} for name in configs}
         print(f"\n# part 2: tokens/s vs batch size, {len(prompts)} prompts, {m} new tokens each; the "
               f"configurations alternate batch by batch")

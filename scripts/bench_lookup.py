@@ -2,10 +2,10 @@
 
 Part 1 (batch 1, greedy, float32, N new tokens, chat template), per prompt in one run: specjax
 incremental, the default (``corpus:auto``: lookup drafting that also copies from the shipped corpus of
-SmolLM2's own answers, under ``--budget auto``), lookup only (under the budget), SSM only (smollm2-ssm-a, chain <1>), merged
-(lookup + SSM, whole tree), transformers ``generate``, transformers prompt-lookup decoding
-(``prompt_lookup_num_tokens``) and transformers assisted generation with the same SSM. Tokens/s by
-task kind. specjax's time excludes compilation (the host loop compiles ahead of time and times the
+SmolLM2's own answers, under ``--budget auto``), lookup only (under the budget), SSM only
+(smollm2-ssm-a, chain <1>), merged (lookup + SSM, whole tree), transformers ``generate``, transformers
+prompt-lookup decoding (``prompt_lookup_num_tokens``) and transformers assisted generation with the
+same SSM. Tokens/s by task kind. specjax's time excludes compilation (the host loop compiles ahead of time and times the
 generation alone); transformers compiles nothing.
 
 Part 2: tokens/s vs batch size for specjax incremental and the default (corpus:auto + budget, goal
@@ -185,6 +185,9 @@ def main() -> None:
             print(", ".join(line), flush=True)
         results["batch"] = sweep
 
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:  # before plotting: the numbers survive a plot failure
+        json.dump(results, f, indent=1, default=str)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -213,10 +216,7 @@ def main() -> None:
         ax.grid(alpha=0.3)
     fig.suptitle(f"SmolLM2-135M-Instruct, float32, {common.machine().split(';')[0]}", fontsize=9)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     fig.savefig(args.out, dpi=110)
-    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-        json.dump(results, f, indent=1, default=str)
     print(f"# plot: {args.out}")
 
 

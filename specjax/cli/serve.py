@@ -129,8 +129,8 @@ def add_parser(sub, fmt, compile_cache_default: str) -> None:
                         f"(completions: 16, as OpenAI's) (default: {DEFAULT_MAX_TOKENS}, at most half the model's "
                         f"context window)")
     s.add_argument("--drafter", action="append", default=None, metavar="NAME:ARG",
-                   help="as in `specjax generate` (feature:auto, lookup:auto, lookup:D, ssm:PATH, ...; repeat to "
-                        f"merge), or '{NO_SPECULATION}' for plain decoding (default: "
+                   help="as in `specjax generate` (corpus:auto, feature:auto, lookup:auto, lookup:D, ssm:PATH, ...; "
+                        f"repeat to merge), or '{NO_SPECULATION}' for plain decoding (default: "
                         f"{registry.describe_default_drafters()})")
     s.add_argument("--expansion", default=None, help="expansion widths of SSM drafters, as in generate (default: "
                         f"{','.join(map(str, registry.DEFAULT_EXPANSION))})")

@@ -36,6 +36,13 @@ def main() -> int:
     ap.add_argument("--configs", help="comma-separated configuration names to run (default: all), e.g. "
                     "'incremental,lookup + budget,corpus + budget'")
     args = ap.parse_args()
+    names = ["incremental", "lookup + budget", "corpus + budget", "feature + lookup + budget",
+             "feature + corpus + budget"]
+    if args.configs:
+        unknown = [c for c in args.configs.split(",") if c not in names]
+        if unknown:
+            sys.exit(f"--configs: unknown {unknown}; choose from {names}")
+        names = args.configs.split(",")
 
     import jax
 
@@ -53,19 +60,16 @@ def main() -> int:
         sys.exit(f"{args.prompts_file}: no task kind has a prompt number {args.which}")
     llm = specjax.load_model("smollm2-135m-instruct", progress=False)
     prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in chosen])
-    feature = from_arg(args.feature, llm, load=True, expansion=None, draft="topk")
-    corpus = corpus_drafter.from_arg(args.corpus, llm, load=True, expansion=None, draft="topk")
-    configs = {"incremental": {},
-               "lookup + budget": {"drafters": [specjax.Bound(LookupDrafter())], "budget": "auto"},
-               "corpus + budget": {"drafters": [corpus], "budget": "auto"},
-               "feature + lookup + budget": {"drafters": [feature, specjax.Bound(LookupDrafter())],
-                                             "budget": "auto"},
-               "feature + corpus + budget": {"drafters": [feature, corpus], "budget": "auto"}}
-    if args.configs:
-        unknown = [c for c in args.configs.split(",") if c not in configs]
-        if unknown:
-            sys.exit(f"--configs: unknown {unknown}; choose from {list(configs)}")
-        configs = {c: configs[c] for c in args.configs.split(",")}
+    wanted = " ".join(names)  # load only the drafters the chosen configurations use
+    feature = from_arg(args.feature, llm, load=True, expansion=None, draft="topk") if "feature" in wanted else None
+    corpus = corpus_drafter.from_arg(args.corpus, llm, load=True, expansion=None, draft="topk") \
+        if "corpus" in wanted else None
+    every = {"incremental": {},
+             "lookup + budget": {"drafters": [specjax.Bound(LookupDrafter())], "budget": "auto"},
+             "corpus + budget": {"drafters": [corpus], "budget": "auto"},
+             "feature + lookup + budget": {"drafters": [feature, specjax.Bound(LookupDrafter())], "budget": "auto"},
+             "feature + corpus + budget": {"drafters": [feature, corpus], "budget": "auto"}}
+    configs = {name: every[name] for name in names}
     print(f"# {len(prompts)} prompts ({', '.join(sorted(by_kind))}), {args.max_new_tokens} new tokens")
     reference, mismatches = {}, 0
     for rep in range(args.repetitions):

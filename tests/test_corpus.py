@@ -112,13 +112,42 @@ def test_the_most_frequent_continuation_comes_first():
     assert chains[0, 0, :known[0, 0]].tolist() == [2] and known[0, 1] == 0 and ngram[0, 0] == 2
 
 
-def test_packed_and_column_sort_keys_build_the_same_index():
-    """build_index packs an n-gram into one int64 where vocab_size ** n fits, else sorts its columns: the
-    two orders are the same, so the index is too (many ties: a vocabulary of 5 over 400 tokens)."""
+def rows_reference_index(documents, max_ngram: int) -> tuple[np.ndarray, np.ndarray]:
+    """The index rows as first written (np.unique over (n-gram, next token) rows, then a lexsort by the
+    n-gram read backwards, -frequency, position): (index [N, C], count [N])."""
+    corpus = np.concatenate([np.append(np.asarray(d, np.int64), SEPARATOR) for d in documents])
+    size, pos = corpus.size, np.arange(corpus.size)
+    index, count = np.zeros((max_ngram, size), np.int32), np.zeros(max_ngram, np.int32)
+    nxt = np.append(corpus[1:], SEPARATOR)
+    ok = (corpus != SEPARATOR) & (nxt != SEPARATOR)
+    for n in range(1, max_ngram + 1):
+        if n > 1:
+            back = np.full(size, SEPARATOR)
+            back[n - 1:] = corpus[:size - (n - 1)]
+            ok = ok & (back != SEPARATOR)
+        p = pos[ok]
+        cols = [corpus[p - j] for j in range(n)]
+        rows = np.stack(cols + [nxt[p]], axis=1).reshape(p.size, n + 1)
+        _, first, freq = np.unique(rows, axis=0, return_index=True, return_counts=True)
+        p, cols = p[first], [c[first] for c in cols]
+        index[n - 1, :p.size] = p[np.lexsort((p, -freq) + tuple(cols[::-1]))]
+        count[n - 1] = p.size
+    return index, count
+
+
+@pytest.mark.parametrize("vocab", [5, 55108, 55109, 1 << 40])  # 55108 ** 4 < 2 ** 63 <= 55109 ** 4
+def test_the_index_equals_the_rows_reference_with_packed_and_column_keys(vocab):
+    """build_index packs an n-gram into one int64 where vocab_size ** n fits, else sorts its columns;
+    either way the index equals the first version's (np.unique over rows): many ties with a vocabulary
+    of 5, ids near the packing limit's vocabulary (55108 packs 4-grams, 55109 does not)."""
     rng = np.random.RandomState(3)
-    docs = [rng.randint(0, 5, rng.randint(1, 60)).tolist() for _ in range(12)]
-    packed, columns = build_index(docs, 5, 4, 5), build_index(docs, 5, 4, 1 << 40)
-    chex.assert_trees_all_equal(packed, columns)
+    top = min(vocab, 1 << 20)
+    pool = np.unique(np.concatenate([rng.randint(0, min(vocab, 5), 6), top - 1 - rng.randint(0, min(top, 4), 4)]))
+    docs = [pool[rng.randint(0, pool.size, rng.randint(1, 80))].tolist() for _ in range(16)]
+    params = build_index(docs, 5, 4, vocab)
+    index, count = rows_reference_index(docs, 5)
+    np.testing.assert_array_equal(np.asarray(params["count"]), count)
+    np.testing.assert_array_equal(np.asarray(params["index"]), index)
 
 
 def test_bad_corpora_and_settings_are_refused(tmp_path):

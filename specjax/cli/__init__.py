@@ -104,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "corpus-min-ngram=M,window=W] (lookup that also copies from the documents in PATH: a "
                         ".jsonl of {\"text\": ...} or {\"token_ids\": [...]}, "
                         "a text file or a directory; indexed once at start; corpus:auto or corpus:NAME: a "
-                        f"shipped corpus of the LLM's own answers, {registry.corpus_names()}), ssm:derived:4 or "
-                        "ssm:PATH (drafts "
+                        f"shipped corpus of the LLM's own answers: {', '.join(registry.corpus_names())}), "
+                        "ssm:derived:4 or ssm:PATH (drafts "
                         "--expansion); repeat to merge several (default "
                         f"when neither --ssm nor --drafter is given: {registry.describe_default_drafters()})")
     g.add_argument("--budget", default=None, choices=["auto", "off"],

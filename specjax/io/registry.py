@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 
@@ -101,15 +102,28 @@ def default_feature_drafter(llm_config) -> str:
                      f"{sorted({llm for _, llm in _FEATURE_DRAFTERS.values()})}); pass a checkpoint: feature:PATH")
 
 
-def default_drafters(llm_config) -> tuple[str, ...]:
-    """The --drafter entries used when none is given, for an LLM with this config."""
+@functools.lru_cache(maxsize=None)
+def registered_config(name: str):
+    """The config of a registered LLM, or None where its package is not installed (then no drafter made
+    for it can match the running LLM). Cached: reading it builds a tokenizer (~0.3 s)."""
     from specjax.io.loader import describe_model
 
+    try:
+        return describe_model(name).config
+    except CheckpointError:
+        return None
+
+
+def default_drafters(llm_config) -> tuple[str, ...]:
+    """The --drafter entries used when none is given, for an LLM with this config. The corpus default
+    needs its file (models/ of a source checkout); without it the lookup drafter alone is the default,
+    and the stats line names which one ran."""
     for name in sorted(_FEATURE_DEFAULT):
-        if describe_model(_FEATURE_DRAFTERS[name][1]).config == llm_config:
+        if registered_config(_FEATURE_DRAFTERS[name][1]) == llm_config:
             return FEATURE_DEFAULT_DRAFTERS
     for name in sorted(_CORPUS_DEFAULT):
-        if describe_model(_CORPORA[name][1]).config == llm_config:
+        if registered_config(_CORPORA[name][1]) == llm_config and \
+                os.path.isfile(os.path.join(MODELS_DIR, _CORPORA[name][0], CORPUS_FILE)):
             return CORPUS_DEFAULT_DRAFTERS
     return DEFAULT_DRAFTERS
 
@@ -149,10 +163,9 @@ def resolve_corpus(name: str) -> str:
 def default_corpus(llm_config) -> str:
     """The shipped corpus written by an LLM with this config (``corpus:auto``)."""
     from specjax.errors import InputError
-    from specjax.io.loader import describe_model
 
     for name, (_, llm_name) in sorted(_CORPORA.items()):
-        if describe_model(llm_name).config == llm_config:
+        if registered_config(llm_name) == llm_config:
             return name
-    raise InputError(f"no shipped corpus was written by this LLM ({corpus_names()} hold "
-                     f"{sorted({llm for _, llm in _CORPORA.values()})}'s answers); pass your own: corpus:PATH")
+    shipped = ", ".join(f"{name} ({llm})" for name, (_, llm) in sorted(_CORPORA.items()))
+    raise InputError(f"no shipped corpus was written by this LLM (shipped: {shipped}); pass your own: corpus:PATH")

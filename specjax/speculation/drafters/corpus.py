@@ -189,7 +189,7 @@ def build_index(documents, max_ngram: int, depth: int, vocab_size: int, capacity
         p = pos[ok]
         cols = [corpus[p - j] for j in range(n)]  # the n-gram read backwards from p
         # Groups of equal (n-gram, next token), each at its smallest p: sorted by the row, then by p (a
-        # lexsort of int columns; np.unique over rows sorts byte strings, ~10x slower at 1M+ tokens).
+        # lexsort of int keys; np.unique over rows sorts byte strings, 6x slower at 1.56M tokens).
         keys = [p, nxt[p]] + _ngram_keys(cols, vocab_size)
         by_row = np.lexsort(keys)  # the last key is the primary one
         new_group = np.ones(p.size, bool)
@@ -209,7 +209,7 @@ def build_index(documents, max_ngram: int, depth: int, vocab_size: int, capacity
 def _ngram_keys(cols: list, vocab_size: int) -> list:
     """Sort keys (for np.lexsort, the last one primary) ordering n-grams as their columns read in order:
     one int64 of the packed tokens where vocab_size ** n fits, else the columns themselves."""
-    if vocab_size ** len(cols) < 2 ** 63:
+    if int(vocab_size) ** len(cols) < 2 ** 63:  # Python ints: a numpy integer power would wrap
         packed = np.zeros_like(cols[0], dtype=np.int64)
         for c in cols:
             packed = packed * vocab_size + c
@@ -386,10 +386,11 @@ def from_arg(arg: str, llm, *, load: bool, expansion, draft: str) -> Bound:
 
     path, values = parse_arg(arg)
     if path == "auto" or registry.is_corpus(path):
+        if os.path.exists(path):
+            shipped = "the shipped corpus of the LLM's answers" if path == "auto" else f"the shipped corpus {path!r}"
+            raise InputError(f"--drafter corpus:{path} names both {shipped} and the path {os.path.abspath(path)!r}; "
+                             f"for the path write corpus:./{path}")
         name = registry.default_corpus(llm.config) if path == "auto" else path
-        if path != "auto" and os.path.exists(path):
-            raise InputError(f"--drafter corpus:{path} names both the shipped corpus {path!r} and the path "
-                             f"{os.path.abspath(path)!r}; for the path write corpus:./{path}")
         return shipped_corpus_drafter(name, llm, load=load, **values)
     named = read_documents(path, labels=True)
     if not load:
@@ -400,10 +401,15 @@ def from_arg(arg: str, llm, *, load: bool, expansion, draft: str) -> Bound:
 def save_documents(path: str, documents) -> None:
     """Token-id documents as one .npz (``tokens``: all of them concatenated, uint16 where every id fits;
     ``offsets`` [n + 1]: document i is tokens[offsets[i]:offsets[i + 1]])."""
-    docs = [np.asarray(d, np.int64).reshape(-1) for d in documents]
-    tokens = np.concatenate(docs) if docs else np.zeros(0, np.int64)
-    if tokens.size and tokens.min() < 0:
-        raise InputError(f"corpus documents: negative token id {int(tokens.min())}")
+    docs = [np.asarray(d) for d in documents]
+    for i, d in enumerate(docs):
+        if d.ndim != 1 or (d.size and (d.dtype.kind not in "iu" or d.dtype == bool)):
+            raise InputError(f"corpus documents: document {i} must be a flat list of int token ids, got dtype "
+                             f"{d.dtype} and shape {d.shape}")
+    tokens = np.concatenate([d.astype(np.int64) for d in docs]) if docs else np.zeros(0, np.int64)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2 ** 31):
+        bad = tokens[(tokens < 0) | (tokens >= 2 ** 31)][0]
+        raise InputError(f"corpus documents: token id {int(bad)} is not in [0, 2**31)")
     dtype = np.uint16 if not tokens.size or tokens.max() < 2 ** 16 else np.int32
     offsets = np.concatenate([[0], np.cumsum([d.size for d in docs])]).astype(np.int64)
     np.savez_compressed(path, tokens=tokens.astype(dtype), offsets=offsets)
@@ -412,13 +418,22 @@ def save_documents(path: str, documents) -> None:
 def load_documents(path: str) -> list[np.ndarray]:
     """The documents of a ``save_documents`` file, checked (keys, shapes, offsets)."""
     try:
-        with np.load(path) as z:
-            missing = {"tokens", "offsets"} - set(z.files)
-            if missing:
-                raise InputError(f"corpus documents {path}: missing {sorted(missing)} (has {sorted(z.files)})")
-            tokens, offsets = z["tokens"], z["offsets"]
+        z = np.load(path)
     except (OSError, ValueError) as e:
         raise InputError(f"corpus documents {path}: not a readable .npz: {e}") from e
+    if not isinstance(z, np.lib.npyio.NpzFile):
+        raise InputError(f"corpus documents {path}: a .npy array, not an .npz of tokens and offsets")
+    with z:
+        missing = {"tokens", "offsets"} - set(z.files)
+        if missing:
+            raise InputError(f"corpus documents {path}: missing {sorted(missing)} (has {sorted(z.files)})")
+        try:
+            tokens, offsets = z["tokens"], z["offsets"]
+        except (OSError, ValueError) as e:  # e.g. object arrays (pickles are not loaded)
+            raise InputError(f"corpus documents {path}: unreadable tokens or offsets: {e}") from e
+    for key, a in (("tokens", tokens), ("offsets", offsets)):
+        if a.dtype.kind not in "iu":
+            raise InputError(f"corpus documents {path}: {key} must hold integers, got dtype {a.dtype}")
     if tokens.ndim != 1 or offsets.ndim != 1 or offsets.size < 1 or offsets[0] != 0 or offsets[-1] != tokens.size \
             or np.any(np.diff(offsets) < 0):
         raise InputError(f"corpus documents {path}: offsets {offsets.shape} must rise from 0 to the {tokens.size} "
@@ -431,13 +446,12 @@ def shipped_corpus_drafter(name: str, llm, load: bool = True, **settings) -> Bou
     """The corpus drafter over a shipped corpus (``registry.corpus_names()``), refused for an LLM other than
     the one whose tokenizer and answers it holds; ``settings`` are ``CorpusDrafter`` fields."""
     from specjax.io import registry
-    from specjax.io.loader import describe_model
 
     path = registry.resolve_corpus(name)
     owner = registry.corpus_llm(name)
-    if describe_model(owner).config != llm.config:
-        raise InputError(f"corpus {name!r} holds token ids of {owner}; this LLM has another configuration "
-                         f"(vocab {llm.config.vocab_size}): pass a corpus of its own, corpus:PATH")
+    if registry.registered_config(owner) != llm.config:
+        raise InputError(f"corpus {name!r} holds token ids of {owner}, and this LLM is not {owner} (its configuration "
+                         f"differs): pass a corpus of its own, corpus:PATH")
     if not load:
         return Bound(CorpusDrafter(**settings), ())
     docs = load_documents(path)

@@ -60,10 +60,12 @@ def main() -> int:
         sys.exit(f"{args.prompts_file}: no task kind has a prompt number {args.which}")
     llm = specjax.load_model("smollm2-135m-instruct", progress=False)
     prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in chosen])
-    wanted = " ".join(names)  # load only the drafters the chosen configurations use
-    feature = from_arg(args.feature, llm, load=True, expansion=None, draft="topk") if "feature" in wanted else None
+    def used(drafter: str) -> bool:  # load only the drafters the chosen configurations use
+        return any(drafter in name for name in names)
+
+    feature = from_arg(args.feature, llm, load=True, expansion=None, draft="topk") if used("feature") else None
     corpus = corpus_drafter.from_arg(args.corpus, llm, load=True, expansion=None, draft="topk") \
-        if "corpus" in wanted else None
+        if used("corpus") else None
     every = {"incremental": {},
              "lookup + budget": {"drafters": [specjax.Bound(LookupDrafter())], "budget": "auto"},
              "corpus + budget": {"drafters": [corpus], "budget": "auto"},

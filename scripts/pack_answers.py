@@ -27,6 +27,8 @@ def main() -> int:
     ap.add_argument("--parts", default=PARTS, help=f"comma-separated parts (default {PARTS})")
     args = ap.parse_args()
 
+    import numpy as np
+
     from specjax.boost.corpus import read_shard
     from specjax.io.registry import CORPUS_FILE
     from specjax.speculation.drafters.corpus import load_documents, save_documents
@@ -46,7 +48,7 @@ def main() -> int:
     path = os.path.join(args.out, CORPUS_FILE)
     save_documents(path, docs)
     again = load_documents(path)
-    assert len(again) == len(docs) and all(list(a) == list(b) for a, b in zip(again, docs)), "round trip"
+    assert len(again) == len(docs) and all(np.array_equal(a, b) for a, b in zip(again, docs)), "round trip"
     total = {"documents": len(docs), "tokens": sum(len(d) for d in docs), "bytes": os.path.getsize(path)}
     with open(os.path.join(args.out, "packed.json"), "w") as f:
         json.dump({"parts": summary, "total": total, "corpus": "scripts/data/feature_corpus_*.tar.xz",

@@ -93,10 +93,9 @@ def feature_drafter_names() -> list[str]:
 def default_feature_drafter(llm_config) -> str:
     """The registered feature drafter trained for an LLM with this config (``feature:auto``)."""
     from specjax.errors import InputError
-    from specjax.io.loader import describe_model
 
     for name, (_, llm_name) in sorted(_FEATURE_DRAFTERS.items()):
-        if describe_model(llm_name).config == llm_config:
+        if registered_config(llm_name) == llm_config:
             return name
     raise InputError(f"no registered feature drafter reads this LLM ({feature_drafter_names()} read "
                      f"{sorted({llm for _, llm in _FEATURE_DRAFTERS.values()})}); pass a checkpoint: feature:PATH")
@@ -122,8 +121,7 @@ def default_drafters(llm_config) -> tuple[str, ...]:
         if registered_config(_FEATURE_DRAFTERS[name][1]) == llm_config:
             return FEATURE_DEFAULT_DRAFTERS
     for name in sorted(_CORPUS_DEFAULT):
-        if registered_config(_CORPORA[name][1]) == llm_config and \
-                os.path.isfile(os.path.join(MODELS_DIR, _CORPORA[name][0], CORPUS_FILE)):
+        if registered_config(_CORPORA[name][1]) == llm_config and os.path.isfile(_corpus_path(name)):
             return CORPUS_DEFAULT_DRAFTERS
     return DEFAULT_DRAFTERS
 
@@ -151,9 +149,13 @@ def corpus_llm(name: str) -> str:
     return _CORPORA[name][1]
 
 
+def _corpus_path(name: str) -> str:
+    return os.path.join(MODELS_DIR, _CORPORA[name][0], CORPUS_FILE)  # MODELS_DIR read now: tests move it
+
+
 def resolve_corpus(name: str) -> str:
     """Path of a shipped corpus's documents file (models/<name>/documents.npz)."""
-    path = os.path.join(MODELS_DIR, _CORPORA[name][0], CORPUS_FILE)
+    path = _corpus_path(name)
     if not os.path.isfile(path):
         raise CheckpointError(f"corpus {name!r} is not at {path}: it ships in the models/ directory of a specjax "
                               f"source checkout (install with `pip install -e .` from it)")

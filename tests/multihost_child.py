@@ -11,8 +11,17 @@ axis across the processes; DP=2 x TP=4: the requests across them). Process 0 pri
 import json
 import os
 import sys
+import time
 
-from specjax.sharding import distributed
+_T0 = time.monotonic()
+
+
+def _phase(what: str) -> None:
+    """A timestamped line on stderr: when a run fails, the test's message shows how far each process got."""
+    print(f"phase {time.monotonic() - _T0:7.1f}s {what}", file=sys.stderr, flush=True)
+
+
+from specjax.sharding import distributed  # noqa: E402 (the phase clock starts first)
 
 meshes = (sys.argv[1] if len(sys.argv) > 1 else "pp=2,tp=4").split(";")
 distributed.initialize(distributed.detect_cluster(), timeout_s=float(sys.argv[2]) if len(sys.argv) > 2 else 60.0)
@@ -31,13 +40,16 @@ jax.config.update("jax_default_matmul_precision", "highest")
 model = mesh_model("llama")
 prompts = mesh_prompts(model.config.vocab_size)
 report = {"process_count": jax.process_count(), "devices": jax.device_count()}
+_phase("joined; model built")
 for shape in meshes:
     parallel = Parallel.create(shape)
     kw = dict(max_new_tokens=12, ignore_eos=True, parallel=parallel)
     tree_kw = dict(mode="tree", ssms=[derive_ssm(model, 2)], expansion=(1, 2, 1), **kw)
     specjax.generate(model, prompts, **kw), specjax.generate(model, prompts, **tree_kw)  # compile
+    _phase(f"{shape}: compiled")
     incremental = specjax.generate(model, prompts, **kw)  # warm: timed for docs/scale_out.md
     tree = specjax.generate(model, prompts, **tree_kw)
+    _phase(f"{shape}: generated")
     mesh = parallel.mesh.devices  # [pp, dp, tp]
     report[shape] = {
         "stage_processes": [sorted({d.process_index for d in mesh[s].flat}) for s in range(mesh.shape[0])],
@@ -48,3 +60,4 @@ for shape in meshes:
         "tree_ms_per_pass": 1e3 * tree.stats["seconds"] / tree.stats["llm_passes"]}
 if jax.process_index() == 0:
     print(json.dumps(report), flush=True)
+_phase("done; exiting (JAX's shutdown barrier follows)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -34,6 +35,13 @@ def _launch(n: int, *child_args: str, timeout: float = 300, env: dict | None = N
                           env=dict(os.environ, **(env or {})))
 
 
+def _failure(out) -> str:
+    """How far each process got (the child's timestamped phase lines), then the end of stderr: a
+    JAX abort's stack traces alone fill the last few thousand characters."""
+    phases = [line for line in out.stderr.splitlines() if "] phase " in line]
+    return "\n".join(phases) + "\n...\n" + out.stderr[-3000:]
+
+
 def test_two_processes_pipeline_and_replicas_across_them_match_single_process():
     model = mesh_model("llama")
     prompts = mesh_prompts(model.config.vocab_size)
@@ -41,7 +49,7 @@ def test_two_processes_pipeline_and_replicas_across_them_match_single_process():
     incremental = specjax.generate(model, prompts, **kw)
     tree = specjax.generate(model, prompts, mode="tree", ssms=[derive_ssm(model, 2)], expansion=(1, 2, 1), **kw)
     out = _launch(2, "pp=2,tp=4;dp=2,tp=4")
-    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.returncode == 0, _failure(out)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["process_count"] == 2 and got["devices"] == 8
     pipeline, replicas = got["pp=2,tp=4"], got["dp=2,tp=4"]
@@ -52,6 +60,35 @@ def test_two_processes_pipeline_and_replicas_across_them_match_single_process():
         assert run["tree"] == tree.token_ids == incremental.token_ids
         assert run["tree_passes"] == tree.stats["llm_passes"]
         assert run["histogram"] == tree.stats["tokens_per_pass_histogram"]
+
+
+def test_processes_with_different_cost_tables_measure_together_and_share_process_0s_costs(tmp_path):
+    """budget="auto" across 2 processes whose hosts' cost tables differ (tests/multihost_costs_child.py):
+    they measure the same sizes (else the measuring passes' collectives deadlock) and use process 0's
+    costs (else each process compiles a loop that branches differently); tokens stay the single-process ones."""
+    model = mesh_model("llama")
+    alone = specjax.generate(model, mesh_prompts(model.config.vocab_size), max_new_tokens=12, ignore_eos=True)
+    cmd = [sys.executable, "-m", "specjax", "launch", "-n", "2", "--cpu-devices", "4", "--timeout", "300", "--",
+           sys.executable, "-m", "tests.multihost_costs_child", str(tmp_path)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=360)
+    assert out.returncode == 0, out.stderr[-4000:]
+    runs = {}
+    for line in out.stderr.splitlines():
+        if m := re.match(r"\[process (\d)\] costs (.*)", line):
+            got = json.loads(m.group(2))
+            runs[got["run"], int(m.group(1))] = got
+    assert sorted(runs) == [(k, p) for k in (1, 2, 3) for p in (0, 1)]
+    for k in (1, 2, 3):
+        assert runs[k, 0]["seconds"] == runs[k, 1]["seconds"], f"run {k}: the processes hold different costs"
+        assert runs[k, 0]["tokens"] == runs[k, 1]["tokens"] == alone.token_ids
+        assert all("process 0's measurement" in runs[k, p]["source"] for p in (0, 1))
+    made_up = 5.0
+    assert "measured now" in runs[1, 0]["source"] and made_up not in runs[1, 0]["seconds"]
+    # Process 1's made-up table is ignored: process 0 lacked the costs, so both measured again.
+    assert "measured now" in runs[2, 1]["source"] and made_up not in runs[2, 0]["seconds"]
+    # Process 0's table decides: nobody measured, everyone runs with its (made-up) costs.
+    assert "measured earlier" in runs[3, 1]["source"] and set(runs[3, 1]["seconds"]) == {made_up}
+    assert not (tmp_path / "p1" / "tree_costs.json").exists(), "process 1 measured nothing in run 3: no table written"
 
 
 def test_dead_peer_after_joining_stops_the_cluster_and_is_named(monkeypatch):

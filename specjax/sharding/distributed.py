@@ -7,12 +7,12 @@ Where the cluster comes from, first match wins:
 3. SLURM (``SLURM_NTASKS``, ``SLURM_PROCID``, first host of ``SLURM_STEP_NODELIST`` or
    ``SLURM_JOB_NODELIST``, port ``SPECJAX_COORDINATOR_PORT`` or 12355), only when asked for.
 
-Every wait is bounded (by about twice ``timeout_s`` in all): before JAX is touched, the processes
-meet on the coordinator's port (``rendezvous``), so an unreachable coordinator, a port that cannot
-be bound, a peer that never arrives or a miscounted cluster is a ShardingError within
-``timeout_s`` naming the problem (JAX's own coordination service would abort the process instead);
-a peer that dies later is detected by the heartbeat (``max(10, timeout_s)``) and shutdown waits at
-most ``timeout_s``.
+Every wait is bounded: before JAX is touched, the processes meet on the coordinator's port
+(``rendezvous``), so an unreachable coordinator, a port that cannot be bound, a peer that never
+arrives or a miscounted cluster is a ShardingError within ``timeout_s`` naming the problem (JAX's
+own coordination service would abort the process instead); a peer that dies later is detected by
+the heartbeat (``max(10, timeout_s)``); at exit a process waits for its live peers at most
+``max(timeout_s, SHUTDOWN_S)``.
 """
 
 from __future__ import annotations
@@ -211,6 +211,14 @@ def rendezvous(cluster: Cluster, timeout_s: float) -> None:
             conn.close()
 
 
+# How long a finished process waits at JAX's shutdown barrier for peers that are still alive (JAX's own
+# default). Peers finish at different times (process 0 writes the outputs; on a loaded machine one
+# process's teardown can run late): with 60 s, a 2-process test that passes alone and under load here
+# was aborted with SIGABRT in CI, one process of two at the barrier (why the other was late is not
+# known). A dead peer does not make anyone wait that long: the heartbeat reports it.
+SHUTDOWN_S = 300
+
+
 def initialize(cluster: Cluster | None, timeout_s: float = 60.0, cpu_devices: int | None = None) -> None:
     """Join the cluster (no-op for None). Call before any other JAX use in the process."""
     import jax
@@ -231,7 +239,8 @@ def initialize(cluster: Cluster | None, timeout_s: float = 60.0, cpu_devices: in
     try:
         jax.distributed.initialize(cluster.coordinator, num_processes=cluster.num_processes,
                                    process_id=cluster.process_id, initialization_timeout=timeout,
-                                   heartbeat_timeout_seconds=max(10, timeout), shutdown_timeout_seconds=timeout)
+                                   heartbeat_timeout_seconds=max(10, timeout),
+                                   shutdown_timeout_seconds=max(timeout, SHUTDOWN_S))
     except RuntimeError as e:  # e.g. called after the backend started
         raise ShardingError(f"jax.distributed.initialize failed for process {cluster.process_id}: {e}") from None
     if jax.process_count() != cluster.num_processes:

@@ -138,24 +138,55 @@ def monotone(costs: dict[int, float]) -> dict[int, float]:
 
 def cached_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: str = "xla", parallel=None,
                       progress=None, remeasure: bool = False) -> tuple[dict[int, float], str]:
-    """({nodes: seconds}, where they came from): the on-disk table, measuring what it lacks."""
+    """({nodes: seconds}, where they came from): the on-disk table, measuring what it lacks.
+
+    Several processes (one mesh across hosts) each read their own host's table, and the tables can
+    differ (a fresh node, another run writing meanwhile); but measuring runs passes over the whole
+    mesh, so every process must measure the same sizes or the collectives deadlock. Process 0's table
+    decides what is measured, and its costs are everyone's: they are constants of the compiled loop
+    and decide every step's branch, so all processes must hold the same ones."""
     path = cache_path()
     dtype = jax.tree.leaves(params)[0].dtype
     key = table_key(cfg, dtype, batch, impl, parallel, layers_split(params))
-    table = _read(path)
-    row = {} if remeasure else {int(n): float(s) for n, s in table.get(key, {}).items()}
-    missing = [int(n) for n in node_counts if int(n) not in row]
+    counts = [int(n) for n in node_counts]
+    row = {} if remeasure else {int(n): float(s) for n, s in _read(path).get(key, {}).items()}
+    missing = [n for n in counts if n not in row]
+    shared = jax.process_count() > 1
+    if shared:
+        missing = _process0_sizes(counts, missing)
     if missing:
         row.update(measure_pass_costs(params, cfg, batch, missing, impl, parallel, progress=progress))
+    if shared:
+        row.update(_process0_costs(counts, row))
+    if missing:
         table = _read(path)  # another process may have written meanwhile
         table[key] = {str(n): s for n, s in sorted(row.items())}
         _write(path, table)
         source = f"measured now on {machine_key()} (batch {batch}), cached in {path}"
     else:
         source = f"measured earlier on {machine_key()} (batch {batch}), from {path}"
+    if shared:
+        source += "; process 0's measurement, shared with every process"
     # Over the sizes asked for only: other sizes cached for the key (by `specjax tree-cost`) must not
     # change what a budget reads.
-    return monotone({int(n): row[int(n)] for n in node_counts}), source
+    return monotone({n: row[n] for n in counts}), source
+
+
+def _process0_sizes(counts: list[int], missing: list[int]) -> list[int]:
+    """The sizes process 0 lacks, on every process."""
+    from jax.experimental import multihost_utils
+
+    mask = multihost_utils.broadcast_one_to_all(np.asarray([n in missing for n in counts], np.int32))
+    return [n for n, m in zip(counts, mask) if m]
+
+
+def _process0_costs(counts: list[int], row: dict[int, float]) -> dict[int, float]:
+    """Process 0's costs of ``counts``, on every process (a size another process lacks is NaN there
+    until process 0's value replaces it)."""
+    from jax.experimental import multihost_utils
+
+    got = multihost_utils.broadcast_one_to_all(np.asarray([row.get(n, np.nan) for n in counts], np.float64))
+    return {n: float(v) for n, v in zip(counts, got)}
 
 
 def with_costs(budget: Budget, params, cfg: ModelConfig, batch: int, impl: str, parallel=None,
@@ -165,15 +196,7 @@ def with_costs(budget: Budget, params, cfg: ModelConfig, batch: int, impl: str, 
         return budget
     nodes = [budget.node_count(level) for level in range(len(budget.levels))]
     costs, source = cached_pass_costs(params, cfg, batch, nodes, impl, parallel, progress=progress)
-    values = [costs[n] for n in nodes]
-    if jax.process_count() > 1:
-        # The costs are constants of the compiled loop and decide every step's branch: all processes
-        # must hold the same ones, so process 0's measurement is everyone's.
-        from jax.experimental import multihost_utils
-
-        values = multihost_utils.broadcast_one_to_all(np.asarray(values, np.float64)).tolist()
-        source += "; process 0's measurement, shared with every process"
-    return dataclasses.replace(budget, costs=tuple(float(v) for v in values), source=source)
+    return dataclasses.replace(budget, costs=tuple(costs[n] for n in nodes), source=source)
 
 
 def _read(path: str) -> dict:

@@ -9,7 +9,12 @@ comparison.
     python scripts/compare_defaults.py --which 1 --max-new-tokens 128 --repetitions 2
 
 ``--which K`` takes the K-th prompt of every task kind of the prompts file (default
-``scripts/data/task_kinds.jsonl``, two per kind): 0 and 1 give its two halves.
+``scripts/data/task_kinds.jsonl``, two per kind): 0 and 1 give its two halves. ``--drafters`` adds a
+configuration of ``--drafter`` specs joined by `` + `` (each step's whole tree), e.g. members and their
+merge at an equal node count:
+
+    python scripts/compare_defaults.py --configs "feature + lookup" --drafters "feature:auto,nodes=32" \
+        --drafters "lookup:depth=8,branches=4" --drafters "corpus:auto,depth=8,branches=4"
 """
 
 from __future__ import annotations
@@ -35,14 +40,26 @@ def main() -> int:
     ap.add_argument("--corpus", default="auto", help="the corpus drafter's corpus (auto, a shipped name or a path)")
     ap.add_argument("--configs", help="comma-separated configuration names to run (default: all), e.g. "
                     "'incremental,lookup + budget,corpus + budget'")
+    ap.add_argument("--drafters", action="append", default=[], metavar="SPEC[ + SPEC ...]",
+                    help="an extra configuration (repeatable): --drafter specs joined by ' + ', every step's "
+                         "whole tree, e.g. 'feature:auto,nodes=32' or 'lookup:depth=8,branches=4'")
     args = ap.parse_args()
     names = ["incremental", "lookup + budget", "corpus + budget", "feature + lookup + budget",
              "feature + corpus + budget"]
+    whole = ["lookup", "corpus", "feature", "feature + lookup", "feature + corpus"]  # every step's whole tree
     if args.configs:
-        unknown = [c for c in args.configs.split(",") if c not in names]
+        unknown = [c for c in args.configs.split(",") if c not in names + whole]
         if unknown:
-            sys.exit(f"--configs: unknown {unknown}; choose from {names}")
+            sys.exit(f"--configs: unknown {unknown}; choose from {names + whole}")
         names = args.configs.split(",")
+    elif args.drafters:
+        names = []
+    kinds = ("ssm", "lookup", "feature", "corpus")  # checked before the model loads (FACTORIES' names)
+    for spec in args.drafters:
+        for part in spec.split(" + "):
+            if part.strip().partition(":")[0] not in kinds:
+                sys.exit(f"--drafters {spec!r}: unknown drafter {part.strip()!r}; each is KIND:ARG, KIND one of "
+                         f"{kinds}")
 
     import jax
 
@@ -63,6 +80,15 @@ def main() -> int:
     def used(drafter: str) -> bool:  # load only the drafters the chosen configurations use
         return any(drafter in name for name in names)
 
+    from specjax.speculation.drafters import FACTORIES
+
+    def built(spec: str) -> list:  # CLI drafter specs joined by " + "
+        out = []
+        for part in spec.split(" + "):
+            kind, _, arg = part.strip().partition(":")
+            out.append(FACTORIES[kind](arg or "auto", llm, load=True, expansion=None, draft="topk"))
+        return out
+
     feature = from_arg(args.feature, llm, load=True, expansion=None, draft="topk") if used("feature") else None
     corpus = corpus_drafter.from_arg(args.corpus, llm, load=True, expansion=None, draft="topk") \
         if used("corpus") else None
@@ -70,8 +96,13 @@ def main() -> int:
              "lookup + budget": {"drafters": [specjax.Bound(LookupDrafter())], "budget": "auto"},
              "corpus + budget": {"drafters": [corpus], "budget": "auto"},
              "feature + lookup + budget": {"drafters": [feature, specjax.Bound(LookupDrafter())], "budget": "auto"},
-             "feature + corpus + budget": {"drafters": [feature, corpus], "budget": "auto"}}
+             "feature + corpus + budget": {"drafters": [feature, corpus], "budget": "auto"},
+             "lookup": {"drafters": [specjax.Bound(LookupDrafter())]}, "corpus": {"drafters": [corpus]},
+             "feature": {"drafters": [feature]},
+             "feature + lookup": {"drafters": [feature, specjax.Bound(LookupDrafter())]},
+             "feature + corpus": {"drafters": [feature, corpus]}}
     configs = {name: every[name] for name in names}
+    configs.update({spec: {"drafters": built(spec)} for spec in args.drafters})
     print(f"# {len(prompts)} prompts ({', '.join(sorted(by_kind))}), {args.max_new_tokens} new tokens")
     reference, mismatches = {}, 0
     for rep in range(args.repetitions):
@@ -79,6 +110,7 @@ def main() -> int:
             kw = configs[name]
             specjax.generate(llm, [prompts[0]], max_new_tokens=8, **kw)  # compile, measure cost tables
             tokens = seconds = prefill = passes = 0
+            nodes, by_kind_tpp = set(), []
             for i, ids in enumerate(prompts):
                 res = specjax.generate(llm, [ids], max_new_tokens=args.max_new_tokens, on_tokens=lambda i, t: None,
                                        **kw)
@@ -88,10 +120,13 @@ def main() -> int:
                 seconds += res.stats["seconds"]
                 prefill += res.stats["prefill_seconds"]
                 passes += res.stats["llm_passes"]
+                nodes.add(res.stats["tree_nodes"] if "tree_nodes" in res.stats else 1)
+                by_kind_tpp.append(f"{chosen[i].get('category', '?')} {len(out) / max(res.stats['llm_passes'], 1):.2f}")
             # the prefill emits each request's first token: the decode rate counts the rest
             print(f"rep {rep}  {name:<26} tokens/pass {tokens / max(passes, 1):.2f}  end to end "
                   f"{tokens / seconds:6.2f} tok/s  decoding {(tokens - len(prompts)) / (seconds - prefill):6.2f} tok/s"
-                  f"  prefill {prefill / len(prompts):.3f} s/prompt", flush=True)
+                  f"  prefill {prefill / len(prompts):.3f} s/prompt  tree nodes {sorted(nodes)}", flush=True)
+            print(f"      tokens/pass by kind: {', '.join(by_kind_tpp)}", flush=True)
             jax.clear_caches()
     print(f"# outputs different from the first configuration's: {mismatches}")
     return 1 if mismatches else 0

@@ -1,8 +1,9 @@
 """Side by side: the candidate default drafters under the tree budget (the lookup drafter alone; the
 corpus drafter over the shipped corpus of the LLM's own answers; the feature drafter + lookup) and
-incremental decoding, end to end and decoding alone (batch 1, greedy, one prompt at a time, chat
-template). Repetitions alternate the order of the configurations, so a drifting machine does not
-favour one; every output must equal the first configuration's (the script exits 1 otherwise).
+incremental decoding, end to end and decoding alone (batch 1, greedy or ``--temperature T`` under the
+seeded verifier, one prompt at a time, chat template). Repetitions alternate the order of the
+configurations, so a drifting machine does not favour one; every output must equal the first
+configuration's (the script exits 1 otherwise).
 Choosing the default (``registry._FEATURE_DEFAULT``, ``registry._CORPUS_DEFAULT``) rests on this
 comparison.
 
@@ -40,6 +41,9 @@ def main() -> int:
     ap.add_argument("--corpus", default="auto", help="the corpus drafter's corpus (auto, a shipped name or a path)")
     ap.add_argument("--configs", help="comma-separated configuration names to run (default: all), e.g. "
                     "'incremental,lookup + budget,corpus + budget'")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy; > 0: sampling, prompt i with seed i, under the default (seeded) verifier, whose "
+                         "outputs equal seeded incremental sampling's")
     ap.add_argument("--drafters", action="append", default=[], metavar="SPEC[ + SPEC ...]",
                     help="an extra configuration (repeatable): --drafter specs joined by ' + ', every step's "
                          "whole tree, e.g. 'feature:auto,nodes=32' or 'lookup:depth=8,branches=4'")
@@ -68,7 +72,8 @@ def main() -> int:
     from specjax.speculation.drafters.feature import from_arg
     from specjax.speculation.drafters.lookup import LookupDrafter
 
-    common.print_header("default drafters, side by side (batch 1, greedy)")
+    mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}, seeded"
+    common.print_header(f"default drafters, side by side (batch 1, {mode})")
     by_kind = collections.defaultdict(list)
     for r in common.load_prompts(args.prompts_file, None):
         by_kind[r.get("category", "?")].append(r)
@@ -108,12 +113,14 @@ def main() -> int:
     for rep in range(args.repetitions):
         for name in (list(configs) if rep % 2 == 0 else list(configs)[::-1]):
             kw = configs[name]
-            specjax.generate(llm, [prompts[0]], max_new_tokens=8, **kw)  # compile, measure cost tables
+            specjax.generate(llm, [prompts[0]], max_new_tokens=8, sampling=specjax.SamplingParams(args.temperature),
+                             **kw)  # compile, measure cost tables
             tokens = seconds = prefill = passes = 0
             nodes, by_kind_tpp = set(), []
             for i, ids in enumerate(prompts):
+                sampling = specjax.SamplingParams(temperature=args.temperature, seed=i)
                 res = specjax.generate(llm, [ids], max_new_tokens=args.max_new_tokens, on_tokens=lambda i, t: None,
-                                       **kw)
+                                       sampling=sampling, **kw)
                 out = res.token_ids[0]
                 mismatches += reference.setdefault(i, out) != out
                 tokens += len(out)

@@ -28,6 +28,7 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 import _bench_common as common  # noqa: E402
 
+MEMBERS = ("lookup", "corpus", "feature", "feature + lookup", "feature + corpus")  # the drafter sets compared
 TASKS = os.path.join(os.path.dirname(__file__), "data", "task_kinds.jsonl")
 
 
@@ -48,22 +49,26 @@ def main() -> int:
                     help="an extra configuration (repeatable): --drafter specs joined by ' + ', every step's "
                          "whole tree, e.g. 'feature:auto,nodes=32' or 'lookup:depth=8,branches=4'")
     args = ap.parse_args()
+    # Each drafter set runs under the budget ("... + budget") or with its whole tree every step.
+    valid = ["incremental"] + [f"{m}{b}" for b in (" + budget", "") for m in MEMBERS]
     names = ["incremental", "lookup + budget", "corpus + budget", "feature + lookup + budget",
              "feature + corpus + budget"]
-    whole = ["lookup", "corpus", "feature", "feature + lookup", "feature + corpus"]  # every step's whole tree
     if args.configs:
-        unknown = [c for c in args.configs.split(",") if c not in names + whole]
+        unknown = [c for c in args.configs.split(",") if c not in valid]
         if unknown:
-            sys.exit(f"--configs: unknown {unknown}; choose from {names + whole}")
+            sys.exit(f"--configs: unknown {unknown}; choose from {valid}")
         names = args.configs.split(",")
     elif args.drafters:
         names = []
-    kinds = ("ssm", "lookup", "feature", "corpus")  # checked before the model loads (FACTORIES' names)
+    from specjax.speculation.drafters import FACTORIES
+
+    extra = {}  # --drafters: [(kind, arg), ...] per configuration, checked before the model loads
     for spec in args.drafters:
-        for part in spec.split(" + "):
-            if part.strip().partition(":")[0] not in kinds:
-                sys.exit(f"--drafters {spec!r}: unknown drafter {part.strip()!r}; each is KIND:ARG, KIND one of "
-                         f"{kinds}")
+        extra[spec] = [part.strip().partition(":")[::2] for part in spec.split(" + ")]
+        unknown = [kind for kind, _ in extra[spec] if kind not in FACTORIES]
+        if unknown:
+            sys.exit(f"--drafters {spec!r}: unknown drafter {unknown}; each is KIND:ARG, KIND one of "
+                     f"{sorted(FACTORIES)}")
 
     import jax
 
@@ -85,29 +90,18 @@ def main() -> int:
     def used(drafter: str) -> bool:  # load only the drafters the chosen configurations use
         return any(drafter in name for name in names)
 
-    from specjax.speculation.drafters import FACTORIES
-
-    def built(spec: str) -> list:  # CLI drafter specs joined by " + "
-        out = []
-        for part in spec.split(" + "):
-            kind, _, arg = part.strip().partition(":")
-            out.append(FACTORIES[kind](arg or "auto", llm, load=True, expansion=None, draft="topk"))
-        return out
-
     feature = from_arg(args.feature, llm, load=True, expansion=None, draft="topk") if used("feature") else None
     corpus = corpus_drafter.from_arg(args.corpus, llm, load=True, expansion=None, draft="topk") \
         if used("corpus") else None
-    every = {"incremental": {},
-             "lookup + budget": {"drafters": [specjax.Bound(LookupDrafter())], "budget": "auto"},
-             "corpus + budget": {"drafters": [corpus], "budget": "auto"},
-             "feature + lookup + budget": {"drafters": [feature, specjax.Bound(LookupDrafter())], "budget": "auto"},
-             "feature + corpus + budget": {"drafters": [feature, corpus], "budget": "auto"},
-             "lookup": {"drafters": [specjax.Bound(LookupDrafter())]}, "corpus": {"drafters": [corpus]},
-             "feature": {"drafters": [feature]},
-             "feature + lookup": {"drafters": [feature, specjax.Bound(LookupDrafter())]},
-             "feature + corpus": {"drafters": [feature, corpus]}}
+    lookup = specjax.Bound(LookupDrafter())
+    single = {"lookup": lookup, "corpus": corpus, "feature": feature}
+    every = {"incremental": {}}
+    for m in MEMBERS:
+        drafters = [single[d] for d in m.split(" + ")]
+        every.update({m: {"drafters": drafters}, f"{m} + budget": {"drafters": drafters, "budget": "auto"}})
     configs = {name: every[name] for name in names}
-    configs.update({spec: {"drafters": built(spec)} for spec in args.drafters})
+    configs.update({spec: {"drafters": [FACTORIES[kind](arg or "auto", llm, load=True, expansion=None, draft="topk")
+                                        for kind, arg in parts]} for spec, parts in extra.items()})
     print(f"# {len(prompts)} prompts ({', '.join(sorted(by_kind))}), {args.max_new_tokens} new tokens")
     reference, mismatches = {}, 0
     for rep in range(args.repetitions):
@@ -127,7 +121,7 @@ def main() -> int:
                 seconds += res.stats["seconds"]
                 prefill += res.stats["prefill_seconds"]
                 passes += res.stats["llm_passes"]
-                nodes.add(res.stats["tree_nodes"] if "tree_nodes" in res.stats else 1)
+                nodes.add(res.stats.get("tree_nodes", 1))
                 by_kind_tpp.append(f"{chosen[i].get('category', '?')} {len(out) / max(res.stats['llm_passes'], 1):.2f}")
             # the prefill emits each request's first token: the decode rate counts the rest
             print(f"rep {rep}  {name:<26} tokens/pass {tokens / max(passes, 1):.2f}  end to end "

@@ -28,9 +28,10 @@ from tests.toy import mesh_model, mesh_prompts
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _launch(n: int, *child_args: str, timeout: float = 300, env: dict | None = None):
+def _launch(n: int, *child_args: str, timeout: float = 300, env: dict | None = None,
+            child: str = "tests.multihost_child"):
     cmd = [sys.executable, "-m", "specjax", "launch", "-n", str(n), "--cpu-devices", "4", "--timeout", str(timeout),
-           "--", sys.executable, "-m", "tests.multihost_child", *child_args]
+           "--", sys.executable, "-m", child, *child_args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 60,
                           env=dict(os.environ, **(env or {})))
 
@@ -68,9 +69,7 @@ def test_processes_with_different_cost_tables_measure_together_and_share_process
     costs (else each process compiles a loop that branches differently); tokens stay the single-process ones."""
     model = mesh_model("llama")
     alone = specjax.generate(model, mesh_prompts(model.config.vocab_size), max_new_tokens=12, ignore_eos=True)
-    cmd = [sys.executable, "-m", "specjax", "launch", "-n", "2", "--cpu-devices", "4", "--timeout", "300", "--",
-           sys.executable, "-m", "tests.multihost_costs_child", str(tmp_path)]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=360)
+    out = _launch(2, str(tmp_path), child="tests.multihost_costs_child")
     assert out.returncode == 0, out.stderr[-4000:]
     runs = {}
     for line in out.stderr.splitlines():

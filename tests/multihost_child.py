@@ -6,6 +6,8 @@ axis across the processes; DP=2 x TP=4: the requests across them). Process 0 pri
     python -m tests.multihost_child "pp=2,tp=4;dp=2,tp=4" [INIT_TIMEOUT_S] [die]
 
 ``die``: process 1 crashes (exit code 3) right after joining, while process 0 goes on into collectives.
+``SPECJAX_TEST_LATE_S``: process 1 starts its programs that many seconds after process 0 (a slower
+host's compilation), longer than the 30 s gloo gives a first collective.
 """
 
 import json
@@ -41,6 +43,9 @@ model = mesh_model("llama")
 prompts = mesh_prompts(model.config.vocab_size)
 report = {"process_count": jax.process_count(), "devices": jax.device_count()}
 _phase("joined; model built")
+if jax.process_index() == 1 and os.environ.get("SPECJAX_TEST_LATE_S"):
+    time.sleep(float(os.environ["SPECJAX_TEST_LATE_S"]))
+    _phase("late start")
 for shape in meshes:
     parallel = Parallel.create(shape)
     kw = dict(max_new_tokens=12, ignore_eos=True, parallel=parallel)

@@ -13,11 +13,18 @@ arrives or a miscounted cluster is a ShardingError within ``timeout_s`` naming t
 own coordination service would abort the process instead); a peer that dies later is detected by
 the heartbeat (``max(10, timeout_s)``); at exit a process waits for its live peers at most
 ``max(timeout_s, SHUTDOWN_S)``.
+
+Processes compile at different speeds (a loaded host, a cold cache), and gloo gives a process 30 s
+to meet its peers in a program's first collective: one process arriving later than that failed the
+run ("Gloo context initialization failed: ... GetKeyValue() timed out"). So every compiled program
+is followed by ``wait_for_peers`` (the coordination service's barrier, up to ``COMPILE_SKEW_S``)
+before it runs: the processes enter its collectives together.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import re
 import socket
@@ -212,10 +219,10 @@ def rendezvous(cluster: Cluster, timeout_s: float) -> None:
 
 
 # How long a finished process waits at JAX's shutdown barrier for peers that are still alive (JAX's own
-# default). Peers finish at different times (process 0 writes the outputs; on a loaded machine one
-# process's teardown can run late): with 60 s, a 2-process test that passes alone and under load here
-# was aborted with SIGABRT in CI, one process of two at the barrier (why the other was late is not
-# known). A dead peer does not make anyone wait that long: the heartbeat reports it.
+# default): peers finish at different times (process 0 writes the outputs; on a loaded machine one
+# process's teardown can run late). A dead peer does not make anyone wait that long: the heartbeat
+# reports it. (A 2-process test aborted here in CI, one process of two at the barrier: the other had
+# failed in gloo's 30 s first-collective rendezvous after compiling late; see wait_for_peers.)
 SHUTDOWN_S = 300
 
 
@@ -245,3 +252,33 @@ def initialize(cluster: Cluster | None, timeout_s: float = 60.0, cpu_devices: in
         raise ShardingError(f"jax.distributed.initialize failed for process {cluster.process_id}: {e}") from None
     if jax.process_count() != cluster.num_processes:
         raise ShardingError(f"expected {cluster.num_processes} processes, JAX reports {jax.process_count()}")
+
+
+# How much later than the first process the last one may finish compiling a program. Compilation
+# differs by host load and cache state; gloo alone allows 30 s. A dead peer is still found sooner, by
+# the heartbeat.
+COMPILE_SKEW_S = 600
+_barriers = itertools.count()
+
+
+def wait_for_peers(what: str, timeout_s: float = COMPILE_SKEW_S) -> None:
+    """Wait until every process of the cluster got here (no-op in one process); ``what`` names the
+    point in the error. Every process calls it at the same points in the same order (they run the same
+    programs), so the n-th call of each process meets the n-th call of the others."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed as jax_distributed  # the client jax.experimental's own barriers use
+
+    client = jax_distributed.global_state.client
+    if client is None:
+        raise ShardingError(f"{jax.process_count()} processes but no distributed client: join the cluster with "
+                            "specjax.sharding.distributed.initialize")
+    name = f"specjax:{next(_barriers)}:{what}"
+    try:
+        client.wait_at_barrier(name, timeout_in_ms=int(timeout_s * 1000))
+    except jax.errors.JaxRuntimeError as e:  # DEADLINE_EXCEEDED, or the service reporting a dead peer
+        raise ShardingError(f"process {jax.process_index()} waited {timeout_s:g}s for the other processes at "
+                            f"{what!r} and not all arrived (one still compiling, dead, or running other code): "
+                            f"{e}") from None

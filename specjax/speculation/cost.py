@@ -27,6 +27,7 @@ from specjax.decoding.programs import step_compiler_options, step_library, step_
 from specjax.errors import InputError
 from specjax.models.cache import init_cache
 from specjax.models.params import layers_split
+from specjax.sharding.distributed import wait_for_peers
 from specjax.speculation.budget import Budget
 from specjax.speculation.commit import tree_forward
 from specjax.speculation.tree import from_parents
@@ -111,7 +112,9 @@ def measure_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: 
         if parallel is not None:
             tree = parallel.put_batch(tree)
         inputs[n] = (tree, cache)
-        jax.block_until_ready(fwd(params, tree, cache))  # compile + warm
+        fwd.lower(params, tree, cache).compile()  # the call below hits this compilation
+        wait_for_peers(f"the {n}-node pass compiled")  # gloo's first collective waits only 30 s
+        jax.block_until_ready(fwd(params, tree, cache))  # warm
     # Round-robin over the sizes: a machine that slows down for a while (a shared CPU does) slows
     # every size alike instead of making one size look cheaper than a smaller one.
     samples = {n: [] for n in counts}

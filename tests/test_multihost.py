@@ -187,3 +187,16 @@ def test_launch_generate_json_is_valid_jsonl(tiny_llama_dir, tmp_path):
     alone = specjax.generate(specjax.load_model(tiny_llama_dir, progress=False), [[1, 2, 3], [7, 8, 9, 10]],
                              max_new_tokens=6)
     assert [rec["token_ids"] for rec in records] == alone.token_ids
+
+
+def test_wait_for_peers_meets_every_process_and_names_the_point_a_peer_never_reached():
+    """Processes meet at a ``wait_for_peers`` point (every compiled program is followed by one); a point
+    some process never reaches ends in a ShardingError naming it after the timeout, not in a hang."""
+    out = _launch(2, timeout=60, child="tests.multihost_barrier_child")
+    assert out.returncode == 0, out.stderr[-3000:]
+    met = [float(m.group(1)) for m in re.finditer(r"\] met at ([\d.]+)", out.stderr)]
+    assert len(met) == 2 and abs(met[0] - met[1]) < 2.0
+    error = out.stdout[out.stdout.index("ShardingError: "):]
+    assert error.startswith("ShardingError: process 0 waited 3s for the other processes at "
+                            "'the program only process 0 compiled'"), error
+    assert "reached the barrier: 1/2" in error  # JAX's own account: one of the two processes got there

@@ -16,9 +16,11 @@ the heartbeat (``max(10, timeout_s)``); at exit a process waits for its live pee
 
 Processes compile at different speeds (a loaded host, a cold cache), and gloo gives a process 30 s
 to meet its peers in a program's first collective: one process arriving later than that failed the
-run ("Gloo context initialization failed: ... GetKeyValue() timed out"). So every compiled program
-is followed by ``wait_for_peers`` (the coordination service's barrier, up to ``COMPILE_SKEW_S``)
-before it runs: the processes enter its collectives together.
+run ("Gloo context initialization failed: ... GetKeyValue() timed out"). So the programs whose
+compilation takes long (the prefill and the decoding loop, ``decoding.host_step``; each pass the
+tree budget measures, ``speculation.cost``) are followed by ``wait_for_peers`` (the coordination
+service's barrier, up to ``COMPILE_SKEW_S``) before they run: the processes enter their collectives
+together.
 """
 
 from __future__ import annotations
@@ -221,8 +223,9 @@ def rendezvous(cluster: Cluster, timeout_s: float) -> None:
 # How long a finished process waits at JAX's shutdown barrier for peers that are still alive (JAX's own
 # default): peers finish at different times (process 0 writes the outputs; on a loaded machine one
 # process's teardown can run late). A dead peer does not make anyone wait that long: the heartbeat
-# reports it. (A 2-process test aborted here in CI, one process of two at the barrier: the other had
-# failed in gloo's 30 s first-collective rendezvous after compiling late; see wait_for_peers.)
+# reports it. (A 2-process test aborted here in CI with one process of two at the barrier: process 0
+# had failed in gloo's 30 s first-collective rendezvous because process 1 compiled late, and process
+# 1 never got there; see wait_for_peers.)
 SHUTDOWN_S = 300
 
 

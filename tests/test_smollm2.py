@@ -48,6 +48,22 @@ def test_loads_and_generates_without_torch_installed(tmp_path):
     assert "TOKENS [" in r.stdout
 
 
+def test_the_gguf_tokenizer_loads_without_importing_an_installed_torch(tmp_path):
+    """Every ``specjax`` command reads the tokenizer first; with torch installed (the test extra, most
+    users' machines) it must not import it: 3 s of start-up, converting or reading the cached conversion."""
+    pytest.importorskip("torch")
+    code = ("import sys, specjax\n"
+            "m = specjax.describe_model('smollm2-135m-instruct')\n"
+            "assert m.tokenizer('Name a colour.')['input_ids'], 'the tokenizer encodes'\n"
+            "print('TORCH', 'torch' in sys.modules)\n")
+    env = {**os.environ, "SPECJAX_CACHE_DIR": str(tmp_path / "cache")}
+    for attempt in ("converted", "read from the cache"):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "TORCH False" in r.stdout, f"the tokenizer {attempt} imported torch"
+    assert os.listdir(tmp_path / "cache" / "tokenizers"), "the conversion was cached"
+
+
 @pytest.fixture(scope="module")
 def hf_smollm2():
     torch = pytest.importorskip("torch")

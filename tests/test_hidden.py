@@ -98,10 +98,10 @@ def test_decode_steps_hidden_equals_transformers(pair):
     cfg = model.config
     layers = (0, cfg.num_layers - 1, cfg.num_layers)
     cache = init_cache(cfg, 1, 32)
-    step = jax.jit(lambda c, t: forward(model.params, t[:, None], c.length[:, None], c, causal_meta(c.length), cfg,
-                                        hidden=layers))
+    step = jax.jit(lambda p, c, t: forward(p, t[:, None], c.length[:, None], c, causal_meta(c.length), cfg,
+                                           hidden=layers))
     for t, token in enumerate(SEQ):
-        out = step(cache, jnp.asarray([token], jnp.int32))
+        out = step(model.params, cache, jnp.asarray([token], jnp.int32))
         cache = out.cache.replace(length=out.cache.length + 1)
         want.check(np.asarray(out.hidden)[0, 0], list(layers), t)
 

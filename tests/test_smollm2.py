@@ -177,14 +177,15 @@ def test_real_tree_logits_equal_incremental_decoding(smollm2):
     prompt = jnp.asarray([ids[:-1] + [0] * (64 - committed)])
     _, cache = jax.jit(prefill, static_argnames="cfg")(m.params, prompt, jnp.asarray([committed]), cache,
                                                        cfg=m.config)
-    step = jax.jit(lambda c, t: forward(m.params, t[:, None], c.length[:, None], c, causal_meta(c.length),
-                                        m.config)[:2])
+    # the weights as an argument: captured, they become constants XLA folds for minutes (130 s here)
+    step = jax.jit(lambda p, c, t: forward(p, t[:, None], c.length[:, None], c, causal_meta(c.length),
+                                           m.config)[:2])
     incremental, recompute, seqs = [], [], []
     for i in range(n):
         path = [int(tree.tokens[0, j]) for j in root_path(tree, 0, i)]
         c = cache
         for t in path:
-            out, c = step(c, jnp.asarray([t], jnp.int32))
+            out, c = step(m.params, c, jnp.asarray([t], jnp.int32))
             c = c.replace(length=c.length + 1)
         incremental.append(np.asarray(out)[0, 0])
         recompute.append(specjax.logits(m, [ids[:-1] + path])[0][-1])

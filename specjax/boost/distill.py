@@ -237,9 +237,11 @@ def train(student: Model, examples: Examples, tc: TrainConfig, checkpoint_dir: s
 
     teacher_fn = None
     if tc.loss == "kl" and not precomputed:
-
-        teacher_fn = jax.jit(lambda tokens: top_k_logprobs(full_logits(llm.params, tokens, cfg=llm.config),
-                                                           tc.teacher_top_k))
+        # The LLM's weights are an argument, not captured: a jitted closure would bake them into the
+        # program as constants, which XLA folds for minutes (SmolLM2: 130 s for one forward).
+        teacher_jit = jax.jit(lambda weights, tokens: top_k_logprobs(full_logits(weights, tokens, cfg=llm.config),
+                                                                     tc.teacher_top_k))
+        teacher_fn = functools.partial(teacher_jit, llm.params)
 
     @jax.jit
     def train_step(params, opt_state, tokens, targets, weights, teacher):

@@ -111,13 +111,15 @@ def smollm2():
     return specjax.load_model("smollm2-135m-instruct", progress=False)
 
 
-# Modules by measured duration, longest first (a full run with --durations=0 on 2 cores). pytest-xdist
+# Modules by measured duration, longest first (a full run with cold caches, --durations=0, on 2 AMD EPYC
+# cores: the sum of each module's test times). pytest-xdist
 # (--dist loadscope --no-loadscope-reorder) hands whole modules to the two workers in collection
 # order: longest first keeps one worker from starting a 10-minute module while the other runs out of
 # work. Modules not listed follow in their usual order.
-LONGEST_FIRST = ("test_readme.py", "test_smollm2.py", "test_serve.py", "test_speculative_sampling.py",
-                 "test_multihost.py", "test_speculative.py", "test_feature.py", "test_tree_forward.py",
-                 "test_lookup.py", "test_boost_tune.py", "test_cli.py", "test_seeded.py", "test_sharding.py")
+LONGEST_FIRST = ("test_readme.py", "test_speculative_sampling.py", "test_smollm2.py", "test_sharding.py",
+                 "test_multihost.py", "test_speculative.py", "test_feature.py", "test_serve.py", "test_cli.py",
+                 "test_corpus.py", "test_feature_tune.py", "test_lookup.py", "test_boost_tune.py", "test_decode.py",
+                 "test_layer_layout.py", "test_tree_forward.py", "test_seeded.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -50,7 +50,7 @@ def test_loads_and_generates_without_torch_installed(tmp_path):
 
 def test_the_gguf_tokenizer_loads_without_importing_an_installed_torch(tmp_path):
     """Every ``specjax`` command reads the tokenizer first; with torch installed (the test extra, most
-    users' machines) it must not import it: 3 s of start-up, converting or reading the cached conversion."""
+    users' machines) it must not import it (1.5 s of start-up), converting or reading the cached conversion."""
     pytest.importorskip("torch")
     code = ("import sys, specjax\n"
             "m = specjax.describe_model('smollm2-135m-instruct')\n"

@@ -190,7 +190,7 @@ def test_launch_generate_json_is_valid_jsonl(tiny_llama_dir, tmp_path):
 
 
 def test_wait_for_peers_meets_every_process_and_names_the_point_a_peer_never_reached():
-    """Processes meet at a ``wait_for_peers`` point (every compiled program is followed by one); a point
+    """Processes meet at a ``wait_for_peers`` point (the long-compiling programs are each followed by one); a point
     some process never reaches ends in a ShardingError naming it after the timeout, not in a hang."""
     out = _launch(2, timeout=60, child="tests.multihost_barrier_child")
     assert out.returncode == 0, out.stderr[-3000:]

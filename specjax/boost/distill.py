@@ -237,8 +237,8 @@ def train(student: Model, examples: Examples, tc: TrainConfig, checkpoint_dir: s
 
     teacher_fn = None
     if tc.loss == "kl" and not precomputed:
-        # The LLM's weights are an argument, not captured: a jitted closure would bake them into the
-        # program as constants, which XLA folds for minutes (SmolLM2: 130 s for one forward).
+        # The LLM's weights are an argument, not captured: a jitted closure bakes them into the program
+        # as constants, which XLA folds slowly (a test's SmolLM2 decode step compiled for 130 s that way).
         teacher_jit = jax.jit(lambda weights, tokens: top_k_logprobs(full_logits(weights, tokens, cfg=llm.config),
                                                                      tc.teacher_top_k))
         teacher_fn = functools.partial(teacher_jit, llm.params)

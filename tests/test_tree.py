@@ -54,6 +54,16 @@ class TestAncestorBits(chex.TestCase):
         assert not np.asarray(bits[0, 70:]).any(), "padding nodes must have empty rows"
 
     @chex.variants(with_jit=True, without_jit=True)
+    def test_host_builder_equals_the_jittable_one_on_random_trees(self):
+        # from_parents builds the mask in numpy (no per-op compiles at start-up); the in-loop merge
+        # builds it with ancestor_bits: both must give the same rows, padding included.
+        rng = np.random.default_rng(0)
+        sizes = [1, 5, 33, 40]
+        parents = [[-1] + [int(rng.integers(0, i)) for i in range(1, n)] for n in sizes]
+        t = from_parents([[0] * n for n in sizes], parents, n_max=40)
+        chex.assert_trees_all_equal(self.variant(ancestor_bits)(t.parent, t.valid), t.ancestor)
+
+    @chex.variants(with_jit=True, without_jit=True)
     def test_depths_from_parents(self):
         parent = jnp.asarray([[-1, 0, 0, 1, 3, 2, -1]], jnp.int32)
         np.testing.assert_array_equal(np.asarray(self.variant(depths)(parent)), [[0, 1, 1, 2, 3, 2, 0]])

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.errors import InputError
-from specjax.speculation.tree import TokenTree, from_parents
+from specjax.speculation.tree import TokenTree, from_parents_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +98,4 @@ def static_tree(topology: Expansion | tuple[int, ...], batch: int, tokens: jax.A
 @functools.lru_cache(maxsize=64)
 def _topology_tree(parents: tuple[int, ...]) -> TokenTree:
     """The static topology as host (numpy) arrays, built and validated once per parents tuple."""
-    with jax.ensure_compile_time_eval():  # may first be called while tracing a jitted step
-        t = from_parents([[0] * len(parents)], [list(parents)], n_max=len(parents))
-        return jax.tree.map(np.asarray, t)
+    return from_parents_host([[0] * len(parents)], [list(parents)], n_max=len(parents))

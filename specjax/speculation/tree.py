@@ -83,6 +83,22 @@ def ancestor_bits(parent: jax.Array, valid: jax.Array) -> jax.Array:
     return jax.vmap(one_request)(parent, valid)
 
 
+def ancestor_bits_host(parent: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """``ancestor_bits`` in numpy, for trees built on the host. Built with jax ops outside a jit,
+    every op of the node loop compiled a program of its own (0.8 s per static topology at a
+    command's start-up)."""
+    batch, n = parent.shape
+    rows = np.zeros((batch, n, num_words(n)), np.uint32)
+    for b in range(batch):
+        for i in range(n):
+            if not valid[b, i]:
+                continue
+            if parent[b, i] >= 0:
+                rows[b, i] = rows[b, parent[b, i]]
+            rows[b, i, i // 32] |= np.uint32(1 << (i % 32))
+    return rows
+
+
 def _validate_request(b: int, tokens: Sequence[int], parents: Sequence[int], n_max: int, max_depth: int | None):
     n = len(parents)
     if n == 0:
@@ -115,6 +131,12 @@ def from_parents(tokens: Sequence[Sequence[int]], parents: Sequence[Sequence[int
 
     Children entries are recorded in node order, which is the draw order for trees built this way.
     """
+    return jax.tree.map(jnp.asarray, from_parents_host(tokens, parents, n_max, max_depth, max_children))
+
+
+def from_parents_host(tokens: Sequence[Sequence[int]], parents: Sequence[Sequence[int]], n_max: int,
+                      max_depth: int | None = None, max_children: int | None = None) -> TokenTree:
+    """``from_parents`` with numpy arrays: no jax op runs, so it can be called while tracing."""
     if len(tokens) != len(parents) or not tokens:
         raise TreeError(f"need one token list per parent list, got {len(tokens)} and {len(parents)}")
     batch = len(parents)
@@ -137,11 +159,8 @@ def from_parents(tokens: Sequence[Sequence[int]], parents: Sequence[Sequence[int
         tok[b, :n], par[b, :n], dep[b, :n], val[b, :n] = tokens[b], parents[b], depths[b], True
         for i, ks in enumerate(kids[b]):
             children[b, i, :len(ks)] = ks
-    parent = jnp.asarray(par)
-    valid = jnp.asarray(val)
-    return TokenTree(tokens=jnp.asarray(tok), parent=parent, depth=jnp.asarray(dep), valid=valid,
-                     ancestor=ancestor_bits(parent, valid), children=jnp.asarray(children),
-                     law_row=jnp.full(children.shape, -1, jnp.int32))
+    return TokenTree(tokens=tok, parent=par, depth=dep, valid=val, ancestor=ancestor_bits_host(par, val),
+                     children=children, law_row=np.full(children.shape, -1, np.int32))
 
 
 def from_paths(root_tokens: Sequence[int], paths: Sequence[Sequence[Sequence[int]]], n_max: int,

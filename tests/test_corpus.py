@@ -354,3 +354,26 @@ def test_corpus_samples_the_exact_law(verifier):
     _, state = d.propose(index, state, _context([LAW_PROMPT + [0]], [len(LAW_PROMPT) - 1]))
     assert int(state["ngram"][0, 0]) == 3 + d._rows
     assert_drafter_samples_the_exact_law(d, index, verifier, f"corpus + {verifier}")
+
+
+def test_the_index_is_cached_on_disk_and_rebuilt_from_a_damaged_cache(tmp_path, monkeypatch):
+    """A second build of the same corpus reads the index back instead of sorting again (start-up of
+    every command with the shipped corpus), equal to the built one; a damaged file is rebuilt; another
+    corpus or n-gram length is never served another's index."""
+    import specjax.speculation.drafters.corpus as corpus_lib
+
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    docs = [random_ids(np.random.RandomState(1), 30, 40), [3, 4, 5, 3, 4, 6]]
+    built = build_index(docs, 3, 4, 30)
+    files = list((tmp_path / "corpus-index").iterdir())
+    assert len(files) == 1
+    sorts = []
+    monkeypatch.setattr(corpus_lib, "_index_rows", lambda *a: sorts.append(a) or rows_reference_index(docs, 3))
+    chex.assert_trees_all_equal(build_index(docs, 3, 4, 30), built)
+    assert not sorts, "the cached index was not read back"
+    files[0].write_bytes(b"not an npz")
+    chex.assert_trees_all_equal(build_index(docs, 3, 4, 30), built)
+    assert len(sorts) == 1, "a damaged cache file must be rebuilt"
+    build_index(docs[:1], 3, 4, 30)
+    build_index(docs, 2, 4, 30)
+    assert len(sorts) == 3, "another corpus or n-gram length must not read this index"

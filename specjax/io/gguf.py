@@ -8,7 +8,7 @@ import numpy as np
 
 from specjax.config import ModelConfig, config_from_gguf
 from specjax.errors import CheckpointError
-from specjax.io.gguf_file import GGUFFile
+from specjax.io.gguf_file import GGUFFile, open_gguf
 from specjax.io.keymap import HEADS_IN, HEADS_OUT, LINEAR, KeyMapEntry, load_params
 
 
@@ -44,7 +44,7 @@ def gguf_table(cfg: ModelConfig) -> list[KeyMapEntry]:
 
 def read_gguf_metadata(path: str) -> tuple[GGUFFile, dict, int | None]:
     """(the open file, its metadata without the big tokenizer arrays, the token count or None)."""
-    gguf = GGUFFile(path)
+    gguf = open_gguf(path)
     skip = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"}
     fields = {k: v for k, v in gguf.fields.items() if k not in skip}
     tokens = gguf.fields.get("tokenizer.ggml.tokens")

@@ -122,9 +122,9 @@ def load_params(cfg: ModelConfig, table: list[KeyMapEntry], keys: Iterable[str],
         if tuple(raw.shape) != want:
             raise CheckpointError(f"{source}: key {key!r} has shape {tuple(raw.shape)}, expected {want} "
                                   f"(parameter {path}, layout {entry.layout.name})")
-        value = entry.layout.convert(raw, target).astype(dtype)
+        value = entry.layout.convert(raw, target).astype(dtype, copy=False)  # copied once, below
         if layer is None:
-            _set_at(params, path, value)
+            _set_at(params, path, np.array(value))  # its own memory, never a view of the checkpoint's file
         else:
             if path not in stacked:
                 stacked[path] = np.empty(spec.shape, dtype)

@@ -8,7 +8,7 @@ import os
 from specjax._compat import gguf_tokenizer_from_fields
 from specjax.config import cache_root
 from specjax.errors import CheckpointError
-from specjax.io.gguf_file import GGUFFile
+from specjax.io.gguf_file import open_gguf
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -43,7 +43,7 @@ _SPECIAL = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token
 
 def _gguf_tokenizer_fields(gguf_path: str):
 
-    fields = GGUFFile(gguf_path).fields
+    fields = open_gguf(gguf_path).fields
     values = {key: fields[key] for key in {**_GGUF_TOKENIZER_KEYS, **_GGUF_CONFIG_KEYS, "general.architecture": None}
               if key in fields}
     if "tokenizer.ggml.tokens" not in values:
@@ -72,17 +72,27 @@ def load_gguf_tokenizer(gguf_path: str):
 
     stat = os.stat(gguf_path)
     digest = hashlib.sha256(f"{os.path.realpath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    if digest in _LOADED:
+        return _LOADED[digest]
     converted = os.path.join(cache_root(), "tokenizers", digest[:16])
     if os.path.exists(os.path.join(converted, "tokenizer.json")):
-        return PreTrainedTokenizerFast.from_pretrained(converted)
-    try:
-        tok = gguf_tokenizer_from_fields(*_gguf_tokenizer_fields(gguf_path))
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - transformers/tokenizers raise many types
-        raise CheckpointError(f"{gguf_path}: cannot build the tokenizer ({type(e).__name__}: {e})") from None
-    try:
-        tok.save_pretrained(converted)
-    except OSError:
-        pass  # a read-only cache only costs the conversion time next run
+        tok = PreTrainedTokenizerFast.from_pretrained(converted)
+    else:
+        try:
+            tok = gguf_tokenizer_from_fields(*_gguf_tokenizer_fields(gguf_path))
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - transformers/tokenizers raise many types
+            raise CheckpointError(f"{gguf_path}: cannot build the tokenizer ({type(e).__name__}: {e})") from None
+        try:
+            tok.save_pretrained(converted)
+        except OSError:
+            pass  # a read-only cache only costs the conversion time next run
+    _LOADED[digest] = tok
     return tok
+
+
+# Tokenizers already built in this process, by the digest of their GGUF file: a command describes the
+# model (checks before the weights load), then loads it, and the registry reads registered models'
+# configs, each asking for the same tokenizer (~0.5 s a read). specjax never modifies a tokenizer.
+_LOADED: dict = {}

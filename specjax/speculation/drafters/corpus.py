@@ -33,6 +33,7 @@ int32 (per n, valid entries first) and ``count`` [N] int32 (valid entries per n)
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 
@@ -40,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.config import cache_root
 from specjax.errors import InputError
 from specjax.speculation.drafters.base import Bound, DraftContext, Proposal
 from specjax.speculation.drafters.lookup import LookupDrafter, find_chains
@@ -175,6 +177,40 @@ def build_index(documents, max_ngram: int, depth: int, vocab_size: int, capacity
     corpus = np.concatenate(parts)  # ends with a separator
     if capacity is not None:  # more separators: positions no entry ever reads
         corpus = np.concatenate([corpus, np.full(capacity - total, SEPARATOR)])
+    index, count = _cached_index(corpus, max_ngram, vocab_size)
+    tokens = np.concatenate([corpus, np.full(depth + 1, SEPARATOR)]).astype(np.int32)
+    return {"tokens": jnp.asarray(tokens), "index": jnp.asarray(index), "count": jnp.asarray(count)}
+
+
+def _cached_index(corpus: np.ndarray, max_ngram: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``_index_rows``, kept on disk by the digest of the corpus tokens, the settings and this module's
+    source (an edited indexer never reads an older one's index): the shipped corpus's sort took ~2 s
+    of every command's start-up. A cache that cannot be read or written only costs that time again."""
+    with open(__file__, "rb") as f:
+        key = hashlib.sha256(f.read())
+    key.update(f":{max_ngram}:{vocab_size}:".encode())
+    key.update(corpus.astype(np.int64).tobytes())
+    path = os.path.join(cache_root(), "corpus-index", key.hexdigest()[:32] + ".npz")
+    try:
+        with np.load(path) as z:
+            index, count = z["index"], z["count"]
+        if index.shape == (max_ngram, corpus.size) and count.shape == (max_ngram,) and index.dtype == np.int32:
+            return index, count
+    except (OSError, ValueError, KeyError):
+        pass
+    index, count = _index_rows(corpus, max_ngram, vocab_size)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        partial = f"{path}.{os.getpid()}.tmp.npz"
+        np.savez(partial, index=index, count=count)
+        os.replace(partial, path)  # readers never see a half-written file
+    except OSError:
+        pass
+    return index, count
+
+
+def _index_rows(corpus: np.ndarray, max_ngram: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The index rows [max_ngram, C] and their valid counts [max_ngram] (see ``build_index``)."""
     size = corpus.size
     pos = np.arange(size)
     index = np.zeros((max_ngram, size), np.int32)
@@ -202,8 +238,7 @@ def build_index(documents, max_ngram: int, depth: int, vocab_size: int, capacity
         order = np.lexsort([p, -freq] + _ngram_keys(cols, vocab_size))
         index[n - 1, :p.size] = p[order]
         count[n - 1] = p.size
-    tokens = np.concatenate([corpus, np.full(depth + 1, SEPARATOR)]).astype(np.int32)
-    return {"tokens": jnp.asarray(tokens), "index": jnp.asarray(index), "count": jnp.asarray(count)}
+    return index, count
 
 
 def _ngram_keys(cols: list, vocab_size: int) -> list:

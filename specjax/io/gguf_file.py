@@ -175,9 +175,9 @@ class GGUFFile:
         from gguf.quants import dequantize
 
         t = self.tensors[name]
-        if gguf_dequant.supported(t.ggml_type):
-            return gguf_dequant.dequantize(self.raw(name), t.ggml_type)
         try:
+            if gguf_dequant.supported(t.ggml_type):
+                return gguf_dequant.dequantize(self.raw(name), t.ggml_type)
             return np.asarray(dequantize(self.raw(name), GGMLQuantizationType(t.ggml_type)), dtype=np.float32)
         except Exception as e:  # noqa: BLE001 - gguf raises assorted errors for unsupported types
             raise CheckpointError(f"{self.path}: cannot dequantize tensor {name!r} "

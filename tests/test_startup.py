@@ -1,0 +1,36 @@
+"""What a command reads at start-up is read once per process, and again when the file changes."""
+
+from __future__ import annotations
+
+import struct
+
+from specjax.io.gguf_file import open_gguf
+from tests.conftest import requires_smollm2
+
+
+def _gguf_with_name(name: bytes) -> bytes:
+    """A GGUF file without tensors whose only metadata is general.name = name."""
+    def string(s: bytes) -> bytes:
+        return struct.pack("<Q", len(s)) + s
+
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + string(b"general.name") + struct.pack("<I", 8) + string(name)
+
+
+def test_a_gguf_file_is_parsed_once_and_again_after_it_changes(tmp_path):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(_gguf_with_name(b"first"))
+    first = open_gguf(str(path))
+    assert open_gguf(str(path)) is first, "the same unchanged file was parsed twice"
+    path.write_bytes(_gguf_with_name(b"second one"))
+    assert open_gguf(str(path)).fields["general.name"] == "second one", "a changed file must be read again"
+
+
+@requires_smollm2
+def test_the_gguf_tokenizer_is_built_once_per_process():
+    import specjax
+    from specjax.io.registry import resolve
+    from specjax.io.tokenizer import load_gguf_tokenizer
+
+    tok = load_gguf_tokenizer(resolve("smollm2-135m-instruct"))
+    assert specjax.describe_model("smollm2-135m-instruct").tokenizer is tok
+    assert tok("Name a colour.")["input_ids"], "the tokenizer encodes"

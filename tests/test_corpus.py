@@ -136,7 +136,7 @@ def rows_reference_index(documents, max_ngram: int) -> tuple[np.ndarray, np.ndar
 
 
 @pytest.mark.parametrize("vocab", [5, 55108, 55109, 1 << 40])  # 55108 ** 4 < 2 ** 63 <= 55109 ** 4
-def test_the_index_equals_the_rows_reference_with_packed_and_column_keys(vocab):
+def test_the_index_equals_the_rows_reference_with_packed_and_column_keys(vocab, tmp_path, monkeypatch):
     """build_index packs an n-gram into one int64 where vocab_size ** n fits, else sorts its columns;
     either way the index equals the first version's (np.unique over rows): many ties with a vocabulary
     of 5, ids near the packing limit's vocabulary (55108 packs 4-grams, 55109 does not)."""
@@ -144,6 +144,7 @@ def test_the_index_equals_the_rows_reference_with_packed_and_column_keys(vocab):
     top = min(vocab, 1 << 20)
     pool = np.unique(np.concatenate([rng.randint(0, min(vocab, 5), 6), top - 1 - rng.randint(0, min(top, 4), 4)]))
     docs = [pool[rng.randint(0, pool.size, rng.randint(1, 80))].tolist() for _ in range(16)]
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))  # sort now, never read a cached index
     params = build_index(docs, 5, 4, vocab)
     index, count = rows_reference_index(docs, 5)
     np.testing.assert_array_equal(np.asarray(params["count"]), count)
@@ -371,9 +372,12 @@ def test_the_index_is_cached_on_disk_and_rebuilt_from_a_damaged_cache(tmp_path, 
     monkeypatch.setattr(corpus_lib, "_index_rows", lambda *a: sorts.append(a) or rows_reference_index(docs, 3))
     chex.assert_trees_all_equal(build_index(docs, 3, 4, 30), built)
     assert not sorts, "the cached index was not read back"
-    files[0].write_bytes(b"not an npz")
-    chex.assert_trees_all_equal(build_index(docs, 3, 4, 30), built)
-    assert len(sorts) == 1, "a damaged cache file must be rebuilt"
+    whole = files[0].read_bytes()
+    for damaged in (b"not an npz", b"", whole[:len(whole) // 2], whole[:-40] + bytes(40)):
+        files[0].write_bytes(damaged)
+        chex.assert_trees_all_equal(build_index(docs, 3, 4, 30), built)
+    assert len(sorts) == 4, "a damaged cache file must be rebuilt"
     build_index(docs[:1], 3, 4, 30)
     build_index(docs, 2, 4, 30)
-    assert len(sorts) == 3, "another corpus or n-gram length must not read this index"
+    assert len(sorts) == 6, "another corpus or n-gram length must not read this index"
+    assert not [f for f in (tmp_path / "corpus-index").iterdir() if f.name.endswith(".tmp.npz")]

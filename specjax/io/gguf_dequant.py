@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-Q4_1, Q8_0 = 3, 8
+Q4_1, Q8_0 = 3, 8  # their gguf.GGMLQuantizationType values (this module imports nothing from gguf)
 BLOCK = 32  # elements per block for both types
 _BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}  # Q4_1: f16 scale, f16 minimum, 16 bytes of 4-bit codes; Q8_0: f16 scale, 32 int8
 

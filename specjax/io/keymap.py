@@ -122,9 +122,11 @@ def load_params(cfg: ModelConfig, table: list[KeyMapEntry], keys: Iterable[str],
         if tuple(raw.shape) != want:
             raise CheckpointError(f"{source}: key {key!r} has shape {tuple(raw.shape)}, expected {want} "
                                   f"(parameter {path}, layout {entry.layout.name})")
-        value = entry.layout.convert(raw, target).astype(dtype, copy=False)  # copied once, below
+        # One copy per tensor, converting the dtype on the way: into its own array (never a view of the
+        # checkpoint's file), or into its layer's slot of the stacked buffer.
+        value = entry.layout.convert(raw, target)
         if layer is None:
-            _set_at(params, path, np.array(value))  # its own memory, never a view of the checkpoint's file
+            _set_at(params, path, np.array(value, dtype=dtype))
         else:
             if path not in stacked:
                 stacked[path] = np.empty(spec.shape, dtype)

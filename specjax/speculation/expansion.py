@@ -97,5 +97,9 @@ def static_tree(topology: Expansion | tuple[int, ...], batch: int, tokens: jax.A
 
 @functools.lru_cache(maxsize=64)
 def _topology_tree(parents: tuple[int, ...]) -> TokenTree:
-    """The static topology as host (numpy) arrays, built and validated once per parents tuple."""
-    return from_parents_host([[0] * len(parents)], [list(parents)], n_max=len(parents))
+    """The static topology as host (numpy) arrays, built and validated once per parents tuple; read-only,
+    since every caller shares them."""
+    tree = from_parents_host([[0] * len(parents)], [list(parents)], n_max=len(parents))
+    for field in jax.tree.leaves(tree):
+        field.setflags(write=False)
+    return tree

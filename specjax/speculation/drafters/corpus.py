@@ -36,6 +36,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -183,29 +184,43 @@ def build_index(documents, max_ngram: int, depth: int, vocab_size: int, capacity
 
 
 def _cached_index(corpus: np.ndarray, max_ngram: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """``_index_rows``, kept on disk by the digest of the corpus tokens, the settings and this module's
-    source (an edited indexer never reads an older one's index): the shipped corpus's sort took ~2 s
-    of every command's start-up. A cache that cannot be read or written only costs that time again."""
-    with open(__file__, "rb") as f:
-        key = hashlib.sha256(f.read())
+    """``_index_rows``, kept on disk (every corpus, shipped or given) by the digest of the corpus tokens,
+    the settings and this module's source (an edited indexer never reads an older one's index): the
+    shipped corpus's sort took ~2 s of every command's start-up. A cache file that cannot be read, in
+    whatever way it is damaged, is rebuilt; one that cannot be written only costs that time again."""
+    try:
+        with open(__file__, "rb") as f:
+            key = hashlib.sha256(f.read())
+    except OSError:  # no readable source (a frozen install): no safe key, no cache
+        return _index_rows(corpus, max_ngram, vocab_size)
     key.update(f":{max_ngram}:{vocab_size}:".encode())
     key.update(corpus.astype(np.int64).tobytes())
-    path = os.path.join(cache_root(), "corpus-index", key.hexdigest()[:32] + ".npz")
+    directory = os.path.join(cache_root(), "corpus-index")
+    path = os.path.join(directory, key.hexdigest()[:32] + ".npz")
     try:
         with np.load(path) as z:
             index, count = z["index"], z["count"]
         if index.shape == (max_ngram, corpus.size) and count.shape == (max_ngram,) and index.dtype == np.int32:
             return index, count
-    except (OSError, ValueError, KeyError):
+    except Exception:  # noqa: BLE001 - a damaged zip raises BadZipFile, EOFError, ValueError, ...: rebuild it
         pass
     index, count = _index_rows(corpus, max_ngram, vocab_size)
+    partial = None
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        partial = f"{path}.{os.getpid()}.tmp.npz"
-        np.savez(partial, index=index, count=count)
+        os.makedirs(directory, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=directory, suffix=".tmp.npz")  # unique across threads and hosts
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, index=index, count=count)
         os.replace(partial, path)  # readers never see a half-written file
+        partial = None
     except OSError:
         pass
+    finally:
+        if partial is not None:
+            try:
+                os.remove(partial)
+            except OSError:
+                pass
     return index, count
 
 

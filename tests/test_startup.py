@@ -34,3 +34,21 @@ def test_the_gguf_tokenizer_is_built_once_per_process():
     tok = load_gguf_tokenizer(resolve("smollm2-135m-instruct"))
     assert specjax.describe_model("smollm2-135m-instruct").tokenizer is tok
     assert tok("Name a colour.")["input_ids"], "the tokenizer encodes"
+
+
+def test_weights_reach_the_device_in_the_asked_dtype_with_their_values(tiny_llama_dir):
+    """load_model puts host weights on the device with device_put (no program per shape), then casts:
+    bfloat16 weights are exactly jax's own cast of the float32 ones (whose values the HF equivalence
+    tests check)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import specjax
+
+    f32 = specjax.load_model(tiny_llama_dir, progress=False)
+    bf16 = specjax.load_model(tiny_llama_dir, dtype="bfloat16", progress=False)
+    reference = jax.tree.map(lambda a: np.asarray(jnp.asarray(np.asarray(a)).astype(jnp.bfloat16)), f32.params)
+    for a, b, ref in zip(jax.tree.leaves(f32.params), jax.tree.leaves(bf16.params), jax.tree.leaves(reference)):
+        assert a.dtype == jnp.float32 and b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(b).view(np.uint16), ref.view(np.uint16))

@@ -97,4 +97,3 @@ def load_gguf_tokenizer(gguf_path: str):
             pass  # a read-only cache only costs the conversion time next run
     _LOADED[digest] = tok
     return tok
-

@@ -19,15 +19,14 @@ import specjax
 from specjax.errors import InputError
 from specjax.speculation.budget import Budget, default_levels
 from specjax.speculation.drafters.corpus import (
-    SEPARATOR,
     CorpusDrafter,
-    build_index,
     corpus_drafter,
     find_in_corpus,
     parse_arg,
     pick_chains,
     read_documents,
 )
+from specjax.speculation.drafters.corpus_index import SEPARATOR, build_index
 from specjax.speculation.drafters.lookup import LookupDrafter
 from tests.conftest import random_ids
 from tests.toy import LAW_PROMPT, LAW_VOCAB, assert_drafter_samples_the_exact_law
@@ -361,7 +360,7 @@ def test_the_index_is_cached_on_disk_and_rebuilt_from_a_damaged_cache(tmp_path, 
     """A second build of the same corpus reads the index back instead of sorting again (start-up of
     every command with the shipped corpus), equal to the built one; a damaged file is rebuilt; another
     corpus or n-gram length is never served another's index."""
-    import specjax.speculation.drafters.corpus as corpus_lib
+    import specjax.speculation.drafters.corpus_index as index_lib
 
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
     docs = [random_ids(np.random.RandomState(1), 30, 40), [3, 4, 5, 3, 4, 6]]
@@ -369,7 +368,7 @@ def test_the_index_is_cached_on_disk_and_rebuilt_from_a_damaged_cache(tmp_path, 
     files = list((tmp_path / "corpus-index").iterdir())
     assert len(files) == 1
     sorts = []
-    monkeypatch.setattr(corpus_lib, "_index_rows", lambda *a: sorts.append(a) or rows_reference_index(docs, 3))
+    monkeypatch.setattr(index_lib, "_index_rows", lambda *a: sorts.append(a) or rows_reference_index(docs, 3))
     chex.assert_trees_all_equal(build_index(docs, 3, 4, 30), built)
     assert not sorts, "the cached index was not read back"
     whole = files[0].read_bytes()

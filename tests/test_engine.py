@@ -12,7 +12,8 @@ import specjax
 from specjax.engine import Engine
 from specjax.errors import InputError
 from specjax.speculation.budget import Budget, default_levels
-from specjax.speculation.drafters.corpus import CorpusDrafter, build_index
+from specjax.speculation.drafters.corpus import CorpusDrafter
+from specjax.speculation.drafters.corpus_index import build_index
 from specjax.speculation.drafters.lookup import LookupDrafter
 from specjax.speculation.drafters.ssm import derive_ssm, ssm_drafters
 from specjax.speculation.loop import init_state_jit

@@ -52,3 +52,22 @@ def test_weights_reach_the_device_in_the_asked_dtype_with_their_values(tiny_llam
     for a, b, ref in zip(jax.tree.leaves(f32.params), jax.tree.leaves(bf16.params), jax.tree.leaves(reference)):
         assert a.dtype == jnp.float32 and b.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(b).view(np.uint16), ref.view(np.uint16))
+
+
+def test_explicit_shardings_place_each_weight_there_in_the_asked_dtype(tiny_llama_dir):
+    """load_model(shardings=...) puts each host weight straight into its sharding, then casts."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import specjax
+
+    mesh = jax.make_mesh((len(jax.devices()),), ("x",))
+    plain = specjax.load_model(tiny_llama_dir, progress=False, split_layers=False)
+    shardings = jax.tree.map(lambda a: NamedSharding(mesh, P(*([None] * a.ndim))), plain.params)
+    placed = specjax.load_model(tiny_llama_dir, progress=False, shardings=shardings, dtype="bfloat16")
+    for a, b, s in zip(jax.tree.leaves(plain.params), jax.tree.leaves(placed.params), jax.tree.leaves(shardings)):
+        assert b.sharding == s and b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(b).view(np.uint16), np.asarray(a.astype(jnp.bfloat16)).view(np.uint16))

@@ -100,19 +100,19 @@ def _load(name_or_path: str, dtype: str, shardings, progress: bool, parallel, sp
                               f"or a specjax checkpoint directory)")
     if split:  # numpy views: each layer reaches the device as its own buffer
         np_params = params_lib.split_layers(np_params)
-    cast = lambda a: a.astype(_DTYPES[dtype])  # noqa: E731
     if parallel is not None:
         params = parallel.put_params(jax.tree.map(lambda a: np.asarray(a).astype(_DTYPES[dtype]), np_params), cfg)
     elif shardings is None:
         params = jax.tree.map(lambda a: _to_device(a, _DTYPES[dtype]), np_params)
     else:
         shardings = shardings(cfg) if callable(shardings) else shardings
-        params = jax.tree.map(lambda a, s: jax.device_put(cast(jnp.asarray(a)), s), np_params, shardings)
+        params = jax.tree.map(lambda a, s: _to_device(a, _DTYPES[dtype], s), np_params, shardings)
     return Model(cfg, params, tokenizer)
 
 
-def _to_device(a, dtype) -> jax.Array:
-    """A host array on the default device as ``dtype``. ``device_put`` copies without a program;
-    ``jnp.asarray`` compiled one per distinct shape (0.4 s of SmolLM2's load on 2 cores, against 0.14)."""
-    x = jax.device_put(np.asarray(a))
+def _to_device(a, dtype, sharding=None) -> jax.Array:
+    """A host array placed straight where it belongs (the default device, or ``sharding``), as ``dtype``.
+    ``device_put`` copies without a program; ``jnp.asarray`` compiled one per distinct shape (0.4 s of
+    SmolLM2's load on 2 cores, against 0.14) and first put the whole array on one device."""
+    x = jax.device_put(np.asarray(a), sharding)
     return x if x.dtype == dtype else x.astype(dtype)

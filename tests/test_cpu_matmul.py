@@ -31,11 +31,13 @@ from tests import precision
 needs_kernel = pytest.mark.skipif(cpu_kernels.matmul_status() is not None,
                                   reason=f"kernel unavailable: {cpu_kernels.matmul_status()}")
 
-# (rows, K, N): one row; row tiles of 4 and a remainder of 1-3; a row block of 64 and a second one;
-# N below, at and past a panel's width and not a multiple of it; K below and past the 64-row chunk of
-# 1-2 row tiles and the 128-row chunk of 3+ tiles (whose next chunk is prefetched by all tiles).
-SHAPES = [(1, 64, 64), (2, 100, 70), (3, 130, 200), (5, 33, 129), (9, 300, 70), (17, 200, 130), (64, 65, 64),
-          (65, 64, 257), (130, 150, 100)]
+# (rows, K, N): one row; row tiles (AVX-512: 4 rows; AVX2: 2 rows, and from 8 rows on 6 rows x half a
+# panel) and every remainder after them (AVX2's wide shape: 1-2 rows over the whole panel, 3-5 over
+# each half); a row block of 64 and a second one; N below, at and past a panel's width and not a
+# multiple of it; K below and past the 64-row chunk of 1-2 row tiles and the 128-row chunk of 3+
+# tiles (whose next chunk is prefetched by all tiles).
+SHAPES = [(1, 64, 64), (2, 100, 70), (3, 130, 200), (5, 33, 129), (8, 140, 40), (9, 300, 70), (10, 64, 33),
+          (11, 129, 96), (12, 70, 64), (13, 90, 70), (17, 200, 130), (64, 65, 64), (65, 64, 257), (130, 150, 100)]
 
 
 @needs_kernel
@@ -75,13 +77,14 @@ class TestKernel(chex.TestCase):
             assert precision.error(got, x.astype(np.float64) @ w.astype(np.float64)) > 10 * floor  # rounded
 
     def test_a_row_does_not_depend_on_its_batch_mates(self):
-        """Every path (1-2 row tiles, 3+ tiles, a second row block) sums a row in the same order, so a
-        row's result is bitwise the same whatever rows share the call."""
+        """Every path (the few-rows and, on AVX2, the wide shape with each remainder, the next chunk
+        prefetched by all tiles, a second row block) sums a row in the same order, so a row's result is
+        bitwise the same whatever rows share the call."""
         rng = np.random.default_rng(2)
         x = jnp.asarray(rng.standard_normal((70, 300), dtype=np.float32))
         packed = cpu_matmul.pack(jnp.asarray(rng.standard_normal((300, 130), dtype=np.float32)))
         full = np.asarray(cpu_matmul.matmul(x, packed, 130))
-        for rows in (2, 5, 9, 17, 33):
+        for rows in (2, 3, 5, 7, 8, 9, 10, 11, 12, 13, 17, 33):
             np.testing.assert_array_equal(np.asarray(cpu_matmul.matmul(x[:rows], packed, 130)), full[:rows],
                                           err_msg=f"{rows} rows")
         np.testing.assert_array_equal(np.asarray(cpu_matmul.matmul(x[64:], packed, 130)), full[64:])
@@ -300,9 +303,9 @@ AVX2_CPU = all(f in cpu_kernels.build._cpu_flags().split() for f in cpu_kernels.
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_the_avx2_build_matches_float64(tmp_path, dtype):
     """matmul.cc built for AVX2 (``-march=haswell``: what CPUs without AVX-512F run, whatever this one
-    is): every shape of ``SHAPES`` (its 2-row tiles and their remainder, panels past N, chunks past K)
-    is float64's product of the packed (float32, or float16-rounded) weights within numpy's float32
-    floor."""
+    is): every shape of ``SHAPES`` (its 2-row tiles, its 6-row half-panel tiles from 8 rows on, their
+    remainders, panels past N, chunks past K) is float64's product of the packed (float32, or
+    float16-rounded) weights within numpy's float32 floor."""
     import ctypes
 
     from specjax.kernels.cpu import build

@@ -37,8 +37,8 @@
 //   after them in tiles of their own. The 2-row tiles' 8 accumulators are exactly what two FMA pipes
 //   of latency 4 keep busy, and GCC folded each weight load into every row's FMA (10 loads per 8
 //   FMAs). On 2 AMD EPYC (Zen 4, AVX-512 hidden) cores, SmolLM2's 30 layers and head through XLA's
-//   thread pool (in-process A/B, ms): 12 rows 32.8 -> 30.7, 17 rows 43.9 -> 39.1, 33 rows 77.8 -> 67.2;
-//   at 3-5 rows the 6-row shape's remainders ran 5-13% slower, hence two shapes.
+//   thread pool (in-process A/B, ms): 8-12 rows alike, 17 rows 45.0 -> 39.8, 24 rows 59.0 -> 51.7, 33
+//   rows 80.1 -> 70.6; at 3-5 rows the wide shape's remainders ran 5-13% slower, hence two shapes.
 #if defined(__AVX512F__)
 constexpr int VW = 16;  // floats per vector register
 constexpr int NR = 4;            // vectors per panel row: CW = NR * VW columns per panel
@@ -113,8 +113,8 @@ struct Ahead {
 //
 // Wide (the many-rows shape) holds the weight vectors in registers and carries the next line to
 // prefetch from panel row to panel row, so GCC splits the loop into a prefetching part and a clean FMA
-// part (17 rows: ~10% of the wide shape's gain). The few-rows shape keeps the code measured before
-// stop 56 (held weights and the carried line made 2-5 rows 5-10% slower).
+// part (worth 1-2 ms of 17 rows' ~44). The few-rows shape keeps the code measured before stop 56
+// (held weights and the carried line made 3-5 rows 5-15% slower).
 template <int R, int V, bool Wide, typename W>
 static inline void tile(const float* __restrict x, long K, const W* __restrict w, float* __restrict y, long ys,
                         long k0, long kn, bool first, Ahead ahead) {

@@ -6,13 +6,13 @@ Why: XLA:CPU's matmul libraries repack the weight on every call and switch their
 should cost about the same. ``matmul.cc`` reads weights packed as panels ``[P, K, CW]`` (``CW`` columns
 each, zero-padded; one contiguous stream per panel; from 9 rows on, 5 with AVX2, its next chunk is
 prefetched while the current one is multiplied) and keeps a tile of the output in registers (4 rows x a
-panel; with AVX2 6 rows x half a panel); units of (panel, 64 rows) are shared with XLA's intra-op thread
-pool through the XLA FFI. Measured side by side in one process (30 distinct 576 x 3072 weights, the fused
-gate/up projection of SmolLM2; ms, stop 39): 1 / 3 / 17 rows Eigen 6.6 / 9.2 / 19.9, YNNPACK 6.7 / 10.7 /
-20.5, this kernel 8.1 / 7.9 / 12.5 (stop 41's prefetching of the next chunk took 17 rows a further ~18%
-down, see ``matmul.cc``); it ties YNNPACK at 512 rows. One row stays with XLA (its vector product is
-faster), so the step programs keep both copies of each weight (``specjax.models.weights.PackedWeight``).
-Built and loaded by ``specjax.kernels.cpu.build``.
+panel; with AVX2 2 rows x a panel, from 8 rows on 6 rows x half a panel); units of (panel, 64 rows) are
+shared with XLA's intra-op thread pool through the XLA FFI. Measured side by side in one process (30
+distinct 576 x 3072 weights, the fused gate/up projection of SmolLM2; ms, stop 39): 1 / 3 / 17 rows Eigen
+6.6 / 9.2 / 19.9, YNNPACK 6.7 / 10.7 / 20.5, this kernel 8.1 / 7.9 / 12.5 (stop 41's prefetching of the next
+chunk took 17 rows a further ~18% down, see ``matmul.cc``); it ties YNNPACK at 512 rows. One row stays with
+XLA (its vector product is faster), so the step programs keep both copies of each weight
+(``specjax.models.weights.PackedWeight``). Built and loaded by ``specjax.kernels.cpu.build``.
 """
 
 from __future__ import annotations

@@ -69,8 +69,8 @@ def cpu_name() -> str:
 # from its transposed copy; 6: the step programs' attention in specjax's CPU attention kernel; 7: the
 # matmul kernel prefetches the next chunk of a panel, 17-node passes ~13% cheaper; 8: the matmul kernel in
 # intrinsics, a 17-node pass 189 -> 38 ms on a Xeon that GCC tunes as rocketlake; 9: the step attention
-# kernel on AVX2 CPUs too, where XLA attended before; 10: the AVX2 matmul kernel's 6-row tiles, a 17-node
-# pass's matmuls 67 -> 47 ms on 2 AMD EPYC cores).
+# kernel on AVX2 CPUs too, where XLA attended before; 10: the AVX2 matmul kernel's wide shape from 8 rows
+# on, a 17-node pass 54-56 -> 49 ms on 2 AMD EPYC cores).
 PASS_VERSION = 10
 
 

@@ -8,10 +8,11 @@
 // one-row pass costs; XLA:CPU's libraries (Eigen, YNNPACK) repack the weights on every call and
 // change their threading at 8 rows, so 17 rows cost 3x one row there. Here the weights are packed
 // once at load: each panel of CW columns is one contiguous stream, read from memory once and reused
-// from L1 by every group of MR rows while the accumulators stay in registers.
+// from L1 by every row tile while the accumulators stay in registers.
 //
-// Prefetching: a unit of one or two row tiles streams its panel with prefetches a few rows
-// ahead in its first tile. With SPREAD_TILES or more tiles, all tiles share the work of
+// Prefetching: a unit of one or two tiles (a tile: MR rows, or in AVX2's wide shape 6 rows x half a
+// panel) streams its panel with prefetches a few rows ahead in its first tile. With SPREAD_TILES or
+// more tiles, all tiles share the work of
 // prefetching the panel's *next* chunk into L2 while they compute on the current one, so the memory
 // stream overlaps the arithmetic instead of alternating with it (2 Intel Xeon cores, 30 distinct
 // 576 x 3072 weights: 9 rows 12.0 -> 10.8 ms, 17 rows 16.6 -> 13.6, 33 rows 25.4 -> 21.5, 136 rows
@@ -30,7 +31,7 @@
 // Tuned for AVX-512: 32 vector registers hold the 4 x 4 accumulator tile and a panel row. Built for
 // AVX2 that tile spilled to the stack and ran 3x slower than XLA's matmuls (a Xeon with
 // -march=haswell), so AVX2 (+FMA, F16C) gets shapes of its own over the same 32-column panels:
-// - few rows (2-7, bound by streaming the weights): tiles of 2 rows x the whole panel (8 accumulators,
+// - few rows (1-7, bound by streaming the weights): tiles of 2 rows x the whole panel (8 accumulators,
 //   the panel row's 4 vectors and a broadcast: 13 of its 16 registers) and a last row;
 // - many rows (from WIDE_ROWS on, bound by the FMAs; stop 56): tiles of 6 rows x half a panel (12
 //   accumulators, 2 weight vectors held in registers and a broadcast: 15 registers), the 1-5 rows left
@@ -73,7 +74,7 @@ static inline vf load(const float* p) { return _mm512_loadu_ps(p); }
 static inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
 static inline vf bcast(const float* p) { return _mm512_set1_ps(*p); }
 static inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-static inline void hold(vf&) {}  // not called: AVX-512 has no wide shape
+static inline vf hold(vf v) { return v; }  // not called: AVX-512 has no wide shape
 static inline vf widen(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -83,9 +84,13 @@ static inline vf load(const float* p) { return _mm256_loadu_ps(p); }
 static inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
 static inline vf bcast(const float* p) { return _mm256_broadcast_ss(p); }
 static inline vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-// Keeps a loaded weight vector in its register: without it GCC folds the load into each row's FMA
-// (6 loads of the same vector per panel row), which leaves a wide tile bound by loads, not FMAs.
-static inline void hold(vf& v) { __asm__("" : "+x"(v)); }
+// Keeps a loaded weight vector in a register: without it GCC folds the load into each row's FMA (6
+// loads of the same vector per panel row), which leaves a wide tile bound by loads, not FMAs. By value:
+// through a reference GCC also stored every held vector to the stack, never reading it back.
+static inline vf hold(vf v) {
+  __asm__("" : "+x"(v));
+  return v;
+}
 static inline vf widen(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -94,7 +99,7 @@ static inline vf widen(const uint16_t* p) {
 static inline vf wload(const float* p) { return load(p); }
 static inline vf wload(const uint16_t* p) { return widen(p); }
 
-static_assert(MR == 4 || MR == 2, "unit() dispatches the rows left after the tiles: 1-3");
+static_assert(MR == 4 || MR == 2, "few_rows() dispatches the rows left after its tiles: 1-3");
 static_assert(WIDE_MR == 0 || WIDE_MR == 6, "the wide shape dispatches the rows left after its tiles: 1-5");
 
 template <typename W>
@@ -131,8 +136,8 @@ static inline void tile(const float* __restrict x, long K, const W* __restrict w
     }
     vf wv[V];
     for (int j = 0; j < V; ++j) {
-      wv[j] = wload(wr + j * VW);
-      if constexpr (Wide) hold(wv[j]);
+      if constexpr (Wide) wv[j] = hold(wload(wr + j * VW));
+      else wv[j] = wload(wr + j * VW);
     }
     for (int r = 0; r < R; ++r) {
       const vf xs = bcast(x + r * K + k0 + i);
@@ -160,7 +165,8 @@ struct Prefetch {
   }
 };
 
-// One chunk of rows [0, rows) in the few-rows shape: tiles of MR rows over the whole panel, then 1-3.
+// One chunk of rows [0, rows) in the few-rows shape: tiles of MR rows over the whole panel, then the
+// MR - 1 at most left (AVX-512 1-3, AVX2 1).
 template <typename W>
 static void few_rows(const float* x, long K, const W* wk, float* y, long ys, long rows, long k0, long kn,
                      bool first, const Prefetch<W>& ahead) {

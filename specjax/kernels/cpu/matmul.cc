@@ -38,8 +38,9 @@
 //   after them in tiles of their own. The 2-row tiles' 8 accumulators are exactly what two FMA pipes
 //   of latency 4 keep busy, and GCC folded each weight load into every row's FMA (10 loads per 8
 //   FMAs). On 2 AMD EPYC (Zen 4, AVX-512 hidden) cores, SmolLM2's 30 layers and head through XLA's
-//   thread pool (in-process A/B, ms): 8-12 rows alike, 17 rows 45.0 -> 39.8, 24 rows 59.0 -> 51.7, 33
-//   rows 80.1 -> 70.6; at 3-5 rows the wide shape's remainders ran 5-13% slower, hence two shapes.
+//   thread pool (in-process A/B, ms): 2-5 rows alike, 8 rows 26.0 -> 24.3, 12 rows 36.8 -> 33.8, 17
+//   rows 49.3 -> 43.8, 33 rows 85.6 -> 75.0; at 3-5 rows the wide shape's remainders ran 5-13% slower,
+//   hence two shapes.
 #if defined(__AVX512F__)
 constexpr int VW = 16;  // floats per vector register
 constexpr int NR = 4;            // vectors per panel row: CW = NR * VW columns per panel

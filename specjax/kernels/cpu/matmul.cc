@@ -195,9 +195,11 @@ static inline void wide_tile(const float* x, long K, const W* wk, float* y, long
   }
 }
 
+// The tile() calls many_rows() makes per chunk (the spread prefetch shares a chunk's lines over them).
 constexpr long wide_tiles(long rows) {
-  const long left = rows % (WIDE_MR ? WIDE_MR : 1);
-  return rows / (WIDE_MR ? WIDE_MR : 1) * (NR / WIDE_V) + (left == 0 ? 0 : left <= 2 ? 1 : NR / WIDE_V);
+  constexpr long step = WIDE_MR > 0 ? WIDE_MR : 1;  // AVX-512 has no wide shape and never asks
+  const long left = rows % step;
+  return rows / step * (NR / WIDE_V) + (left == 0 ? 0 : left <= 2 ? 1 : NR / WIDE_V);
 }
 
 // One chunk of rows [0, rows) in the wide shape: tiles of WIDE_MR rows over each half of the panel,

@@ -18,6 +18,7 @@ import pytest
 import specjax
 from specjax.errors import InputError
 from specjax.speculation.budget import Budget, default_levels
+from specjax.speculation.drafters import corpus_index
 from specjax.speculation.drafters.corpus import (
     CorpusDrafter,
     corpus_drafter,
@@ -32,10 +33,30 @@ from tests.conftest import random_ids
 from tests.toy import LAW_PROMPT, LAW_VOCAB, assert_drafter_samples_the_exact_law
 
 
-def reference_chains(documents, history, length, depth, branches, max_ngram, min_ngram, window):
+def modal_occurrence(corpus, positions, depth):
+    """Of occurrences (ascending) sharing an n-gram and its next token, the one a chain is copied from:
+    at each offset 2..depth keep those whose token there is the most frequent among the kept (ties: the
+    token met first; a document's end only where all kept end), until one is left or all end; the
+    earliest kept."""
+    alive = list(positions)
+    for d in range(2, depth + 1):
+        if len(alive) == 1:
+            break
+        toks = [corpus[p + d] if p + d < len(corpus) else SEPARATOR for p in alive]
+        freq = collections.Counter(t for t in toks if t != SEPARATOR)
+        if not freq:
+            break
+        top = max(freq.values())
+        tok = next(t for t in toks if t != SEPARATOR and freq[t] == top)
+        alive = [p for p, t in zip(alive, toks) if t == tok]
+    return alive[0]
+
+
+def reference_chains(documents, history, length, depth, branches, max_ngram, min_ngram, window, index_depth=None):
     """The corpus rule of specjax/speculation/drafters/corpus.py, one request, by scanning the corpus:
     for the longest matching n, the distinct next tokens after the request's last n tokens, most
-    frequent first (then the earliest), each copied from its earliest occurrence."""
+    frequent first (then the earliest), each copied from its modal occurrence (``modal_occurrence``,
+    descending ``index_depth`` tokens: the depth the index was built for)."""
     corpus = [t for d in documents for t in list(d) + [SEPARATOR]]
     for n in range(max_ngram, min_ngram - 1, -1):
         if length - n + 1 < 0:
@@ -51,7 +72,8 @@ def reference_chains(documents, history, length, depth, branches, max_ngram, min
             first.setdefault(corpus[p + 1], p)
         groups = sorted(first.values(), key=lambda p: (-freq[corpus[p + 1]], p))[:window]
         chains = []
-        for p in groups[:branches]:
+        for g in groups[:branches]:
+            p = modal_occurrence(corpus, [e for e in entries if corpus[e + 1] == corpus[g + 1]], index_depth or depth)
             chain = []
             for t in corpus[p + 1:p + 1 + depth]:
                 if t == SEPARATOR:
@@ -80,7 +102,10 @@ class TestCorpusRule(chex.TestCase):
             total = sum(len(d) + 1 for d in docs)
             # odd trials: a vocabulary whose n-grams do not fit one int64 (build_index sorts their columns)
             index_vocab = vocab if trial % 2 == 0 else 1 << 40
-            params = build_index(docs, max_n, depth, index_vocab, capacity=total + trial % 3 * 7)  # padded or exact
+            # the index built for deeper chains than drafted (every third trial): the modal descent goes on
+            index_depth = depth + trial % 3 // 2 * 2
+            capacity = total + trial % 3 * 7  # padded or exact
+            params = build_index(docs, max_n, index_depth, index_vocab, capacity=capacity)
             batch, size = 6, 16
             history = rng.randint(0, vocab, (batch, size)).astype(np.int32)
             length = rng.randint(0, size - 1, batch).astype(np.int32)
@@ -89,7 +114,7 @@ class TestCorpusRule(chex.TestCase):
             chex.assert_shape(chains, (batch, branches, depth))
             for b in range(batch):
                 want = reference_chains(docs, history[b].tolist(), int(length[b]), depth, branches, max_n, min_n,
-                                        window)
+                                        window, index_depth)
                 got = [(chains[b, c, :known[b, c]].tolist(), int(ngram[b, c])) for c in range(branches)
                        if known[b, c] > 0]
                 assert got == want, f"trial {trial}, request {b}"
@@ -104,6 +129,19 @@ def test_the_most_frequent_continuation_comes_first():
     assert chains[0, 0, :known[0, 0]].tolist() == [4, 5]  # cut at its document's end
     assert chains[0, 1, :known[0, 1]].tolist() == [3, 9]
     assert ngram[0].tolist() == [2, 2]
+    # The chain follows what most occurrences say next: "1 2 3" goes on "9 9" once (first) and "5 .." twice,
+    # then "6" and "8" once each (the tie goes to the one met first): "3 5 6", not the first occurrence's
+    # "3 9 9". Only the index's depth bounds the descent.
+    docs = [[1, 2, 3, 9, 9], [1, 2, 3, 5, 6], [7, 1, 2, 3, 5, 8], [1, 2, 4]]
+    for depth in (3, 4):
+        params = build_index(docs, 2, depth, 10)
+        chains, known, ngram = find_in_corpus(params, jnp.asarray([[1, 2]]), jnp.asarray([1]), 3, 2, 2, 1, 8)
+        assert chains[0, 0, :known[0, 0]].tolist() == [3, 5, 6] and chains[0, 1, :known[0, 1]].tolist() == [4]
+    # Where the kept occurrences' document ends for some, the others' token wins: "2 3" then "9" (ends) once,
+    # "9 4" twice.
+    params = build_index([[2, 3, 9], [2, 3, 9, 4], [0, 2, 3, 9, 4]], 2, 3, 10)
+    chains, known, _ = find_in_corpus(params, jnp.asarray([[2, 3]]), jnp.asarray([1]), 3, 1, 2, 1, 8)
+    assert chains[0, 0, :known[0, 0]].tolist() == [9, 4]
     # The corpus's first token has no token before it: "1 1" matches only at position 1 (next 2), never at
     # position 0 (which would copy "1 2").
     params = build_index([[1, 1, 2]], 2, 3, 10)
@@ -111,9 +149,10 @@ def test_the_most_frequent_continuation_comes_first():
     assert chains[0, 0, :known[0, 0]].tolist() == [2] and known[0, 1] == 0 and ngram[0, 0] == 2
 
 
-def rows_reference_index(documents, max_ngram: int) -> tuple[np.ndarray, np.ndarray]:
+def rows_reference_index(documents, max_ngram: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
     """The index rows as first written (np.unique over (n-gram, next token) rows, then a lexsort by the
-    n-gram read backwards, -frequency, position): (index [N, C], count [N])."""
+    n-gram read backwards, -frequency, first position), each group's entry at its modal occurrence
+    (``modal_occurrence``, a scan): (index [N, C], count [N])."""
     corpus = np.concatenate([np.append(np.asarray(d, np.int64), SEPARATOR) for d in documents])
     size, pos = corpus.size, np.arange(corpus.size)
     index, count = np.zeros((max_ngram, size), np.int32), np.zeros(max_ngram, np.int32)
@@ -127,9 +166,12 @@ def rows_reference_index(documents, max_ngram: int) -> tuple[np.ndarray, np.ndar
         p = pos[ok]
         cols = [corpus[p - j] for j in range(n)]
         rows = np.stack(cols + [nxt[p]], axis=1).reshape(p.size, n + 1)
-        _, first, freq = np.unique(rows, axis=0, return_index=True, return_counts=True)
+        _, first, inverse, freq = np.unique(rows, axis=0, return_index=True, return_inverse=True,
+                                            return_counts=True)
+        modal = np.asarray([modal_occurrence(corpus.tolist(), p[inverse.ravel() == g].tolist(), depth)
+                            for g in range(first.size)], np.int64)
         p, cols = p[first], [c[first] for c in cols]
-        index[n - 1, :p.size] = p[np.lexsort((p, -freq) + tuple(cols[::-1]))]
+        index[n - 1, :p.size] = modal[np.lexsort((p, -freq) + tuple(cols[::-1]))]
         count[n - 1] = p.size
     return index, count
 
@@ -145,9 +187,25 @@ def test_the_index_equals_the_rows_reference_with_packed_and_column_keys(vocab, 
     docs = [pool[rng.randint(0, pool.size, rng.randint(1, 80))].tolist() for _ in range(16)]
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))  # sort now, never read a cached index
     params = build_index(docs, 5, 4, vocab)
-    index, count = rows_reference_index(docs, 5)
+    index, count = rows_reference_index(docs, 5, 4)
     np.testing.assert_array_equal(np.asarray(params["count"]), count)
     np.testing.assert_array_equal(np.asarray(params["index"]), index)
+
+
+def test_the_modal_descent_does_not_depend_on_how_ids_pack():
+    """_modal_positions packs (group, token) into one int64 where it fits and sorts both columns where
+    not (ids beyond 2 ** 37 with 2 ** 26 groups): either way the same occurrences, ties broken by
+    position, never by id, so shifting every id changes nothing."""
+    rng = np.random.RandomState(5)
+    corpus = rng.randint(0, 4, 400).astype(np.int64)
+    corpus[rng.rand(400) < 0.05] = SEPARATOR
+    group = np.sort(rng.randint(0, 40, 300))
+    p = np.sort(rng.choice(390, 300, replace=False))  # ascending, so ascending within each group too
+    want = corpus_index._modal_positions(corpus, group, p, 6)
+    shifted = np.where(corpus == SEPARATOR, SEPARATOR, corpus + (1 << 60))
+    np.testing.assert_array_equal(corpus_index._modal_positions(shifted, group, p, 6), want)
+    for i, g in enumerate(np.unique(group)):  # and each equals the scan
+        assert want[i] == modal_occurrence(corpus.tolist(), p[group == g].tolist(), 6)
 
 
 def test_bad_corpora_and_settings_are_refused(tmp_path):
@@ -359,7 +417,7 @@ def test_corpus_samples_the_exact_law(verifier):
 def test_the_index_is_cached_on_disk_and_rebuilt_from_a_damaged_cache(tmp_path, monkeypatch):
     """A second build of the same corpus reads the index back instead of sorting again (start-up of
     every command with the shipped corpus), equal to the built one; a damaged file is rebuilt; another
-    corpus or n-gram length is never served another's index."""
+    corpus, n-gram length or depth is never served another's index."""
     import specjax.speculation.drafters.corpus_index as index_lib
 
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
@@ -368,7 +426,7 @@ def test_the_index_is_cached_on_disk_and_rebuilt_from_a_damaged_cache(tmp_path, 
     files = list((tmp_path / "corpus-index").iterdir())
     assert len(files) == 1
     sorts = []
-    monkeypatch.setattr(index_lib, "_index_rows", lambda *a: sorts.append(a) or rows_reference_index(docs, 3))
+    monkeypatch.setattr(index_lib, "_index_rows", lambda *a: sorts.append(a) or rows_reference_index(docs, 3, 4))
     chex.assert_trees_all_equal(build_index(docs, 3, 4, 30), built)
     assert not sorts, "the cached index was not read back"
     whole = files[0].read_bytes()
@@ -378,5 +436,6 @@ def test_the_index_is_cached_on_disk_and_rebuilt_from_a_damaged_cache(tmp_path, 
     assert len(sorts) == 4, "a damaged cache file must be rebuilt"
     build_index(docs[:1], 3, 4, 30)
     build_index(docs, 2, 4, 30)
-    assert len(sorts) == 6, "another corpus or n-gram length must not read this index"
+    build_index(docs, 3, 5, 30)  # the modal occurrences depend on the depth
+    assert len(sorts) == 7, "another corpus, n-gram length or depth must not read this index"
     assert not [f for f in (tmp_path / "corpus-index").iterdir() if f.name.endswith(".tmp.npz")]

@@ -10,10 +10,12 @@ proposes no more nodes than the lookup drafter and climbs the same budget ladder
 The corpus is tokenized and indexed once on the host (``corpus_index.build_index``); every step, inside
 the jitted loop, each request's last tokens are looked up in it with static shapes and no host round trip:
 
-1. for every n-gram length n the index holds, for each (n-gram, next token) pair of the corpus, the
-   first position p where that n-gram (lying in one document) ends and is followed by that token,
-   sorted by the n tokens read backwards from p, then by how often the next token follows that
-   n-gram in the corpus (most frequent first), then by position;
+1. for every n-gram length n the index holds, for each (n-gram, next token) pair of the corpus, one
+   position p where that n-gram (lying in one document) ends and is followed by that token: of all
+   such positions, the one whose continuation the others most often share (``corpus_index``: at each
+   further token the most frequent one among the positions still kept), sorted by the n tokens read
+   backwards from p, then by how often the next token follows that n-gram in the corpus (most
+   frequent first), then by the pair's first position;
 2. a binary search finds the first entry whose n-gram equals the request's last n tokens; the next
    ``window`` entries are the candidates of that n (entries beyond the match are masked);
 3. the longest n with a match wins; its candidates (each a different next token) are taken in index

@@ -157,7 +157,7 @@ def _modal_positions(corpus: np.ndarray, group: np.ndarray, p: np.ndarray, depth
 
     Why: a chain is copied from one occurrence, and the first one's continuation is as likely to wander
     off as any other; the modal one follows what the corpus most often says next (on the shipped
-    corpus, SmolLM2's dev-prompt continuations replayed: 1.800 -> 1.838 tokens per pass at 8 x 2).
+    corpus, SmolLM2's dev-prompt continuations replayed: 1.800 -> 1.836 tokens per pass at 8 x 2).
     Only groups of several occurrences need the descent, and most end after an offset or two."""
     starts = np.flatnonzero(np.diff(group, prepend=-1))
     modal = p[starts]  # one occurrence: its own
@@ -170,7 +170,8 @@ def _modal_positions(corpus: np.ndarray, group: np.ndarray, p: np.ndarray, depth
         g, q = group[alive], p[alive]
         x = corpus[np.minimum(q + d, last)]  # past the corpus: its final separator
         # runs of equal (group, token), each in position order: ``alive`` is in (group, position) order,
-        # so a stable sort by the packed (group, token) keeps it within runs (3x faster than a lexsort)
+        # so a stable sort by the packed (group, token) keeps it within runs (the shipped corpus's build
+        # 4.8 -> 3.1 s against a lexsort of the three columns)
         span = int(corpus.max()) + 2
         if int(g[-1]) < (2 ** 63 - 1) // span:
             order = np.argsort(g * span + (x + 1), kind="stable")

@@ -239,18 +239,28 @@ def node_depths(parent: jax.Array) -> jax.Array:
     return depth
 
 
-def _child_scores(params, cfg: FeatureConfig, logits, sampling, position, coupled: bool):
-    """(ranking log-probabilities, selection scores) [B, F, Vd] of children at ``position`` [B]."""
-    logq = warp_logits(logits, sampling)
-    if not coupled:
-        return logq, logq
+def _draft_noise(cfg: FeatureConfig, sampling, root_pos, depth: int):
+    """G(seed, t) on the draft vocabulary [B, depth, Vd] at the children's positions t = root + 1 .. root +
+    depth (the noise seeded verification uses there), zeros where no request samples. One call for every
+    depth: on 2 AMD EPYC cores a [1, 49152] row costs 0.36 ms alone and 0.15 ms among 9."""
     vocab = np.asarray(cfg.draft_vocab)
 
     def noisy(_):
-        g = gumbel_noise(sampling.seed, position, cfg.llm.vocab_size)[:, vocab]  # G(seed, t) on the draft vocab
-        return jnp.where(sampling.sampled[:, None, None], logq + g[:, None, :], logq)
+        positions = root_pos[:, None] + 1 + jnp.arange(depth, dtype=root_pos.dtype)[None, :]
+        g = jax.vmap(lambda t: gumbel_noise(sampling.seed, t, cfg.llm.vocab_size), in_axes=1, out_axes=1)(positions)
+        return g[..., vocab]
 
-    select = jax.lax.cond(jnp.any(sampling.sampled), noisy, lambda _: logq, None)
+    zeros = jnp.zeros((root_pos.shape[0], depth, len(vocab)), jnp.float32)
+    return jax.lax.cond(jnp.any(sampling.sampled), noisy, lambda _: zeros, None)
+
+
+def _child_scores(logits, sampling, noise, coupled: bool):
+    """(ranking log-probabilities, selection scores) [B, F, Vd] of children whose position's draft-vocabulary
+    noise is ``noise`` [B, Vd]."""
+    logq = warp_logits(logits, sampling)
+    if not coupled:
+        return logq, logq
+    select = jnp.where(sampling.sampled[:, None, None], logq + noise[:, None, :], logq)
     # confidence that a child is the coupled argmax: the softmax of the perturbed scores
     rank = jnp.where(sampling.sampled[:, None, None], jax.nn.log_softmax(select, axis=-1), logq)
     return rank, select
@@ -269,7 +279,8 @@ def grow_tree(params, cfg: FeatureConfig, state: dict, ctx: DraftContext, depth:
     coupled = True
     cand_tok, cand_score, cand_parent, cand_law = [], [], [], []  # per depth: [B, n_d]
     # depth 1: children of the root
-    rank, select = _child_scores(params, cfg, state["logits"][:, None, :], ctx.sampling, root_pos + 1, coupled)
+    noise = _draft_noise(cfg, ctx.sampling, root_pos, depth) if coupled else None
+    rank, select = _child_scores(state["logits"][:, None, :], ctx.sampling, noise[:, 0] if coupled else None, coupled)
     law_rows = [warp_logits(state["logits"][:, None, :], ctx.sampling)]  # the drafter's q at each parent
     sel_val, sel_idx = jax.lax.top_k(select[:, 0], beam)
     score = jnp.take_along_axis(rank[:, 0], sel_idx, axis=1) - DEPTH_TIE
@@ -300,7 +311,7 @@ def grow_tree(params, cfg: FeatureConfig, state: dict, ctx: DraftContext, depth:
         positions = jnp.broadcast_to((root_pos + d)[:, None], (batch, beam))
         feat, cache = feature_forward(params, tok, frontier_feat, positions, cache, meta, cfg)
         logits = logits_of(params, feat)
-        rank, select = _child_scores(params, cfg, logits, ctx.sampling, root_pos + d + 1, coupled)
+        rank, select = _child_scores(logits, ctx.sampling, noise[:, d] if coupled else None, coupled)
         law_rows.append(warp_logits(logits, ctx.sampling))
         sel_val, sel_idx = jax.lax.top_k(select, beam)  # [B, beam (frontier), beam (children)]
         child_score = parent_score[:, :, None] + jnp.take_along_axis(rank, sel_idx, axis=2) - DEPTH_TIE

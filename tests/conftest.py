@@ -118,8 +118,9 @@ def smollm2():
 # work. Modules not listed follow in their usual order.
 LONGEST_FIRST = ("test_readme.py", "test_speculative_sampling.py", "test_smollm2.py", "test_sharding.py",
                  "test_multihost.py", "test_speculative.py", "test_feature.py", "test_serve.py", "test_cli.py",
-                 "test_corpus.py", "test_feature_tune.py", "test_lookup.py", "test_boost_tune.py", "test_decode.py",
-                 "test_layer_layout.py", "test_tree_forward.py", "test_seeded.py")
+                 "test_default_drafters.py", "test_corpus.py", "test_feature_tune.py", "test_lookup.py",
+                 "test_boost_tune.py", "test_decode.py", "test_layer_layout.py", "test_tree_forward.py",
+                 "test_seeded.py")
 
 
 def pytest_collection_modifyitems(items):

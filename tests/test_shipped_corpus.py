@@ -1,7 +1,8 @@
-"""The shipped corpus (models/smollm2-answers: SmolLM2's own answers, token ids) and the default drafter
-built on it: documents round-trip through their file and bad files are refused by name; ``corpus:auto``
-and ``corpus:NAME`` find it, refuse another LLM's vocabulary and a name that is also a path; the default
-`specjax generate` speculates with it, and its greedy output is exactly incremental decoding."""
+"""The shipped corpus (models/smollm2-answers: SmolLM2's own answers, token ids) and the corpus drafter
+built on it (the default where the feature drafter's files are missing: tests/test_default_drafters.py):
+documents round-trip through their file and bad files are refused by name; ``corpus:auto`` and
+``corpus:NAME`` find it, refuse another LLM's vocabulary and a name that is also a path; its greedy
+output is exactly incremental decoding."""
 
 from __future__ import annotations
 
@@ -101,29 +102,17 @@ def test_the_shipped_corpus_holds_smollm2_token_ids(smollm2):
     docs = load_documents(registry.resolve_corpus("smollm2-answers"))
     assert len(docs) > 10_000 and sum(d.size for d in docs) > 1_000_000
     assert all(d.size == 0 or (d.min() >= 0 and d.max() < smollm2.config.vocab_size) for d in docs)
-    assert registry.default_drafters(smollm2.config) == ("corpus:auto",)
     assert registry.default_corpus(smollm2.config) == "smollm2-answers"
     by_name = from_arg("smollm2-answers,depth=4", smollm2, load=False, expansion=None, draft="topk")
     assert by_name.drafter.depth == 4 and by_name.params == ()
 
 
-def test_default_drafter_greedy_equals_incremental_on_smollm2(smollm2):
-    """The default (corpus:auto under the tree budget), batched, on dev prompts: exactly incremental
-    decoding's tokens, with speculation accepted somewhere."""
+def test_corpus_drafter_greedy_equals_incremental_on_smollm2(smollm2):
+    """corpus:auto under the tree budget, batched, on dev prompts: exactly incremental decoding's tokens,
+    with speculation accepted somewhere."""
     bound = from_arg("auto", smollm2, load=True, expansion=None, draft="topk")
     prompts = dev_prompts()[:3]
     want = specjax.generate(smollm2, prompts, max_new_tokens=40).token_ids
     got = specjax.generate(smollm2, prompts, max_new_tokens=40, drafters=[bound], budget="auto")
     assert got.token_ids == want
     assert got.stats["llm_passes"] < 40, "no drafted token was ever accepted"
-
-
-def test_default_generate_command_speculates_with_the_shipped_corpus(smollm2, capsys):
-    """`specjax generate` with no --drafter: the stats line names corpus:auto, the text is incremental's."""
-    from specjax.cli import main
-
-    prompt = dev_prompts()[1]
-    assert main(["generate", "--prompt", prompt, "--max-new-tokens", "24"]) == 0
-    out, err = capsys.readouterr()
-    assert "tree, corpus:auto: lookup+corpus(" in err
-    assert out.strip() == specjax.generate(smollm2, [prompt], max_new_tokens=24).texts[0].strip()

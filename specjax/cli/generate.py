@@ -293,6 +293,7 @@ def _cmd_generate(args, out) -> int:
                 if i in failed:
                     continue
                 out.write(json.dumps({"prompt": prompt, "token_ids": ids, "text": result.texts[i], "mode": st["mode"],
+                                      "speculation": description,
                                       "llm_passes": req["llm_passes"],
                                       "mean_accepted_tokens_per_pass": round(req["mean_tokens_per_pass"], 4),
                                       "tokens_per_pass_histogram": req["tokens_per_pass_histogram"],

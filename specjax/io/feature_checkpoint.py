@@ -13,10 +13,11 @@ import numpy as np
 
 from specjax.errors import CheckpointError, InputError
 from specjax.io.checkpoint import check_destination
+from specjax.io.registry import FEATURE_META_FILE
 from specjax.models.feature import FeatureConfig
 from specjax.models.params import is_param_spec, param_specs
 
-META_FILE = "feature_drafter.json"
+META_FILE = FEATURE_META_FILE  # the registry finds shipped drafters by it
 DRAFTING_KEYS = ("depth", "beam", "nodes", "ladder")
 
 

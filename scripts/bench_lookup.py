@@ -1,14 +1,16 @@
 """Benchmark: lookup drafting and the tree budget vs incremental decoding and transformers, side by side.
 
 Part 1 (batch 1, greedy, float32, N new tokens, chat template), per prompt in one run: specjax
-incremental, the default (``corpus:auto``: lookup drafting that also copies from the shipped corpus of
-SmolLM2's own answers, under ``--budget auto``), lookup only (under the budget), SSM only
+incremental, the default (``registry.default_drafters``: for SmolLM2 the shipped feature drafter merged
+with lookup drafting, under ``--budget auto``), the corpus drafter (``corpus:auto``: lookup drafting that
+also copies from the shipped corpus of SmolLM2's own answers; the default of stops 51-57), lookup only
+(both under the budget), SSM only
 (smollm2-ssm-a, chain <1>), merged (lookup + SSM, whole tree), transformers ``generate``, transformers
 prompt-lookup decoding (``prompt_lookup_num_tokens``) and transformers assisted generation with the
 same SSM. Tokens/s by task kind. specjax's time excludes compilation (the host loop compiles ahead of time and times the
 generation alone); transformers compiles nothing.
 
-Part 2: tokens/s vs batch size for specjax incremental and the default (corpus:auto + budget, goal
+Part 2: tokens/s vs batch size for specjax incremental and the default (under the budget, goal
 "finish"; with ``--compare-rate`` also goal "rate"), every prompt generated in batches of that size,
 the configurations alternating batch by batch (this machine's speed drifts within minutes).
 
@@ -65,7 +67,7 @@ def main() -> None:
     from specjax.io.hf_export import draft_vocab_mask, export_hf
     from specjax.io.registry import resolve
 
-    common.print_header("the default drafter (corpus:auto) and lookup drafting under the tree budget vs incremental vs "
+    common.print_header("the default drafters and lookup drafting under the tree budget vs incremental vs "
                         "transformers (greedy, float32)")
     records = common.load_prompts(args.prompts_file, None)
     llm = specjax.load_model("smollm2-135m-instruct", progress=False, split_layers=split_layers_arg(args))
@@ -73,9 +75,15 @@ def main() -> None:
     kinds = [r.get("category", "?") for r in records]
     n = args.max_new_tokens
     lookup = specjax.Bound(specjax.LookupDrafter())
+    from specjax.io.registry import default_drafters
+    from specjax.speculation.drafters import FACTORIES
     from specjax.speculation.drafters.corpus import from_arg as corpus_from_arg
 
-    answers = corpus_from_arg("auto", llm, load=True, expansion=None, draft="topk")  # the default's drafter
+    answers = corpus_from_arg("auto", llm, load=True, expansion=None, draft="topk")
+    specs = default_drafters(llm.config)  # what `specjax generate` drafts with when no --drafter is given
+    defaults = [FACTORIES[spec.split(":", 1)[0]](spec.split(":", 1)[1], llm, load=True, expansion=None, draft="topk")
+                for spec in specs]
+    default = f"specjax {' + '.join(specs)} + budget (default)"
     skip = set(args.skip.split(","))
     results = {"machine": common.machine(), "command": sys.argv}
 
@@ -103,7 +111,8 @@ def main() -> None:
 
         systems = {
             "specjax incremental": sj(),
-            "specjax corpus:auto + budget (default)": sj(drafters=[answers], budget="auto"),
+            default: sj(drafters=defaults, budget="auto"),
+            "specjax corpus:auto + budget": sj(drafters=[answers], budget="auto"),
             "specjax lookup + budget": sj(drafters=[lookup], budget="auto"),
             "specjax SSM <1>": sj(ssms=[ssm], expansion=(1,)),
             "specjax lookup + SSM (whole tree)": sj(drafters=[lookup], ssms=[ssm], expansion=(1,)),
@@ -136,12 +145,12 @@ def main() -> None:
             return sum(c[0] for c in cells) / sum(c[1] for c in cells)
 
         print(f"\n# part 1: tokens/s by task kind, batch 1, {n} new tokens, {len(records)} prompts")
-        print(f"{'system':<36} " + " ".join(f"{k[:11]:>11}" for k in kind_names) + f" {'grounded':>9} {'all':>7}")
+        print(f"{'system':<54} " + " ".join(f"{k[:11]:>11}" for k in kind_names) + f" {'grounded':>9} {'all':>7}")
         for name in systems:
-            print(f"{name:<36} " + " ".join(f"{table[name][k]:>11.2f}" for k in kind_names)
+            print(f"{name:<54} " + " ".join(f"{table[name][k]:>11.2f}" for k in kind_names)
                   + f" {total(name, GROUNDED):>9.2f} {total(name):>7.2f}")
         base, plk = "specjax incremental", "transformers prompt lookup"
-        dflt = "specjax corpus:auto + budget (default)"
+        dflt = default
         print(f"# default vs transformers prompt lookup, input-grounded kinds {GROUNDED}: "
               f"{total(dflt, GROUNDED) / total(plk, GROUNDED):.2f}x; all kinds: {total(dflt) / total(plk):.2f}x")
         print(f"# default vs specjax incremental: grounded {total(dflt, GROUNDED) / total(base, GROUNDED):.2f}x, "
@@ -158,11 +167,11 @@ def main() -> None:
 
         sizes = [int(x) for x in args.batch_sizes.split(",")]
         m = args.batch_max_new_tokens
-        default = "specjax corpus:auto + budget (default)"
-        configs = {"specjax incremental": {}, default: dict(drafters=[answers], budget="auto")}
+        configs = {"specjax incremental": {}, default: dict(drafters=defaults, budget="auto")}
         if args.compare_rate:
-            configs["specjax corpus:auto + budget, goal rate"] = dict(
-                drafters=[answers], budget=specjax.Budget(default_levels((answers.drafter,)), goal="rate"))
+            configs[f"specjax {' + '.join(specs)} + budget, goal rate"] = dict(
+                drafters=defaults, budget=specjax.Budget(default_levels(tuple(d.drafter for d in defaults)),
+                                                         goal="rate"))
         sweep = {name: {} for name in configs}
         print(f"\n# part 2: tokens/s vs batch size, {len(prompts)} prompts, {m} new tokens each; the "
               f"configurations alternate batch by batch")

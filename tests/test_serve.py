@@ -118,6 +118,7 @@ def server(chat_dir, chat_model, tmp_path_factory):
     _given_pass_costs(chat_model, tmp, slots=4)
     s = Server(chat_dir, tmp, "--slots", "4", "--max-tokens", str(MAX_TOKENS))
     assert "measuring" not in s.output()  # the given table was used
+    assert "(4 slots, queue 256; drafting: lookup(" in s.output()  # the chat model's default: lookup alone
     yield s
     s.close()
 

@@ -81,8 +81,10 @@ def run(state: ServerState, *, host: str, port: int, shutdown_grace: float = 10.
     @contextlib.asynccontextmanager
     async def lifespan(app):
         state.scheduler.start()
-        log(f"# serving '{state.limits.model_name}' on http://{host}:{port}/v1 ({state.scheduler.engine.slots} "
-            f"slots, queue {state.scheduler.max_queue})")
+        engine = state.scheduler.engine
+        drafting = "; ".join(d.describe() for d in engine.spec.drafters) or "no speculation"
+        log(f"# serving '{state.limits.model_name}' on http://{host}:{port}/v1 ({engine.slots} slots, queue "
+            f"{state.scheduler.max_queue}; drafting: {drafting})")
         if on_ready is not None:
             on_ready()
         yield

@@ -24,7 +24,7 @@ _SSMS = {"smollm2-ssm-a": "smollm2-ssm-a", "smollm2-ssm-b": "smollm2-ssm-b"}
 _FEATURE_DRAFTERS = {"smollm2-feature": ("smollm2-feature", "smollm2-135m-instruct")}
 # Feature drafters that speculate by default for their LLM (``default_drafters``), merged with the lookup
 # drafter: measured to beat the corpus default end to end (scripts/compare_defaults.py; stop 58: on the
-# dev prompts 2.33 against 1.75 tokens per pass, +13% tok/s); see models/<name>/README.md.
+# dev prompts 2.33 against 1.75 tokens per pass, +5-13% tok/s); see models/<name>/README.md.
 _FEATURE_DEFAULT = frozenset({"smollm2-feature"})
 # Shipped corpora for the corpus drafter (models/<name>/, card in README.md there): name -> (directory,
 # LLM whose tokenizer and whose own outputs they hold). ``corpus:auto`` = the one for the running LLM.

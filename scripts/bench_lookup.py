@@ -76,13 +76,11 @@ def main() -> None:
     n = args.max_new_tokens
     lookup = specjax.Bound(specjax.LookupDrafter())
     from specjax.io.registry import default_drafters
-    from specjax.speculation.drafters import FACTORIES
-    from specjax.speculation.drafters.corpus import from_arg as corpus_from_arg
+    from specjax.speculation.drafters import build
 
-    answers = corpus_from_arg("auto", llm, load=True, expansion=None, draft="topk")
+    answers = build("corpus:auto", llm, load=True, expansion=None, draft="topk")
     specs = default_drafters(llm.config)  # what `specjax generate` drafts with when no --drafter is given
-    defaults = [FACTORIES[spec.split(":", 1)[0]](spec.split(":", 1)[1], llm, load=True, expansion=None, draft="topk")
-                for spec in specs]
+    defaults = [build(spec, llm, load=True, expansion=None, draft="topk") for spec in specs]
     default = f"specjax {' + '.join(specs)} + budget (default)"
     skip = set(args.skip.split(","))
     results = {"machine": common.machine(), "command": sys.argv}

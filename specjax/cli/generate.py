@@ -50,12 +50,14 @@ def _check_generate_args(args) -> None:
                          "tree")
     if args.mode == "incremental" and args.budget is not None:
         raise InputError("--mode incremental drafts nothing, so it takes no --budget")
+    from specjax.speculation.drafters import parse_spec
+
     for text in args.drafter or ():
-        _drafter_name(text)
+        parse_spec(text)
     ssm_drafts = args.mode == "sequence" or args.ssm or any(t.startswith("ssm:") for t in args.drafter or ())
     for flag, given in (("--expansion", args.expansion is not None), ("--draft", args.draft != "auto")):
         if given and args.mode == "tree" and not ssm_drafts:
-            raise InputError(f"{flag} shapes SSM drafts, but no SSM drafts here (the default drafter is lookup); "
+            raise InputError(f"{flag} shapes SSM drafts, but no SSM drafts here (nor in the default drafters); "
                              f"add --ssm NAME or --drafter ssm:ARG, or drop {flag}")
     if args.layers == "split" and args.mesh is not None:
         raise InputError("--layers split keeps the weights on one device; a --mesh shards stacked layers: drop one")
@@ -86,26 +88,15 @@ def _parallel(args):
     return Parallel.create(args.mesh, rules=rules, microbatches=args.microbatches)
 
 
-def _drafter_name(text: str) -> str:
-    from specjax.speculation.drafters import FACTORIES
-
-    name = text.split(":", 1)[0]
-    if name not in FACTORIES or ":" not in text or not text.split(":", 1)[1]:
-        raise InputError(f"--drafter {text!r}: expected NAME:ARG with NAME one of {sorted(FACTORIES)} (e.g. "
-                         f"ssm:derived:4)")
-    return name
-
-
 def _drafters(args, llm, load: bool, verifier: str, draft: str) -> list:
     """The --drafter entries built by their registered factories (``Bound`` each)."""
     from specjax.api import resolve_verifier
-    from specjax.speculation.drafters import FACTORIES
+    from specjax.speculation.drafters import build
     from specjax.speculation.expansion import Expansion
 
     _, draft = resolve_verifier(verifier, draft, args.temperature > 0)
     widths = Expansion.parse(args.expansion) if args.expansion else Expansion(registry.DEFAULT_EXPANSION)
-    return [FACTORIES[_drafter_name(t)](t.split(":", 1)[1], llm, load=load, expansion=widths, draft=draft)
-            for t in _drafter_specs(args, llm.config)]
+    return [build(t, llm, load=load, expansion=widths, draft=draft) for t in _drafter_specs(args, llm.config)]
 
 
 def _ssm_specs(args) -> tuple[list[str], str | None]:

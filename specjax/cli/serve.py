@@ -52,8 +52,7 @@ def _lengths(args, context: int) -> None:
 
 def _drafters(args, llm, load: bool) -> list:
     from specjax.api import resolve_verifier
-    from specjax.cli.generate import _drafter_name
-    from specjax.speculation.drafters import FACTORIES
+    from specjax.speculation.drafters import build
     from specjax.speculation.expansion import Expansion
 
     specs = args.drafter or list(registry.default_drafters(llm.config))
@@ -61,8 +60,7 @@ def _drafters(args, llm, load: bool) -> list:
         return []
     _, draft = resolve_verifier("seeded", "auto", True)
     widths = Expansion.parse(args.expansion) if args.expansion else Expansion(registry.DEFAULT_EXPANSION)
-    return [FACTORIES[_drafter_name(t)](t.split(":", 1)[1], llm, load=load, expansion=widths, draft=draft)
-            for t in specs]
+    return [build(t, llm, load=load, expansion=widths, draft=draft) for t in specs]
 
 
 def _budget(args, bound: list) -> str | None:

@@ -254,12 +254,10 @@ def _draft_noise(cfg: FeatureConfig, sampling, root_pos, depth: int):
     return jax.lax.cond(jnp.any(sampling.sampled), noisy, lambda _: zeros, None)
 
 
-def _child_scores(logits, sampling, noise, coupled: bool):
+def _child_scores(logits, sampling, noise):
     """(ranking log-probabilities, selection scores) [B, F, Vd] of children whose position's draft-vocabulary
-    noise is ``noise`` [B, Vd]."""
+    noise is ``noise`` [B, Vd] (greedy requests: both the warped log-probabilities)."""
     logq = warp_logits(logits, sampling)
-    if not coupled:
-        return logq, logq
     select = jnp.where(sampling.sampled[:, None, None], logq + noise[:, None, :], logq)
     # confidence that a child is the coupled argmax: the softmax of the perturbed scores
     rank = jnp.where(sampling.sampled[:, None, None], jax.nn.log_softmax(select, axis=-1), logq)
@@ -276,11 +274,10 @@ def grow_tree(params, cfg: FeatureConfig, state: dict, ctx: DraftContext, depth:
     vocab = jnp.asarray(cfg.draft_vocab, jnp.int32)
     cache = state["cache"]
     root_pos = ctx.length
-    coupled = True
     cand_tok, cand_score, cand_parent, cand_law = [], [], [], []  # per depth: [B, n_d]
     # depth 1: children of the root
-    noise = _draft_noise(cfg, ctx.sampling, root_pos, depth) if coupled else None
-    rank, select = _child_scores(state["logits"][:, None, :], ctx.sampling, noise[:, 0] if coupled else None, coupled)
+    noise = _draft_noise(cfg, ctx.sampling, root_pos, depth)  # [B, depth, Vd]: the children of depth d + 1 read d
+    rank, select = _child_scores(state["logits"][:, None, :], ctx.sampling, noise[:, 0])
     law_rows = [warp_logits(state["logits"][:, None, :], ctx.sampling)]  # the drafter's q at each parent
     sel_val, sel_idx = jax.lax.top_k(select[:, 0], beam)
     score = jnp.take_along_axis(rank[:, 0], sel_idx, axis=1) - DEPTH_TIE
@@ -311,7 +308,7 @@ def grow_tree(params, cfg: FeatureConfig, state: dict, ctx: DraftContext, depth:
         positions = jnp.broadcast_to((root_pos + d)[:, None], (batch, beam))
         feat, cache = feature_forward(params, tok, frontier_feat, positions, cache, meta, cfg)
         logits = logits_of(params, feat)
-        rank, select = _child_scores(logits, ctx.sampling, noise[:, d] if coupled else None, coupled)
+        rank, select = _child_scores(logits, ctx.sampling, noise[:, d])
         law_rows.append(warp_logits(logits, ctx.sampling))
         sel_val, sel_idx = jax.lax.top_k(select, beam)  # [B, beam (frontier), beam (children)]
         child_score = parent_score[:, :, None] + jnp.take_along_axis(rank, sel_idx, axis=2) - DEPTH_TIE

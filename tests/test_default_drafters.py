@@ -46,7 +46,7 @@ def three_prompts(tmp_path_factory) -> tuple[str, list[str]]:
 
 def test_default_generate_command_drafts_with_the_feature_drafter_and_equals_incremental(smollm2, capsys,
                                                                                          three_prompts):
-    """No --drafter: the stats lines name feature:auto + lookup:auto; batched greedy tokens are exactly
+    """No --drafter: the records' speculation names feature:auto + lookup:auto; batched greedy tokens are exactly
     incremental decoding's, and drafts were accepted."""
     path, prompts = three_prompts
     records = _run(capsys, path)

@@ -244,7 +244,8 @@ def measured_budget(model: Model, plan: GenerationPlan, params=None, batch: int 
     params = model.params if params is None else params
     batch = len(plan.ids) + (parallel.padding_for(len(plan.ids)) if parallel is not None else 0) \
         if batch is None else batch
-    budget = with_costs(plan.spec.budget, params, model.config, batch, plan.spec.impl, parallel, progress)
+    budget = with_costs(plan.spec.budget, params, model.config, batch, plan.spec.impl, parallel, progress,
+                        greedy=plan.spec.verifier == "greedy")
     return dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, budget=budget))
 
 

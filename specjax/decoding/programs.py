@@ -62,7 +62,8 @@ import jax.numpy as jnp
 from specjax.errors import InputError
 from specjax.kernels import cpu as cpu_kernels
 from specjax.kernels.cpu import matmul as cpu_matmul
-from specjax.models.params import TIED_HEAD, layers_split
+from specjax.kernels.cpu.greedy_head import GreedyHead, pack_head
+from specjax.models.params import GREEDY_HEAD, TIED_HEAD, layers_split
 from specjax.models.weights import MATMUL_WEIGHTS, PackedWeight
 
 ENV = "SPECJAX_CPU_DOTS"
@@ -194,7 +195,27 @@ def step_params(params: dict, parallel=None) -> dict:
     for head in ("lm_head", TIED_HEAD):  # whichever the model's head_logits reads
         if head in params:
             out[head] = _packed(params[head])
+    if not isinstance(params["embed"], jax.core.Tracer):  # inside a caller's jit: from the logits
+        out[GREEDY_HEAD] = _greedy_head(params)
     return out
+
+
+def _greedy_head(params: dict) -> GreedyHead:
+    """The head as greedy decisions read it (``specjax.kernels.cpu.greedy_head``), made once while the
+    head lives: its float16 panels, error bounds, and rows (a tied model's embedding itself; an untied
+    head's transpose, copied once)."""
+    if "lm_head" in params:
+        head = params["lm_head"]
+        packed16, rows, err = while_alive(_PACKED, (head,), lambda: _greedy_parts(head, None), ("greedy",))
+        return GreedyHead(packed16, rows, err)
+    head, rows = params[TIED_HEAD], params["embed"]
+    packed16, err = while_alive(_PACKED, (head, rows), lambda: _greedy_parts(head, rows)[::2], ("greedy",))
+    return GreedyHead(packed16, rows, err)
+
+
+def _greedy_parts(head, rows) -> tuple:
+    made = pack_head(head, rows)
+    return made.packed, made.rows, made.err
 
 
 def step_matmuls(params: dict, batch: int, parallel=None) -> str:

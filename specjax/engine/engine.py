@@ -77,7 +77,8 @@ class Engine:
         drafter_objs = tuple(b.drafter for b in bound)
         if budget == "auto":
             budget = with_costs(Budget(default_levels(drafter_objs), goal="rate"), model.params, model.config, slots,
-                                resolve_impl(impl), progress=progress) if drafter_objs else None
+                                resolve_impl(impl), progress=progress,
+                                greedy=verifier == "greedy") if drafter_objs else None
         elif budget is not None and not isinstance(budget, Budget):
             raise InputError(f"budget must be None, 'auto' or a Budget, got {budget!r}")
         self.spec = SpecConfig(drafters=drafter_objs, impl=resolve_impl(impl), verifier=verifier, budget=budget)

@@ -14,10 +14,12 @@ from specjax.attention import resolve_impl, tree_attention
 from specjax.attention.meta import AttentionMeta
 from specjax.attention.xla import attend, attend_written_token
 from specjax.config import ModelConfig
+from specjax.decoding.sampling import finite_rows, first_argmax
 from specjax.kernels import cpu as cpu_kernels
 from specjax.kernels.cpu import attention as cpu_attention
+from specjax.kernels.cpu import greedy_head as cpu_greedy_head
 from specjax.kernels.cpu import prefill_attention as cpu_prefill_attention
-from specjax.models.params import TIED_HEAD
+from specjax.models.params import GREEDY_HEAD, TIED_HEAD
 from specjax.models.weights import PackedWeight, dense, packed_layer, weight_einsum
 
 # Up to this many queries per request, a step program with the CPU kernels on (packed weights) runs
@@ -43,6 +45,23 @@ def head_logits(h: jax.Array, params: dict, cfg: ModelConfig) -> jax.Array:
     if head is not None:
         return jnp.einsum("btd,dv->btv", h, head, preferred_element_type=out)
     return jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=out)
+
+
+def head_outputs(h: jax.Array, params: dict, cfg: ModelConfig, greedy: bool, logits_of) -> tuple:
+    """The head over final hidden states h [B, K, D] as (logits, argmax, finite): ``logits_of(h)``
+    [B, K, V] and None, None; or with ``greedy`` None and each position's first argmax [B, K] int32 and
+    whether its logits are all finite [B, K] (what greedy verification reads). Where a step program's
+    params carry the greedy head (``GREEDY_HEAD``: the CPU kernels on, float32), that decision comes
+    from ``specjax.kernels.cpu.greedy_head`` without the float32 logits; the same decision as from
+    them."""
+    if not greedy:
+        return logits_of(h), None, None
+    head = params.get(GREEDY_HEAD)
+    if head is not None and cfg.draft_vocab is None and h.dtype == jnp.float32:
+        ids, finite = cpu_greedy_head.greedy_decision(h.reshape(-1, h.shape[-1]), head)
+        return None, ids.reshape(h.shape[:-1]), finite.reshape(h.shape[:-1])
+    logits = logits_of(h)
+    return None, first_argmax(logits), finite_rows(logits)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -11,9 +11,9 @@ import numpy as np
 from specjax.attention.meta import AttentionMeta
 from specjax.config import ModelConfig
 from specjax.models.cache import KVCache
-from specjax.models.common import attention_block, head_logits, rms_norm, rope_inv_freq
+from specjax.models.common import attention_block, head_logits, head_outputs, rms_norm, rope_inv_freq
 from specjax.models.layers import hidden_output, run_layers
-from specjax.models.output import ForwardOutput, select_positions
+from specjax.models.output import ForwardOutput, GreedyOutput, select_positions
 from specjax.models.weights import weight_einsum
 
 
@@ -61,7 +61,8 @@ def decoder_layer(cfg: ModelConfig, inv_freq):
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, meta: AttentionMeta,
             cfg: ModelConfig, logits_indices: jax.Array | None = None, parallel=None, hidden=None,
-            row_logits: bool = False, block_only: bool = False, all_hidden: bool = False) -> ForwardOutput:
+            row_logits: bool = False, block_only: bool = False, all_hidden: bool = False,
+            greedy: bool = False) -> ForwardOutput | GreedyOutput:
     """tokens, positions: [B, T] -> ForwardOutput(logits [B, T or K, V] float32, cache with the block
     written, hidden states entering the ``hidden`` layers or None; see ``specjax.models``).
     parallel: a ``specjax.sharding.Parallel`` whose pp > 1 pipelines the layers (None = one scan).
@@ -77,10 +78,17 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
     every_h = h
     final_h = select_positions(h, logits_indices)  # the input of the final norm
     h = rms_norm(final_h, params["final_norm"], cfg.norm_eps)
-    logits = head_logits(h, params, cfg)
-    if cfg.draft_vocab is not None and not row_logits:
-        # The "other" row is dropped: it stands for many tokens, none of which the SSM can name.
-        full = jnp.full(logits.shape[:-1] + (cfg.vocab_size,), -jnp.inf, logits.dtype)
-        logits = full.at[..., np.asarray(cfg.draft_vocab)].set(logits[..., :-1])
+
+    def logits_of(h):
+        logits = head_logits(h, params, cfg)
+        if cfg.draft_vocab is not None and not row_logits:
+            # The "other" row is dropped: it stands for many tokens, none of which the SSM can name.
+            full = jnp.full(logits.shape[:-1] + (cfg.vocab_size,), -jnp.inf, logits.dtype)
+            logits = full.at[..., np.asarray(cfg.draft_vocab)].set(logits[..., :-1])
+        return logits
+
+    logits, argmax, finite = head_outputs(h, params, cfg, greedy, logits_of)
     states = hidden_output(hidden, captured, every_h if all_hidden else final_h, cfg.num_layers)
+    if greedy:
+        return GreedyOutput(argmax, finite, cache, states)
     return ForwardOutput(logits, cache, states)

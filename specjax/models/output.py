@@ -18,6 +18,15 @@ class ForwardOutput(NamedTuple):
     hidden: jax.Array | None = None  # [B, T or K, len(hidden), D]: hidden states entering the asked layers
 
 
+class GreedyOutput(NamedTuple):
+    """What a forward asked for ``greedy`` returns in place of the logits: what greedy verification reads."""
+
+    argmax: jax.Array  # [B, T or K] int32: each position's first argmax of its logits (``first_argmax``)
+    finite: jax.Array  # [B, T or K] bool: whether all its logits are finite (``finite_rows``)
+    cache: KVCache  # as ForwardOutput's
+    hidden: jax.Array | None = None  # as ForwardOutput's
+
+
 def check_hidden(hidden, cfg) -> tuple[int, ...] | None:
     """A static, sorted-as-given tuple of layer indices in [0, L] (L = the final hidden state), or None."""
     if hidden is None:

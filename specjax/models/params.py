@@ -199,6 +199,10 @@ def _fused_specs(per_layer: dict) -> dict:
 # more (113 MB for SmolLM2 in float32). Derived, never saved: ``stack_layers`` drops it.
 TIED_HEAD = "embed_t"
 
+# The step programs' (``specjax.decoding.programs.step_params``) copy of the head for greedy decisions,
+# a ``specjax.kernels.cpu.greedy_head.GreedyHead``: float16 panels, never in a model's params.
+GREEDY_HEAD = "greedy_head"
+
 
 def layers_split(params: dict) -> bool:
     """Whether ``params["layers"]`` is the split layout (a tuple of per-layer dicts)."""

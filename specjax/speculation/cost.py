@@ -74,12 +74,16 @@ def cpu_name() -> str:
 PASS_VERSION = 10
 
 
-def table_key(cfg: ModelConfig, dtype, batch: int, impl: str, parallel=None, split: bool = False) -> str:
-    """``split``: the layer weights' layout (``specjax.models.params``): split passes cost less."""
+def table_key(cfg: ModelConfig, dtype, batch: int, impl: str, parallel=None, split: bool = False,
+              greedy: bool = False) -> str:
+    """``split``: the layer weights' layout (``specjax.models.params``): split passes cost less.
+    ``greedy``: passes for the greedy verifier, which reads each node's argmax, not its logits (with the
+    CPU kernels a cheaper head: ``specjax.kernels.cpu.greedy_head``)."""
     mesh = "none" if parallel is None else str(dict(parallel.mesh.shape))
     model = hashlib.sha256(repr(cfg).encode()).hexdigest()[:16]
     return (f"{model}|{jnp.dtype(dtype).name}|{machine_key()}|mesh={mesh}|batch={batch}|impl={impl}"
-            f"|layers={'split' if split else 'stacked'}|dots={step_library(batch)}|pass=v{PASS_VERSION}")
+            f"|layers={'split' if split else 'stacked'}|dots={step_library(batch)}|pass=v{PASS_VERSION}"
+            + ("|head=greedy" if greedy else ""))
 
 
 def _chain(batch: int, nodes: int):
@@ -88,8 +92,10 @@ def _chain(batch: int, nodes: int):
 
 
 def measure_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: str = "xla", parallel=None,
-                       prefix: int = PREFIX, repeats: int = REPEATS, progress=None) -> dict[int, float]:
-    """{nodes: seconds per LLM tree pass}, measured warm on this machine (median of ``repeats``)."""
+                       prefix: int = PREFIX, repeats: int = REPEATS, progress=None,
+                       greedy: bool = False) -> dict[int, float]:
+    """{nodes: seconds per LLM tree pass}, measured warm on this machine (median of ``repeats``);
+    ``greedy``: the pass as the greedy verifier has it (each node's argmax and finiteness)."""
     counts = sorted(set(int(n) for n in node_counts))
     if not counts or counts[0] < 1:
         raise InputError(f"tree sizes to measure must be >= 1 node, got {node_counts!r}")
@@ -98,7 +104,8 @@ def measure_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: 
     def one_pass(params, tree, cache):
         if parallel is not None:
             cache = parallel.constrain_cache(cache, cfg)
-        return tree_forward(params, tree, cache, cfg, impl, parallel, block_only=True).logits  # as the loop runs it
+        out = tree_forward(params, tree, cache, cfg, impl, parallel, block_only=True, greedy=greedy)
+        return (out.argmax, out.finite) if greedy else out.logits  # as the loop runs it
 
     fwd = jax.jit(one_pass, compiler_options=step_compiler_options(batch))  # compiled as the loop's steps are
     params = step_params(params, parallel)  # and multiplying by the same weights
@@ -141,7 +148,7 @@ def monotone(costs: dict[int, float]) -> dict[int, float]:
 
 
 def cached_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: str = "xla", parallel=None,
-                      progress=None, remeasure: bool = False) -> tuple[dict[int, float], str]:
+                      progress=None, remeasure: bool = False, greedy: bool = False) -> tuple[dict[int, float], str]:
     """({nodes: seconds}, where they came from): the on-disk table, measuring what it lacks.
 
     Several processes (one mesh across hosts) each read their own host's table, and the tables can
@@ -151,7 +158,7 @@ def cached_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: s
     and decide every step's branch, so all processes must hold the same ones."""
     path = cache_path()
     dtype = jax.tree.leaves(params)[0].dtype
-    key = table_key(cfg, dtype, batch, impl, parallel, layers_split(params))
+    key = table_key(cfg, dtype, batch, impl, parallel, layers_split(params), greedy)
     counts = [int(n) for n in node_counts]
     row = {} if remeasure else {int(n): float(s) for n, s in _read(path).get(key, {}).items()}
     missing = [n for n in counts if n not in row]
@@ -159,7 +166,7 @@ def cached_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: s
     if shared:
         missing = _process0_sizes(counts, missing)
     if missing:
-        row.update(measure_pass_costs(params, cfg, batch, missing, impl, parallel, progress=progress))
+        row.update(measure_pass_costs(params, cfg, batch, missing, impl, parallel, progress=progress, greedy=greedy))
     if shared:
         row.update(_process0_costs(counts, row))
     if missing:
@@ -194,12 +201,13 @@ def _process0_costs(counts: list[int], row: dict[int, float]) -> dict[int, float
 
 
 def with_costs(budget: Budget, params, cfg: ModelConfig, batch: int, impl: str, parallel=None,
-               progress=None) -> Budget:
-    """The budget with each level's measured seconds per pass (unchanged when it already has costs)."""
+               progress=None, greedy: bool = False) -> Budget:
+    """The budget with each level's measured seconds per pass (unchanged when it already has costs);
+    ``greedy``: for the greedy verifier's passes."""
     if budget.costs is not None:
         return budget
     nodes = [budget.node_count(level) for level in range(len(budget.levels))]
-    costs, source = cached_pass_costs(params, cfg, batch, nodes, impl, parallel, progress=progress)
+    costs, source = cached_pass_costs(params, cfg, batch, nodes, impl, parallel, progress=progress, greedy=greedy)
     return dataclasses.replace(budget, costs=tuple(costs[n] for n in nodes), source=source)
 
 

@@ -19,6 +19,7 @@ from specjax.decoding.host_step import step_if_active
 from specjax.decoding.incremental import PAD_TOKEN, prefill
 from specjax.decoding.sampling import SamplingArrays, finite_rows, first_argmax, sample_tokens
 from specjax.models.cache import init_cache
+from specjax.models.output import ForwardOutput, GreedyOutput
 from specjax.speculation.budget import choose_level, expected_by_level
 from specjax.speculation.commit import commit_rows, tree_forward
 from specjax.speculation.drafters.base import Accepted, DraftContext
@@ -97,14 +98,15 @@ def _root_only(root: jax.Array) -> TokenTree:
                      law_row=jnp.full((batch, 1, 1), -1, jnp.int32))
 
 
-def verify(logits, tree: TokenTree, laws, sampling: SamplingArrays, length: jax.Array, spec: SpecConfig,
-           depth: int | None = None):
+def verify(out: ForwardOutput | GreedyOutput, tree: TokenTree, laws, sampling: SamplingArrays, length: jax.Array,
+           spec: SpecConfig, depth: int | None = None):
+    """The verdict on the tree pass ``out`` (a ``GreedyOutput`` for the greedy verifier, else its logits)."""
     depth = spec.max_depth if depth is None else depth
     if spec.verifier == "greedy":
-        return verify_greedy(logits, tree, depth)
+        return verify_greedy(out.argmax, tree, depth)
     if spec.verifier == "seeded":
-        return verify_seeded(logits, tree, sampling, length, depth, fault=spec.fault)
-    return verify_sampled(logits, tree, laws, sampling, length, spec.verifier, depth, fault=spec.fault)
+        return verify_seeded(out.logits, tree, sampling, length, depth, fault=spec.fault)
+    return verify_sampled(out.logits, tree, laws, sampling, length, spec.verifier, depth, fault=spec.fault)
 
 
 def _scored_pass(llm_params, proposals, root, state: SpecState, cfg, spec: SpecConfig, parallel, counts):
@@ -113,15 +115,16 @@ def _scored_pass(llm_params, proposals, root, state: SpecState, cfg, spec: SpecC
     nodes), padded to the spec's full depth so every branch has one shape. The pass only reads the
     cache (``block_only``) and the accepted path is committed after the switch: it never copies the cache."""
     tree, laws, depth = build_tree(proposals, root, spec, counts)
+    greedy = spec.verifier == "greedy"  # reads only each node's argmax (and finiteness): cheaper to get
     out = tree_forward(llm_params, tree, state.llm_cache, cfg, spec.impl, parallel, hidden=spec.hidden_layers,
-                       block_only=True)
-    verdict = verify(out.logits, tree, laws, state.sampling, state.llm_cache.length, spec, depth)
+                       block_only=True, greedy=greedy)
+    verdict = verify(out, tree, laws, state.sampling, state.llm_cache.length, spec, depth)
     pad = spec.max_depth - depth
     if pad:
         verdict = verdict.replace(path=jnp.pad(verdict.path, ((0, 0), (0, pad)), constant_values=-1),
                                   emitted=jnp.pad(verdict.emitted, ((0, 0), (0, pad))))
     at_path = jnp.maximum(verdict.path, 0)
-    finite = jnp.take_along_axis(finite_rows(out.logits), at_path, axis=1)
+    finite = jnp.take_along_axis(out.finite if greedy else finite_rows(out.logits), at_path, axis=1)
     hidden = None
     if out.hidden is not None:
         hidden = jnp.take_along_axis(out.hidden, at_path[:, :, None, None], axis=1)

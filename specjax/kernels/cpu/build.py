@@ -1,4 +1,4 @@
-"""Building and loading specjax's CPU kernels (``matmul.cc``, ``attention.cc``,
+"""Building and loading specjax's CPU kernels (``matmul.cc``, ``greedy_head.cc``, ``attention.cc``,
 ``prefill_attention.cc``): one shared library,
 compiled on first use with the system C++ compiler (``$CXX`` or ``c++``, ``-O3 -march=native``) into
 the cache directory (``$SPECJAX_CACHE_DIR``, default ``~/.cache/specjax``), keyed by the sources, the
@@ -35,12 +35,13 @@ import jaxlib
 from specjax.config import cache_root
 
 HERE = Path(__file__).parent
-SOURCES = ("matmul.cc", "attention.cc", "prefill_attention.cc")  # compiled into one library (AVX-512F)
-AVX2_SOURCES = ("matmul.cc", "attention.cc")  # where the CPU has AVX2, FMA and F16C but no AVX-512F
-HEADERS = ("parallel.h", "simd.h", "vec16.h")
+SOURCES = ("matmul.cc", "greedy_head.cc", "attention.cc", "prefill_attention.cc")  # one library (AVX-512F)
+AVX2_SOURCES = ("matmul.cc", "greedy_head.cc", "attention.cc")  # where the CPU has AVX2, FMA and F16C but no AVX-512F
+HEADERS = ("matmul.h", "parallel.h", "simd.h", "vec16.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 # FFI target name -> the handler symbol the library exports
-MATMUL_TARGETS = {"specjax_cpu_matmul": "SpecjaxCpuMatmul", "specjax_cpu_matmul_f16": "SpecjaxCpuMatmulF16"}
+MATMUL_TARGETS = {"specjax_cpu_matmul": "SpecjaxCpuMatmul", "specjax_cpu_matmul_f16": "SpecjaxCpuMatmulF16",
+                  "specjax_cpu_greedy_head": "SpecjaxCpuGreedyHead"}
 AVX2_TARGETS = {**MATMUL_TARGETS, "specjax_cpu_attention": "SpecjaxCpuAttention"}
 TARGETS = {**AVX2_TARGETS, "specjax_cpu_prefill_attention": "SpecjaxCpuPrefillAttention"}
 AVX2 = ("avx2", "fma", "f16c")

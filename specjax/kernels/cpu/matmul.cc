@@ -26,6 +26,7 @@
 
 #include <immintrin.h>
 
+#include "matmul.h"
 #include "parallel.h"
 
 // Tuned for AVX-512: 32 vector registers hold the 4 x 4 accumulator tile and a panel row. Built for
@@ -265,6 +266,11 @@ static void matmul(const float* x, const W* w, float* y, long M, long K, long N,
         unit(x, w, y, M, K, N, p, m0, m1);
       },
       schedule);
+}
+
+void specjax::matmul_f16(const float* x, const uint16_t* w, float* y, long M, long K, long N, long threads,
+                         const ScheduleTask& schedule) {
+  matmul(x, w, y, M, K, N, threads, [&schedule](auto&& task) { schedule(std::move(task)); });
 }
 
 extern "C" int specjax_cpu_matmul_panel_width() { return CW; }

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import jax
 
-from specjax.decoding.sampling import first_argmax
 from specjax.speculation.tree import TokenTree
 from specjax.speculation.verify.base import Verdict, follow
 
 
-def verify_greedy(logits: jax.Array, tree: TokenTree, max_depth: int) -> Verdict:
-    """logits: [B, N, V] LLM logits at every node; max_depth: static bound on the tree depth."""
-    return follow(first_argmax(logits), tree, max_depth)
+def verify_greedy(argmax: jax.Array, tree: TokenTree, max_depth: int) -> Verdict:
+    """argmax: [B, N] the LLM's first argmax at every node (``first_argmax`` of its logits, or the
+    forward's ``greedy`` output); max_depth: static bound on the tree depth."""
+    return follow(argmax, tree, max_depth)

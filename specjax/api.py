@@ -211,8 +211,8 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
         init = functools.partial(decode_init_jit, params, *inputs, eos_ids=plan.eos_ids, **sizes)
         per_step = dict(sampling=inputs[3], max_new_tokens=inputs[2], cfg=cfg, eos_ids=plan.eos_ids, parallel=parallel)
         statics = ("cfg", "eos_ids", "parallel")
-        finish_all = functools.partial(step_program(finish_incremental, batch, statics), params, **per_step)
-        step = functools.partial(step_program(decode_host_step, batch, statics, ("state",)), params, **per_step)
+        finish_all = step_program(finish_incremental, batch, statics).bind(params, **per_step)
+        step = step_program(decode_host_step, batch, statics, ("state",)).bind(params, **per_step)
     else:  # the speculative loop: per-request settings live in its state
         stop_ids = stop_rows(plan.eos_ids, len(plan.lens) + (parallel.padding_for(n) if parallel else 0))
         if parallel is not None:
@@ -220,10 +220,8 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
         init = functools.partial(init_state_jit, params, drafter_params, *inputs, stop_ids, spec=plan.spec, **sizes)
         per_step = dict(cfg=cfg, spec=plan.spec, parallel=parallel)
         statics = ("cfg", "spec", "parallel")
-        finish_all = functools.partial(step_program(finish_speculative, batch, statics), params, drafter_params,
-                                       **per_step)
-        step = functools.partial(step_program(host_step, batch, statics, ("state",)), params, drafter_params,
-                                 **per_step)
+        finish_all = step_program(finish_speculative, batch, statics).bind(params, drafter_params, **per_step)
+        step = step_program(host_step, batch, statics, ("state",)).bind(params, drafter_params, **per_step)
     timing = {"step_matmuls": step_matmuls(params, batch, parallel)}
     if on_tokens is None:
         out = run_two_programs(init, finish_all, host, timing)

@@ -94,7 +94,8 @@ class Engine:
         self.cache_len = self.prompt_width + self.max_out + self.spec.num_nodes
         self._sizes = dict(cfg=model.config, spec=self.spec, cache_len=self.cache_len, max_out=self.max_out)
         # Compiled with the matmul library for this many slots (``specjax.decoding.programs``).
-        self._step = step_program(spec_step, slots, ("cfg", "spec", "parallel"), ("state",))
+        self._step = step_program(spec_step, slots, ("cfg", "spec", "parallel"), ("state",)).bind(
+            model.params, self.drafter_params, cfg=model.config, spec=self.spec)
 
     # -- device work --------------------------------------------------------------------------
 
@@ -126,7 +127,7 @@ class Engine:
 
     def step(self, state: SpecState) -> SpecState:
         """One speculative step (one LLM pass) of every slot; finished and free slots stay as they are."""
-        return self._step(self.model.params, self.drafter_params, state, cfg=self.model.config, spec=self.spec)
+        return self._step(state)
 
     def release(self, state: SpecState, slot: int) -> SpecState:
         """Free slot ``slot`` (a finished or cancelled request): later steps skip it."""

@@ -187,7 +187,8 @@ def step_params(params: dict, parallel=None) -> dict:
     """The params a step program multiplies by (at any batch size): with the kernel on (see
     ``kernel_enabled``) and a float32 model with split layers on one device, every matmul weight and
     the head as a ``PackedWeight`` (each packed once and kept while its plain array lives: the packed
-    copies cost the weights' memory once more); otherwise ``params`` itself."""
+    copies cost the weights' memory once more), and the head once more for greedy decisions
+    (``GREEDY_HEAD``: float16 panels, half the head's memory); otherwise ``params`` itself."""
     if (parallel is not None or not isinstance(params, dict) or not layers_split(params) or not kernel_enabled()
             or params["embed"].dtype != jnp.float32):
         return params

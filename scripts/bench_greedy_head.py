@@ -51,7 +51,7 @@ def main() -> None:
         sys.exit(f"the CPU kernels are not available here: {cpu_kernels.matmul_status()}")
     model = specjax.load_model(args.model, progress=False)
     cfg = model.config
-    params = step_params(model.params)
+    params = step_params(model.params, greedy=True)
     if GREEDY_HEAD not in params:
         sys.exit("the step params carry no greedy head here (a float32 model on one CPU device with the kernels on)")
     prompts = [r["prompt"] for r in common.load_prompts(args.prompts_file, args.num_prompts)]

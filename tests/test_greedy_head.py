@@ -138,16 +138,17 @@ class TestGreedyHead(chex.TestCase):
 @needs_kernel
 @pytest.mark.parametrize("family", ["llama", "opt"])
 def test_step_params_carry_the_greedy_head(family, tiny_llama_dir, tiny_opt_dir):
-    """A step program's params hold the head as the greedy kernel reads it, made once: a tied model's
-    rows are its embedding itself, an untied head's its transpose."""
+    """A greedy step program's params hold the head as the greedy kernel reads it, made once: a tied
+    model's rows are its embedding itself, an untied head's its transpose; other programs' params do not."""
     import specjax
     from specjax.decoding.programs import step_params
     from specjax.models.params import GREEDY_HEAD
 
     model = specjax.load_model(tiny_llama_dir if family == "llama" else tiny_opt_dir, progress=False)
-    head = step_params(model.params)[GREEDY_HEAD]
+    head = step_params(model.params, greedy=True)[GREEDY_HEAD]
     assert isinstance(head, greedy_head.GreedyHead)
-    assert step_params(model.params)[GREEDY_HEAD].packed is head.packed  # packed once
+    assert step_params(model.params, greedy=True)[GREEDY_HEAD].packed is head.packed  # packed once
+    assert GREEDY_HEAD not in step_params(model.params)  # only programs that verify greedily carry it
     plain = model.params.get("lm_head")
     if plain is None:
         assert head.rows is model.params["embed"]
@@ -168,7 +169,7 @@ def test_smollm2_tree_pass_decides_as_its_logits(smollm2):
     from specjax.speculation.tree import from_parents
 
     cfg = smollm2.config
-    params = step_params(smollm2.params)
+    params = step_params(smollm2.params, greedy=True)
     rng = np.random.default_rng(5)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 24)), jnp.int32)
     cache = init_cache(cfg, 2, 64, jnp.float32)

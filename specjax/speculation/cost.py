@@ -108,7 +108,7 @@ def measure_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: 
         return (out.argmax, out.finite) if greedy else out.logits  # as the loop runs it
 
     fwd = jax.jit(one_pass, compiler_options=step_compiler_options(batch))  # compiled as the loop's steps are
-    params = step_params(params, parallel)  # and multiplying by the same weights
+    params = step_params(params, parallel, greedy)  # and multiplying by the same weights
     inputs = {}
     for n in counts:
         if progress is not None:

@@ -133,6 +133,10 @@ class TestGreedyHead(chex.TestCase):
         head = greedy_head.pack_head(jnp.zeros((4, 8), jnp.float32))
         with pytest.raises(ValueError, match="does not match"):
             greedy_head.greedy_decision(jnp.zeros((2, 5), jnp.float32), head)
+        wide = greedy_head.pack_head(jnp.zeros((4, 200), jnp.float32))  # panels of another head
+        with pytest.raises(Exception, match="shapes do not match"):
+            greedy_head.greedy_decision(jnp.zeros((2, 4), jnp.float32),
+                                        greedy_head.GreedyHead(wide.packed, head.rows, head.err))
 
 
 @needs_kernel

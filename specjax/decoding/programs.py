@@ -206,18 +206,15 @@ def _greedy_head(params: dict) -> GreedyHead:
     """The head as greedy decisions read it (``specjax.kernels.cpu.greedy_head``), made once while the
     head lives: its float16 panels, error bounds, and rows (a tied model's embedding itself; an untied
     head's transpose, copied once)."""
-    if "lm_head" in params:
-        head = params["lm_head"]
-        packed16, rows, err = while_alive(_PACKED, (head,), lambda: _greedy_parts(head, None), ("greedy",))
-        return GreedyHead(packed16, rows, err)
-    head, rows = params[TIED_HEAD], params["embed"]
-    packed16, err = while_alive(_PACKED, (head, rows), lambda: _greedy_parts(head, rows)[::2], ("greedy",))
-    return GreedyHead(packed16, rows, err)
+    tied = "lm_head" not in params
+    head, embed = (params[TIED_HEAD] if tied else params["lm_head"]), params["embed"]
 
+    def make():  # the memo must not hold its sources: a tied model's rows are bound below, not kept
+        made = pack_head(head, embed if tied else None)
+        return made.packed, None if tied else made.rows, made.err
 
-def _greedy_parts(head, rows) -> tuple:
-    made = pack_head(head, rows)
-    return made.packed, made.rows, made.err
+    packed16, rows, err = while_alive(_PACKED, (head, embed) if tied else (head,), make, ("greedy",))
+    return GreedyHead(packed16, embed if tied else rows, err)
 
 
 def step_matmuls(params: dict, batch: int, parallel=None) -> str:

@@ -112,9 +112,11 @@ static ffi::Error GreedyHeadImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
     return ffi::Error::InvalidArgument("specjax_cpu_greedy_head: expected x [M, K], w16 [P, K, CW], rows [N, K], "
                                        "err [N], approx [M, N]");
   const long M = xd[0], K = xd[1], N = rd[0];
-  if (rd[1] != K || ed[0] != N || ad[0] != M || ad[1] != N || wd[1] != K || wd[0] * wd[2] < N ||
-      ids->dimensions()[0] != M || finite->dimensions()[0] != M)
-    return ffi::Error::InvalidArgument("specjax_cpu_greedy_head: shapes do not match");
+  const long CW = specjax_cpu_matmul_panel_width();
+  if (rd[1] != K || ed[0] != N || ad[0] != M || ad[1] != N || wd[1] != K || wd[2] != CW ||
+      wd[0] != (N + CW - 1) / CW || ids->dimensions()[0] != M || finite->dimensions()[0] != M)
+    return ffi::Error::InvalidArgument("specjax_cpu_greedy_head: shapes do not match (w16: the matmul kernel's "
+                                       "panels of the head)");
   if (M == 0) return ffi::Error::Success();
   if (N == 0) return ffi::Error::InvalidArgument("specjax_cpu_greedy_head: a head of no columns has no argmax");
   const long threads = std::max<int64_t>(1, pool.num_threads());

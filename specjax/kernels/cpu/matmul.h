@@ -4,6 +4,9 @@
 #include <cstdint>
 #include <functional>
 
+// Columns per packed panel (CW).
+extern "C" int specjax_cpu_matmul_panel_width();
+
 namespace specjax {
 
 using ScheduleTask = std::function<void(std::function<void()>)>;

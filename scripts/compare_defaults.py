@@ -47,7 +47,9 @@ def main() -> int:
                          "outputs equal seeded incremental sampling's")
     ap.add_argument("--drafters", action="append", default=[], metavar="SPEC[ + SPEC ...]",
                     help="an extra configuration (repeatable): --drafter specs joined by ' + ', every step's "
-                         "whole tree, e.g. 'feature:auto,nodes=32' or 'lookup:depth=8,branches=4'")
+                         "whole tree, e.g. 'feature:auto,nodes=32' or 'lookup:depth=8,branches=4'; ending in "
+                         "' + budget' it runs under the tree budget, e.g. 'feature:DIR + lookup:auto + budget' "
+                         "(a candidate drafter beside the default)")
     args = ap.parse_args()
     # Each drafter set runs under the budget ("... + budget") or with its whole tree every step.
     valid = ["incremental"] + [f"{m}{b}" for b in (" + budget", "") for m in MEMBERS]
@@ -62,10 +64,14 @@ def main() -> int:
         names = []
     from specjax.speculation.drafters import FACTORIES
 
-    extra = {}  # --drafters: [(kind, arg), ...] per configuration, checked before the model loads
+    extra = {}  # --drafters: ([(kind, arg), ...], budgeted) per configuration, checked before the model loads
     for spec in args.drafters:
-        extra[spec] = [part.strip().partition(":")[::2] for part in spec.split(" + ")]
-        unknown = [kind for kind, _ in extra[spec] if kind not in FACTORIES]
+        parts = [part.strip() for part in spec.split(" + ")]
+        budgeted = parts[-1] == "budget"
+        extra[spec] = ([part.partition(":")[::2] for part in (parts[:-1] if budgeted else parts)], budgeted)
+        if not extra[spec][0]:
+            sys.exit(f"--drafters {spec!r}: no drafter before ' + budget'")
+        unknown = [kind for kind, _ in extra[spec][0] if kind not in FACTORIES]
         if unknown:
             sys.exit(f"--drafters {spec!r}: unknown drafter {unknown}; each is KIND:ARG, KIND one of "
                      f"{sorted(FACTORIES)}")
@@ -100,8 +106,9 @@ def main() -> int:
         drafters = [single[d] for d in m.split(" + ")]
         every.update({m: {"drafters": drafters}, f"{m} + budget": {"drafters": drafters, "budget": "auto"}})
     configs = {name: every[name] for name in names}
-    configs.update({spec: {"drafters": [FACTORIES[kind](arg or "auto", llm, load=True, expansion=None, draft="topk")
-                                        for kind, arg in parts]} for spec, parts in extra.items()})
+    for spec, (parts, budgeted) in extra.items():
+        configs[spec] = {"drafters": [FACTORIES[kind](arg or "auto", llm, load=True, expansion=None, draft="topk")
+                                      for kind, arg in parts], **({"budget": "auto"} if budgeted else {})}
     print(f"# {len(prompts)} prompts ({', '.join(sorted(by_kind))}), {args.max_new_tokens} new tokens")
     reference, mismatches = {}, 0
     for rep in range(args.repetitions):

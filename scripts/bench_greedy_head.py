@@ -6,7 +6,10 @@ first ``--num-prompts`` prompts: what the head reads in a tree pass. Printed: ho
 kernel recomputes exactly per row (those whose bound reaches the top), and the warm time of
 (a) the float32 matmul kernel's logits, then ``first_argmax`` and ``finite_rows`` (the tree pass
 and greedy verification before stop 59) and (b) the greedy head, at several row counts (tree
-nodes), the two alternating. Their decisions must be identical.
+nodes), the two alternating. Their decisions must be identical. Then the same for seeded verification
+at temperature 1: (c) the float32 logits, ``seeded_tokens`` and ``finite_rows`` against (d) the kernel's
+sampled decision (``sampled_decision``), each row reading one of 5 rows of Gumbel noise (a tree of
+depth 4).
 
     python scripts/bench_greedy_head.py
 """
@@ -38,7 +41,7 @@ def main() -> None:
     import specjax
     from specjax.decoding.incremental import prefill
     from specjax.decoding.programs import step_params
-    from specjax.decoding.sampling import finite_rows, first_argmax
+    from specjax.decoding.sampling import SamplingArrays, SamplingParams, finite_rows, first_argmax, seeded_tokens
     from specjax.kernels import cpu as cpu_kernels
     from specjax.kernels.cpu import greedy_head
     from specjax.kernels.cpu import matmul as cpu_matmul
@@ -51,7 +54,7 @@ def main() -> None:
         sys.exit(f"the CPU kernels are not available here: {cpu_kernels.matmul_status()}")
     model = specjax.load_model(args.model, progress=False)
     cfg = model.config
-    params = step_params(model.params, greedy=True)
+    params = step_params(model.params, decides=True)
     if GREEDY_HEAD not in params:
         sys.exit("the step params carry no greedy head here (a float32 model on one CPU device with the kernels on)")
     prompts = [r["prompt"] for r in common.load_prompts(args.prompts_file, args.num_prompts)]
@@ -97,6 +100,28 @@ def main() -> None:
             a.append(timed(before, xs, f32))
             b.append(timed(after, xs, head))
         print(f"{m:4d}  {np.median(a):48.2f}  {np.median(b):16.2f}  {np.median(b) / np.median(a):5.2f}")
+
+    noise = jax.random.gumbel(jax.random.key(0), (5, vocab), jnp.float32)
+
+    def seeded_before(x, w, noise, row):
+        logits = cpu_matmul.matmul(x, w, vocab)
+        sampling = SamplingArrays.from_params([SamplingParams(temperature=1.0)] * x.shape[0])
+        return seeded_tokens(logits, sampling, noise[row]), finite_rows(logits)
+
+    seeded_before = jax.jit(seeded_before)
+    seeded_after = jax.jit(lambda x, h, noise, row: greedy_head.sampled_decision(
+        x, h, jnp.ones((x.shape[0],), jnp.float32), noise, row))
+    print("rows  seeded, temperature 1: float32 logits + seeded_tokens + finite_rows (ms)  sampled head (ms)  ratio")
+    for m in (int(v) for v in args.rows.split(",")):
+        xs, row = jnp.asarray(x[:m]), jnp.arange(m, dtype=jnp.int32) % 5
+        want, got = seeded_before(xs, f32, noise, row), seeded_after(xs, head, noise, row)
+        if not all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(want, got)):
+            sys.exit(f"seeded decisions differ at {m} rows")
+        a, b = [], []
+        for _ in range(3):
+            a.append(timed(seeded_before, xs, f32, noise, row))
+            b.append(timed(seeded_after, xs, head, noise, row))
+        print(f"{m:4d}  {np.median(a):71.2f}  {np.median(b):17.2f}  {np.median(b) / np.median(a):5.2f}")
 
 
 if __name__ == "__main__":

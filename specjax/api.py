@@ -21,7 +21,7 @@ from specjax.io import registry
 from specjax.io.prompts import normalize_prompts
 from specjax.speculation.budget import Budget, default_levels
 from specjax.speculation.choices import DRAFT_CHOICES, MODES, VERIFIER_CHOICES
-from specjax.speculation.cost import with_costs
+from specjax.speculation.cost import pass_head, with_costs
 from specjax.speculation.drafters.base import Bound
 from specjax.speculation.drafters.ssm import SSMDrafter, check_compatible
 from specjax.speculation.expansion import Expansion
@@ -243,7 +243,7 @@ def measured_budget(model: Model, plan: GenerationPlan, params=None, batch: int 
     batch = len(plan.ids) + (parallel.padding_for(len(plan.ids)) if parallel is not None else 0) \
         if batch is None else batch
     budget = with_costs(plan.spec.budget, params, model.config, batch, plan.spec.impl, parallel, progress,
-                        greedy=plan.spec.verifier == "greedy")
+                        head=pass_head(plan.spec.verifier))
     return dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, budget=budget))
 
 

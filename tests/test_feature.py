@@ -385,6 +385,36 @@ class TestDynamicTree(chex.TestCase):
         assert (expected[:, 0] == 0).all() and (np.diff(expected, axis=1) >= 0).all()
 
 
+def test_drafts_from_the_seeded_verifiers_noise_equal_its_own_draws():
+    """Under the seeded verifier the loop hands the drafter its rows of noise (``DraftContext.noise``,
+    positions length + 1 ..): the proposal is the one the drafter makes drawing G(seed, t) itself, at
+    temperature 1 and with a greedy request beside; rows keyed elsewhere (the seeded_by_depth mutant's)
+    change it."""
+    from specjax.decoding.sampling import SamplingArrays, SamplingParams
+    from specjax.speculation.verify.seeded import seeded_noise
+
+    cfg, params = toy_model(12, 0, layers=2)
+    fcfg = FeatureConfig(cfg, tuple(range(1, 12)))
+    fp = bind(init_trained(params, fcfg, jax.random.key(3)), params, fcfg)
+    d = FeatureDrafter(fcfg, depth=4, beam=3, nodes=12, ladder=(0, 4, 12))
+    batch, width = 3, 8
+    prompts = jnp.asarray(np.random.RandomState(1).randint(0, 12, (batch, width)), jnp.int32)
+    lens = jnp.asarray([8, 5, 6], jnp.int32)
+    _, _, hidden = prefill(params, prompts, lens, init_cache(cfg, batch, 32), cfg, hidden=(cfg.num_layers,))
+    first = jnp.asarray([4, 1, 7], jnp.int32)
+    state = d.init(fp, prompts, lens, cache_len=32, hidden=hidden, first=first)
+    history = jnp.zeros((batch, 32), jnp.int32).at[:, :width].set(prompts).at[jnp.arange(batch), lens].set(first)
+    sampling = SamplingArrays.from_params([SamplingParams(1.0, seed=2), SamplingParams(), SamplingParams(1.0, seed=9)])
+    propose = jax.jit(lambda s, ctx: d.propose(fp, s, ctx)[0])
+    ctx = DraftContext(history=history, length=lens, sampling=sampling, impl="xla", max_depth=5)
+    own = propose(state, ctx)
+    shared = propose(state, ctx.replace(noise=seeded_noise(sampling, lens, 6, cfg.vocab_size)))
+    chex.assert_trees_all_equal(own, shared)
+    elsewhere = propose(state, ctx.replace(noise=seeded_noise(sampling, lens, 6, cfg.vocab_size,
+                                                              fault="seeded_by_depth")))
+    assert not np.array_equal(np.asarray(own.tokens), np.asarray(elsewhere.tokens))
+
+
 def test_feature_drafter_refuses_bad_settings(llama):
     cfg = FeatureConfig(llama.config, (1, 2, 3))
     with pytest.raises(InputError, match="beam 4 exceeds the draft vocabulary"):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.decoding.sampling import finite_rows, first_argmax
+from specjax.decoding.sampling import SamplingArrays, finite_rows, first_argmax, seeded_tokens
 from specjax.kernels import cpu as cpu_kernels
 from specjax.kernels.cpu import greedy_head
 from specjax.kernels.cpu import matmul as cpu_matmul
@@ -149,9 +149,9 @@ def test_step_params_carry_the_greedy_head(family, tiny_llama_dir, tiny_opt_dir)
     from specjax.models.params import GREEDY_HEAD
 
     model = specjax.load_model(tiny_llama_dir if family == "llama" else tiny_opt_dir, progress=False)
-    head = step_params(model.params, greedy=True)[GREEDY_HEAD]
+    head = step_params(model.params, decides=True)[GREEDY_HEAD]
     assert isinstance(head, greedy_head.GreedyHead)
-    assert step_params(model.params, greedy=True)[GREEDY_HEAD].packed is head.packed  # packed once
+    assert step_params(model.params, decides=True)[GREEDY_HEAD].packed is head.packed  # packed once
     assert GREEDY_HEAD not in step_params(model.params)  # only programs that verify greedily carry it
     plain = model.params.get("lm_head")
     if plain is None:
@@ -173,7 +173,7 @@ def test_smollm2_tree_pass_decides_as_its_logits(smollm2):
     from specjax.speculation.tree import from_parents
 
     cfg = smollm2.config
-    params = step_params(smollm2.params, greedy=True)
+    params = step_params(smollm2.params, decides=True)
     rng = np.random.default_rng(5)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 24)), jnp.int32)
     cache = init_cache(cfg, 2, 64, jnp.float32)
@@ -186,8 +186,8 @@ def test_smollm2_tree_pass_decides_as_its_logits(smollm2):
     run = jax.jit(tree_forward, static_argnames=("cfg", "impl", "block_only", "greedy"))
     logits = run(params, tree, cache, cfg=cfg, impl="xla", block_only=True).logits
     got = run(params, tree, cache, cfg=cfg, impl="xla", block_only=True, greedy=True)
-    chex.assert_shape((got.argmax, got.finite), (2, 9))
-    np.testing.assert_array_equal(np.asarray(got.argmax), np.asarray(first_argmax(logits)))
+    chex.assert_shape((got.token, got.finite), (2, 9))
+    np.testing.assert_array_equal(np.asarray(got.token), np.asarray(first_argmax(logits)))
     np.testing.assert_array_equal(np.asarray(got.finite), np.asarray(finite_rows(logits)))
     assert np.asarray(got.finite).all()
 
@@ -196,7 +196,7 @@ def test_smollm2_tree_pass_decides_as_its_logits(smollm2):
 def test_the_avx2_build_decides_as_its_float32_kernel(tmp_path):
     """greedy_head.cc and matmul.cc built for AVX2 (``-march=haswell``, 32-column panels, its own tile
     shapes), without the FFI: the same decisions as its float32 matmul's logits on near-ties, exact
-    ties and rows that are not finite."""
+    ties and rows that are not finite, greedy and seeded (temperature 1)."""
     from specjax.kernels.cpu import build
     from tests.test_cpu_matmul import AVX2_CPU
 
@@ -237,4 +237,16 @@ def test_the_avx2_build_decides_as_its_float32_kernel(tmp_path):
         lib.specjax_cpu_greedy_head_reference(ptr(x), ptr(panels(w, np.float16)), ptr(rows), ptr(err), ptr(ids),
                                               ptr(finite), ptr(approx), *longs(m, k, n))
         np.testing.assert_array_equal(ids, want[0])
+        np.testing.assert_array_equal(finite, want[1])
+        # the seeded decision at temperature 1 (and greedy rows), from the same panels
+        noise = rng.gumbel(size=(2, n)).astype(np.float32)
+        inv_t = np.where(np.arange(m) % 3 == 2, 0.0, 1.0).astype(np.float32)
+        row = (np.arange(m) % 2).astype(np.int32)
+        lib.specjax_cpu_sampled_head_reference(ptr(x), ptr(panels(w, np.float16)), ptr(rows), ptr(err), ptr(inv_t),
+                                               ptr(noise), ptr(row), ptr(ids), ptr(finite), ptr(approx),
+                                               *longs(m, k, n))
+        sampling = SamplingArrays(temperature=jnp.asarray(inv_t), top_k=jnp.zeros((m,), jnp.int32),
+                                  top_p=jnp.ones((m,), jnp.float32), seed=jnp.zeros((m,), jnp.int32))
+        want_sampled = seeded_tokens(jnp.asarray(logits), sampling, jnp.asarray(noise[row]))
+        np.testing.assert_array_equal(ids, np.asarray(want_sampled))
         np.testing.assert_array_equal(finite, want[1])

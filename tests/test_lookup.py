@@ -294,7 +294,7 @@ def test_auto_budgets_take_the_goal_of_their_batching(llama, tmp_path, monkeypat
 
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
 
-    def fake_measure(params, cfg, batch, nodes, impl, parallel=None, progress=None, greedy=False):
+    def fake_measure(params, cfg, batch, nodes, impl, parallel=None, progress=None, head="logits"):
         for n in nodes:
             if progress is not None:  # generate below measures batch 1 without a progress callback
                 progress(n)

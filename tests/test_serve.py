@@ -104,10 +104,12 @@ def _given_pass_costs(model, cache_dir: str, slots: int) -> None:
     import jax.numpy as jnp
 
     from specjax.models.params import layers_split
-    from specjax.speculation.cost import table_key
+    from specjax.speculation.cost import pass_head, table_key
 
     costs = {1: 1e-3, 2: 1.1e-3, 3: 1.2e-3, 5: 1.4e-3, 9: 1.8e-3, 17: 3e-3}
-    key = table_key(model.config, jnp.float32, slots, "xla", split=layers_split(model.params))
+    # the server's default verifier is seeded: its passes decide each node's seeded token (their own key)
+    key = table_key(model.config, jnp.float32, slots, "xla", split=layers_split(model.params),
+                    head=pass_head("seeded"))
     with open(os.path.join(cache_dir, "tree_costs.json"), "w") as f:
         json.dump({key: {str(n): c for n, c in costs.items()}}, f)
 

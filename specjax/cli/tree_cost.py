@@ -40,16 +40,16 @@ def _cmd_tree_cost(args, out) -> int:
             print(f"# measuring batch {b}, {n} nodes ...", file=sys.stderr, flush=True)
 
         rows[b], source = cached_pass_costs(model.params, model.config, b, nodes, impl, progress=progress,
-                                            remeasure=args.remeasure, greedy=args.greedy)
+                                            remeasure=args.remeasure, head=_head(args))
     if args.json:
         out.write(json.dumps({"model": args.model, "machine": machine_key(), "dtype": args.dtype,
-                              "layers": "split" if split else "stacked", "greedy": args.greedy,
+                              "layers": "split" if split else "stacked", "head": _head(args),
                               "step_matmuls": {str(b): step_library(b) for b in batches},
                               "seconds_per_pass": {str(b): {str(n): s for n, s in r.items()} for b, r in rows.items()}})
                   + "\n")
         return 0
     layers = "split layers" if split else "stacked layers"
-    head = ", greedy verifier's passes" if args.greedy else ""
+    head = {"logits": "", "greedy": ", greedy verifier's passes", "seeded": ", seeded verifier's passes"}[_head(args)]
     out.write(f"# LLM pass time by tree size: {args.model}, {args.dtype}, {layers}{head}, {machine_key()}\n")
     out.write("# step matmuls ($SPECJAX_CPU_DOTS): "
               + ", ".join(f"batch {b} {step_library(b)}" for b in batches) + "\n")
@@ -59,6 +59,10 @@ def _cmd_tree_cost(args, out) -> int:
         cells = [f"{rows[b][n] * 1e3:>9.1f} ms {rows[b][n] / rows[b][min(nodes)]:>5.2f}x" for b in batches]
         out.write(f"{n:>6} " + " ".join(cells) + "\n")
     return 0
+
+
+def _head(args) -> str:
+    return "greedy" if args.greedy else "seeded" if args.seeded else "logits"
 
 
 def add_parser(sub, fmt) -> None:
@@ -74,9 +78,13 @@ def add_parser(sub, fmt) -> None:
     t.add_argument("--batch-sizes", default="1", help="batch sizes")
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype")
     add_layers_flag(t)  # each layout's costs are cached separately
-    t.add_argument("--greedy", action="store_true",
-                   help="the greedy verifier's passes (temperature 0 with `generate`'s default verifier): each node's "
-                        "argmax, not its logits, which the CPU kernels compute for less; cached separately")
+    which = t.add_mutually_exclusive_group()
+    which.add_argument("--greedy", action="store_true",
+                       help="the greedy verifier's passes (temperature 0 with `generate`'s default verifier): each "
+                            "node's argmax, not its logits, which the CPU kernels compute for less; cached separately")
+    which.add_argument("--seeded", action="store_true",
+                       help="the seeded verifier's passes (sampling with `generate`'s default verifier): each node's "
+                            "seeded token at temperature 1, which the CPU kernels decide for less; cached separately")
     t.add_argument("--remeasure", action="store_true", help="measure again instead of reading the cached table")
     t.add_argument("--json", action="store_true", help="one JSON object on stdout")
     t.set_defaults(func=_cmd_tree_cost)

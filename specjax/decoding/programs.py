@@ -183,12 +183,13 @@ def step_drafter_params(drafters, drafter_params: tuple, parallel=None) -> tuple
     return tuple(d.step_params(p) for d, p in zip(drafters, drafter_params))
 
 
-def step_params(params: dict, parallel=None, greedy: bool = False) -> dict:
+def step_params(params: dict, parallel=None, decides: bool = False) -> dict:
     """The params a step program multiplies by (at any batch size): with the kernel on (see
     ``kernel_enabled``) and a float32 model with split layers on one device, every matmul weight and
     the head as a ``PackedWeight`` (each packed once and kept while its plain array lives: the packed
-    copies cost the weights' memory once more), and with ``greedy`` (the program verifies greedily)
-    the head once more for greedy decisions (``GREEDY_HEAD``: float16 panels, half the head's memory);
+    copies cost the weights' memory once more), and with ``decides`` (the program verifies greedily or
+    seeded, deciding tokens in the head) the head once more for those decisions (``GREEDY_HEAD``:
+    float16 panels, half the head's memory);
     otherwise ``params`` itself."""
     if (parallel is not None or not isinstance(params, dict) or not layers_split(params) or not kernel_enabled()
             or params["embed"].dtype != jnp.float32):
@@ -197,7 +198,7 @@ def step_params(params: dict, parallel=None, greedy: bool = False) -> dict:
     for head in ("lm_head", TIED_HEAD):  # whichever the model's head_logits reads
         if head in params:
             out[head] = _packed(params[head])
-    if greedy and not isinstance(params["embed"], jax.core.Tracer):  # inside a caller's jit: from the logits
+    if decides and not isinstance(params["embed"], jax.core.Tracer):  # inside a caller's jit: from the logits
         out[GREEDY_HEAD] = _greedy_head(params)
     return out
 
@@ -233,15 +234,19 @@ def _jit(fn, options: tuple | None, static_argnames: tuple, donate_argnames: tup
                    compiler_options=dict(options) if options else None)
 
 
-def _greedy(kwargs: dict) -> bool:
-    """Whether a step program called with these keyword arguments verifies greedily (its ``spec``)."""
-    return getattr(kwargs.get("spec"), "verifier", None) == "greedy"
+# The verifiers whose tree pass decides each node's token in the head (``TokenOutput``).
+DECIDING_VERIFIERS = ("greedy", "seeded")
+
+
+def _decides(kwargs: dict) -> bool:
+    """Whether a step program called with these keyword arguments verifies greedily or seeded (its ``spec``)."""
+    return getattr(kwargs.get("spec"), "verifier", None) in DECIDING_VERIFIERS
 
 
 class StepProgram:
-    """A jitted step function called with ``step_params(params, parallel, greedy)`` in place of its
-    first argument (the LLM's params; ``greedy`` when its ``spec`` verifies greedily); ``lower`` (AOT)
-    does the same."""
+    """A jitted step function called with ``step_params(params, parallel, decides)`` in place of its
+    first argument (the LLM's params; ``decides`` when its ``spec`` verifies greedily or seeded);
+    ``lower`` (AOT) does the same."""
 
     def __init__(self, jitted):
         self.jitted = jitted
@@ -249,18 +254,18 @@ class StepProgram:
     def __call__(self, params, *args, **kwargs):
         # ~0.4 ms per call for SmolLM2 (the weights are packed once; this rebuilds the dict): a loop
         # calls ``bind``'s partial instead
-        return self.jitted(step_params(params, kwargs.get("parallel"), _greedy(kwargs)), *args, **kwargs)
+        return self.jitted(step_params(params, kwargs.get("parallel"), _decides(kwargs)), *args, **kwargs)
 
     def bind(self, params, *args, **kwargs) -> functools.partial:
-        """The jitted function with ``step_params(params, parallel, greedy)`` made once, here, and the other
+        """The jitted function with ``step_params(params, parallel, decides)`` made once, here, and the other
         arguments given bound (``lower`` works on it as on the jitted function). A generation calls
         its step once per LLM pass: rebuilding the packed params each time cost 0.4 ms of host time a
         step (SmolLM2), on 2 cores taken from the threads running the previous step."""
-        return functools.partial(self.jitted, step_params(params, kwargs.get("parallel"), _greedy(kwargs)), *args,
+        return functools.partial(self.jitted, step_params(params, kwargs.get("parallel"), _decides(kwargs)), *args,
                                  **kwargs)
 
     def lower(self, params, *args, **kwargs):
-        return self.jitted.lower(step_params(params, kwargs.get("parallel"), _greedy(kwargs)), *args, **kwargs)
+        return self.jitted.lower(step_params(params, kwargs.get("parallel"), _decides(kwargs)), *args, **kwargs)
 
 
 def step_program(fn, batch: int, static_argnames=(), donate_argnames=()) -> StepProgram:

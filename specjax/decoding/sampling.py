@@ -3,10 +3,18 @@
 Definition (shared by incremental decoding and seeded speculative verification): the token
 at ABSOLUTE position t of a request with seed s is
 
-    y_t = argmax_v( warp(logits_{t-1})[v] + G(s, t)[v] ),   G(s, t) = Gumbel(fold_in(key(s), t))
+    y_t = argmax_v( score(logits_{t-1})[v] + G(s, t)[v] ),   G(s, t) = Gumbel(fold_in(key(s), t))
 
-which is an exact sample from softmax(warp(logits)). Greedy (temperature 0) is argmax of the raw
-logits, first index on ties. The warp is temperature -> top-k -> top-p -> renormalise, in float32.
+with score = logits * r (r = 1 / temperature), -inf outside top-k / top-p (``gumbel_scores``): an
+exact sample from softmax(warp(logits)), the warp being temperature -> top-k -> top-p -> renormalise,
+in float32 (the renormalisation shifts every score alike, so Gumbel-max does not need it).
+Greedy (temperature 0) is argmax of the raw logits, first index on ties.
+
+Why the scores are not the warped log-probabilities: a token decided from them needs only the few
+logits that can win (``specjax.kernels.cpu.greedy_head.sampled_decision`` decides seeded verification at
+temperature 1 from float16 panels, recomputing those exactly), where a log-softmax depends on every
+logit's rounding. (At other temperatures the product and the sum are one FMA or two roundings as XLA
+fuses them, so those requests are decided from the full logits, by this same function.)
 """
 
 from __future__ import annotations
@@ -112,6 +120,33 @@ def warp_logits(logits: jax.Array, sampling: SamplingArrays) -> jax.Array:
     return jax.nn.log_softmax(x, axis=-1).reshape(shape)
 
 
+def inverse_temperature(sampling: SamplingArrays) -> jax.Array:
+    """[B] float32 r = fl(1 / temperature) (1 for greedy requests): the scale of a request's scores."""
+    return 1.0 / jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
+
+
+def needs_filter(sampling: SamplingArrays) -> jax.Array:
+    """[] bool: some request asks for top-k or top-p (its scores need every logit, sorted)."""
+    return jnp.any((sampling.top_k > 0) | (sampling.top_p < 1.0))
+
+
+def gumbel_scores(logits: jax.Array, sampling: SamplingArrays) -> jax.Array:
+    """logits [B, V] -> the scores Gumbel-max sampling adds the noise to: fl(logits * r) (r =
+    ``inverse_temperature``), -inf outside the request's top-k / top-p, float32. Written as a product by
+    the reciprocal because that is what XLA makes of a division by a per-row temperature anyway (it
+    rewrites x / broadcast(t) as x * broadcast(1 / t)); here it is the definition, on every backend."""
+    x = logits.astype(jnp.float32) * inverse_temperature(sampling)[:, None]
+    return jax.lax.cond(needs_filter(sampling), _filter_top_k_top_p, lambda x, *_: x, x, sampling.top_k,
+                        sampling.top_p)
+
+
+def seeded_tokens(logits: jax.Array, sampling: SamplingArrays, noise: jax.Array) -> jax.Array:
+    """logits [B, V], noise [B, V] (each request's G(s, t)) -> [B] int32: the first argmax of scores +
+    noise for sampling requests, of the logits for greedy ones."""
+    sampled = first_argmax(gumbel_scores(logits, sampling) + noise)
+    return jnp.where(sampling.temperature > 0, sampled, first_argmax(logits))
+
+
 def gumbel_noise(seed: jax.Array, position: jax.Array, vocab: int) -> jax.Array:
     """G(seed, t): [B, V] float32 Gumbel noise keyed ONLY by the request seed and absolute position."""
 
@@ -144,10 +179,7 @@ def sample_tokens(logits: jax.Array, sampling: SamplingArrays, positions: jax.Ar
     greedy_tokens = first_argmax(logits)
 
     def with_sampling(_):
-        warped = warp_logits(logits, sampling)
-        noise = gumbel_noise(sampling.seed, positions, logits.shape[-1])
-        sampled = first_argmax(warped + noise)
-        return jnp.where(sampling.temperature > 0, sampled, greedy_tokens)
+        return seeded_tokens(logits, sampling, gumbel_noise(sampling.seed, positions, logits.shape[-1]))
 
     # The noise and the softmax cost O(V) per row (threefry dominates on a CPU: at 8 requests x 17
     # tree nodes, more than the LLM's tree pass); an all-greedy batch needs neither. Same tokens.

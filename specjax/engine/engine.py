@@ -27,7 +27,7 @@ from specjax.decoding.programs import step_drafter_params, step_program
 from specjax.decoding.sampling import SamplingArrays, SamplingParams
 from specjax.errors import InputError
 from specjax.speculation.budget import Budget, default_levels
-from specjax.speculation.cost import with_costs
+from specjax.speculation.cost import pass_head, with_costs
 from specjax.speculation.drafters.base import Bound
 from specjax.speculation.loop import init_state, init_state_jit, spec_step
 from specjax.speculation.spec import SpecConfig
@@ -78,7 +78,7 @@ class Engine:
         if budget == "auto":
             budget = with_costs(Budget(default_levels(drafter_objs), goal="rate"), model.params, model.config, slots,
                                 resolve_impl(impl), progress=progress,
-                                greedy=verifier == "greedy") if drafter_objs else None
+                                head=pass_head(verifier)) if drafter_objs else None
         elif budget is not None and not isinstance(budget, Budget):
             raise InputError(f"budget must be None, 'auto' or a Budget, got {budget!r}")
         self.spec = SpecConfig(drafters=drafter_objs, impl=resolve_impl(impl), verifier=verifier, budget=budget)

@@ -14,7 +14,7 @@ from specjax.attention import resolve_impl, tree_attention
 from specjax.attention.meta import AttentionMeta
 from specjax.attention.xla import attend, attend_written_token
 from specjax.config import ModelConfig
-from specjax.decoding.sampling import finite_rows, first_argmax
+from specjax.decoding.sampling import finite_rows, first_argmax, needs_filter, seeded_tokens
 from specjax.kernels import cpu as cpu_kernels
 from specjax.kernels.cpu import attention as cpu_attention
 from specjax.kernels.cpu import greedy_head as cpu_greedy_head
@@ -47,13 +47,16 @@ def head_logits(h: jax.Array, params: dict, cfg: ModelConfig) -> jax.Array:
     return jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=out)
 
 
-def head_outputs(h: jax.Array, params: dict, cfg: ModelConfig, greedy: bool, logits_of) -> tuple:
-    """The head over final hidden states h [B, K, D] as (logits, argmax, finite): ``logits_of(h)``
+def head_outputs(h: jax.Array, params: dict, cfg: ModelConfig, greedy: bool, logits_of, seeded=None) -> tuple:
+    """The head over final hidden states h [B, K, D] as (logits, token, finite): ``logits_of(h)``
     [B, K, V] and None, None; or with ``greedy`` None and each position's first argmax [B, K] int32 and
-    whether its logits are all finite [B, K] (what greedy verification reads). Where a step program's
-    params carry the greedy head (``GREEDY_HEAD``: the CPU kernels on, float32), that decision comes
-    from ``specjax.kernels.cpu.greedy_head`` without the float32 logits; the same decision as from
-    them."""
+    whether its logits are all finite [B, K] (what greedy verification reads); or with ``seeded`` (a
+    ``SeededHead``) None and the token seeded sampling draws at each position, with the finiteness (what
+    seeded verification reads). Where a step program's params carry the greedy head (``GREEDY_HEAD``:
+    the CPU kernels on, float32), those decisions come from ``specjax.kernels.cpu.greedy_head`` without
+    the float32 logits; the same decisions as from them."""
+    if seeded is not None:
+        return (None, *_seeded_decision(h, params, cfg, seeded, logits_of))
     if not greedy:
         return logits_of(h), None, None
     head = params.get(GREEDY_HEAD)
@@ -62,6 +65,36 @@ def head_outputs(h: jax.Array, params: dict, cfg: ModelConfig, greedy: bool, log
         return None, ids.reshape(h.shape[:-1]), finite.reshape(h.shape[:-1])
     logits = logits_of(h)
     return None, first_argmax(logits), finite_rows(logits)
+
+
+def _seeded_decision(h: jax.Array, params: dict, cfg: ModelConfig, seeded, logits_of) -> tuple:
+    """(token [B, K], finite [B, K]) of a ``SeededHead`` over h [B, K, D]."""
+    batch, k = h.shape[:2]
+    sampling, noise, row = seeded.sampling, seeded.noise, seeded.row
+
+    def from_logits(h):
+        logits = logits_of(h)  # [B, K, V]
+        per_position = jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), sampling)
+        at = jnp.take_along_axis(noise, row[:, :, None], axis=1)  # [B, K, V]
+        tokens = seeded_tokens(logits.reshape(batch * k, -1), per_position, at.reshape(batch * k, -1))
+        return tokens.reshape(batch, k), finite_rows(logits)
+
+    head = params.get(GREEDY_HEAD)
+    if head is None or cfg.draft_vocab is not None or h.dtype != jnp.float32:
+        return from_logits(h)
+
+    def from_kernel(h):
+        # Only at temperature 1 (or 0): the scores are then the logits plus the noise, one rounding on
+        # every backend; at other temperatures XLA may or may not fuse the product into the sum (one
+        # FMA), so those batches are decided from the full logits, as incremental sampling decides.
+        inv = jnp.repeat(jnp.where(sampling.temperature > 0, 1.0, 0.0).astype(jnp.float32), k)
+        rows = (jnp.arange(batch, dtype=jnp.int32)[:, None] * noise.shape[1] + row).reshape(-1)
+        ids, finite = cpu_greedy_head.sampled_decision(h.reshape(batch * k, -1), head, inv,
+                                                       noise.reshape(batch * noise.shape[1], -1), rows)
+        return ids.reshape(batch, k), finite.reshape(batch, k)
+
+    exact = ~needs_filter(sampling) & jnp.all((sampling.temperature == 0) | (sampling.temperature == 1))
+    return jax.lax.cond(exact, from_kernel, from_logits, h)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -13,7 +13,7 @@ from specjax.config import ModelConfig
 from specjax.models.cache import KVCache
 from specjax.models.common import attention_block, head_logits, head_outputs, rms_norm, rope_inv_freq
 from specjax.models.layers import hidden_output, run_layers
-from specjax.models.output import ForwardOutput, GreedyOutput, select_positions
+from specjax.models.output import ForwardOutput, SeededHead, TokenOutput, select_positions
 from specjax.models.weights import weight_einsum
 
 
@@ -62,7 +62,7 @@ def decoder_layer(cfg: ModelConfig, inv_freq):
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, meta: AttentionMeta,
             cfg: ModelConfig, logits_indices: jax.Array | None = None, parallel=None, hidden=None,
             row_logits: bool = False, block_only: bool = False, all_hidden: bool = False,
-            greedy: bool = False) -> ForwardOutput | GreedyOutput:
+            greedy: bool = False, seeded: SeededHead | None = None) -> ForwardOutput | TokenOutput:
     """tokens, positions: [B, T] -> ForwardOutput(logits [B, T or K, V] float32, cache with the block
     written, hidden states entering the ``hidden`` layers or None; see ``specjax.models``).
     parallel: a ``specjax.sharding.Parallel`` whose pp > 1 pipelines the layers (None = one scan).
@@ -87,8 +87,8 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
             logits = full.at[..., np.asarray(cfg.draft_vocab)].set(logits[..., :-1])
         return logits
 
-    logits, argmax, finite = head_outputs(h, params, cfg, greedy, logits_of)
+    logits, argmax, finite = head_outputs(h, params, cfg, greedy, logits_of, seeded)
     states = hidden_output(hidden, captured, every_h if all_hidden else final_h, cfg.num_layers)
-    if greedy:
-        return GreedyOutput(argmax, finite, cache, states)
+    if greedy or seeded is not None:
+        return TokenOutput(argmax, finite, cache, states)
     return ForwardOutput(logits, cache, states)

@@ -9,14 +9,14 @@ from specjax.config import ModelConfig
 from specjax.models.cache import KVCache
 from specjax.models.common import attention_block, head_logits, head_outputs, layer_norm
 from specjax.models.layers import hidden_output, run_layers
-from specjax.models.output import ForwardOutput, GreedyOutput, select_positions
+from specjax.models.output import ForwardOutput, SeededHead, TokenOutput, select_positions
 from specjax.models.weights import weight_einsum
 
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, meta: AttentionMeta,
             cfg: ModelConfig, logits_indices: jax.Array | None = None, parallel=None,
             hidden=None, block_only: bool = False, all_hidden: bool = False,
-            greedy: bool = False) -> ForwardOutput | GreedyOutput:
+            greedy: bool = False, seeded: SeededHead | None = None) -> ForwardOutput | TokenOutput:
     """tokens, positions: [B, T] -> ForwardOutput(logits [B, T or K, V] float32, cache with the block
     written, hidden states entering the ``hidden`` layers or None; see ``specjax.models``).
     parallel: a ``specjax.sharding.Parallel`` whose pp > 1 pipelines the layers (None = one scan)."""
@@ -53,8 +53,8 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
         h = layer_norm(h, params["final_norm_scale"], params["final_norm_bias"], eps)
     if cfg.has_projections:
         h = h @ params["project_out"]  # [B, K, E]
-    logits, argmax, finite = head_outputs(h, params, cfg, greedy, lambda h: head_logits(h, params, cfg))
+    logits, argmax, finite = head_outputs(h, params, cfg, greedy, lambda h: head_logits(h, params, cfg), seeded)
     states = hidden_output(hidden, captured, every_h if all_hidden else final_h, cfg.num_layers)
-    if greedy:
-        return GreedyOutput(argmax, finite, cache, states)
+    if greedy or seeded is not None:
+        return TokenOutput(argmax, finite, cache, states)
     return ForwardOutput(logits, cache, states)

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from specjax.decoding.sampling import SamplingArrays
 from specjax.errors import InputError
 from specjax.models.cache import KVCache
 
@@ -18,13 +19,25 @@ class ForwardOutput(NamedTuple):
     hidden: jax.Array | None = None  # [B, T or K, len(hidden), D]: hidden states entering the asked layers
 
 
-class GreedyOutput(NamedTuple):
-    """What a forward asked for ``greedy`` returns in place of the logits: what greedy verification reads."""
+class TokenOutput(NamedTuple):
+    """What a forward asked for ``greedy`` or ``seeded`` returns in place of the logits: the LLM's own token
+    at each position, what greedy and seeded verification read."""
 
-    argmax: jax.Array  # [B, T or K] int32: each position's first argmax of its logits (``first_argmax``)
+    token: jax.Array  # [B, T or K] int32: greedy, each position's first argmax of its logits (``first_argmax``);
+    # seeded, the token seeded sampling draws there (``specjax.decoding.sampling.seeded_tokens``)
     finite: jax.Array  # [B, T or K] bool: whether all its logits are finite (``finite_rows``)
     cache: KVCache  # as ForwardOutput's
     hidden: jax.Array | None = None  # as ForwardOutput's
+
+
+class SeededHead(NamedTuple):
+    """Asks a forward for the seeded sampler's token at each position instead of its logits (seeded
+    verification): request b's token at position i is ``seeded_tokens`` of its logits with settings
+    ``sampling[b]`` and noise ``noise[b, row[b, i]]``."""
+
+    sampling: SamplingArrays  # [B] each request's settings
+    noise: jax.Array  # [B, R, V] float32: rows of G(seed, t), zeros for greedy requests
+    row: jax.Array  # [B, T or K] int32 in [0, R): each position's row of noise
 
 
 def check_hidden(hidden, cfg) -> tuple[int, ...] | None:

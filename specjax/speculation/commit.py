@@ -8,19 +8,20 @@ import jax.numpy as jnp
 from specjax.attention import resolve_impl
 from specjax.attention.meta import AttentionMeta
 from specjax.config import ModelConfig
-from specjax.models import ForwardOutput, GreedyOutput, forward
+from specjax.models import ForwardOutput, SeededHead, TokenOutput, forward
 from specjax.models.cache import KVCache
 from specjax.speculation.tree import TokenTree
 
 
 def tree_forward(params, tree: TokenTree, cache: KVCache, cfg: ModelConfig, impl: str = "auto", parallel=None,
                  hidden: tuple[int, ...] | None = None, block_only: bool = False,
-                 greedy: bool = False) -> ForwardOutput | GreedyOutput:
+                 greedy: bool = False, seeded: SeededHead | None = None) -> ForwardOutput | TokenOutput:
     """ForwardOutput: logits [B, N, V] for every node, the cache with the tree's K/V in scratch slots
     ``[length, length + N)`` (slot = node index), and the hidden states ``hidden`` asks for at every
     node. Node positions are ``length + depth`` (RoPE angles for LLaMA, learned-position rows for
-    OPT), never the slot index. ``length`` is unchanged. ``greedy``: a ``GreedyOutput``, each node's
-    argmax and finiteness in place of its logits (``specjax.models.forward``).
+    OPT), never the slot index. ``length`` is unchanged. ``greedy``: a ``TokenOutput``, each node's
+    argmax and finiteness in place of its logits; ``seeded`` (a ``SeededHead``): each node's seeded sample
+    and finiteness (``specjax.models.forward``).
 
     ``block_only``: ``cache`` is left as it is and the output's cache holds only the nodes' K/V,
     [L, B, N, KVH, Dh] (node order); ``commit_rows`` commits the accepted path from it. The
@@ -32,7 +33,7 @@ def tree_forward(params, tree: TokenTree, cache: KVCache, cfg: ModelConfig, impl
     meta = AttentionMeta(lengths=cache.length, ancestor=tree.ancestor, impl=impl)
     writes = resolve_impl(impl) == "pallas" or (parallel is not None and parallel.pipelined)
     out = forward(params, tree.tokens, positions, cache, meta, cfg, parallel=parallel, hidden=hidden,
-                  block_only=block_only and not writes, greedy=greedy)
+                  block_only=block_only and not writes, greedy=greedy, seeded=seeded)
     if block_only and writes:
         rows = jnp.arange(cache.batch)[:, None]
         slots = cache.length[:, None] + jnp.arange(tree.tokens.shape[1])[None, :]

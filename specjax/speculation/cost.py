@@ -24,8 +24,10 @@ import numpy as np
 
 from specjax.config import ModelConfig, cache_root
 from specjax.decoding.programs import step_compiler_options, step_library, step_params
+from specjax.decoding.sampling import SamplingArrays, SamplingParams
 from specjax.errors import InputError
 from specjax.models.cache import init_cache
+from specjax.models.output import SeededHead
 from specjax.models.params import layers_split
 from specjax.sharding.distributed import wait_for_peers
 from specjax.speculation.budget import Budget
@@ -74,16 +76,33 @@ def cpu_name() -> str:
 PASS_VERSION = 10
 
 
+# What a verifier's tree pass computes in its head: "greedy" each node's argmax, "seeded" each node's
+# seeded sample (with the CPU kernels both cheaper than the logits: ``specjax.kernels.cpu.greedy_head``),
+# "logits" the logits (the sampled verifiers read whole laws).
+HEADS = ("logits", "greedy", "seeded")
+
+
+def pass_head(verifier: str) -> str:
+    """The head a verifier's tree passes compute (``HEADS``)."""
+    return verifier if verifier in ("greedy", "seeded") else "logits"
+
+
+def _check_head(head: str) -> None:
+    if head not in HEADS:
+        raise InputError(f"a tree pass's head is one of {list(HEADS)}, got {head!r}")
+
+
 def table_key(cfg: ModelConfig, dtype, batch: int, impl: str, parallel=None, split: bool = False,
-              greedy: bool = False) -> str:
+              head: str = "logits") -> str:
     """``split``: the layer weights' layout (``specjax.models.params``): split passes cost less.
-    ``greedy``: passes for the greedy verifier, which reads each node's argmax, not its logits (with the
-    CPU kernels a cheaper head: ``specjax.kernels.cpu.greedy_head``)."""
+    ``head``: what the pass computes in its head (``HEADS``; the greedy and seeded verifiers' passes
+    decide each node's token, not its logits)."""
+    _check_head(head)
     mesh = "none" if parallel is None else str(dict(parallel.mesh.shape))
     model = hashlib.sha256(repr(cfg).encode()).hexdigest()[:16]
     return (f"{model}|{jnp.dtype(dtype).name}|{machine_key()}|mesh={mesh}|batch={batch}|impl={impl}"
             f"|layers={'split' if split else 'stacked'}|dots={step_library(batch)}|pass=v{PASS_VERSION}"
-            + ("|head=greedy" if greedy else ""))
+            + ("" if head == "logits" else f"|head={head}"))
 
 
 def _chain(batch: int, nodes: int):
@@ -93,9 +112,11 @@ def _chain(batch: int, nodes: int):
 
 def measure_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: str = "xla", parallel=None,
                        prefix: int = PREFIX, repeats: int = REPEATS, progress=None,
-                       greedy: bool = False) -> dict[int, float]:
+                       head: str = "logits") -> dict[int, float]:
     """{nodes: seconds per LLM tree pass}, measured warm on this machine (median of ``repeats``);
-    ``greedy``: the pass as the greedy verifier has it (each node's argmax and finiteness)."""
+    ``head``: the pass as that verifier has it (``HEADS``: "greedy" each node's argmax and finiteness,
+    "seeded" its seeded sample at temperature 1 and finiteness)."""
+    _check_head(head)
     counts = sorted(set(int(n) for n in node_counts))
     if not counts or counts[0] < 1:
         raise InputError(f"tree sizes to measure must be >= 1 node, got {node_counts!r}")
@@ -104,11 +125,17 @@ def measure_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: 
     def one_pass(params, tree, cache):
         if parallel is not None:
             cache = parallel.constrain_cache(cache, cfg)
-        out = tree_forward(params, tree, cache, cfg, impl, parallel, block_only=True, greedy=greedy)
-        return (out.argmax, out.finite) if greedy else out.logits  # as the loop runs it
+        seeded = None
+        if head == "seeded":  # temperature 1 (the kernel's case); the step makes the noise once, outside
+            sampling = SamplingArrays.from_params([SamplingParams(temperature=1.0)] * batch)
+            noise = jnp.zeros((batch, 1, cfg.vocab_size), jnp.float32)
+            seeded = SeededHead(sampling, noise, jnp.zeros_like(tree.depth))
+        out = tree_forward(params, tree, cache, cfg, impl, parallel, block_only=True, greedy=head == "greedy",
+                           seeded=seeded)
+        return out.logits if head == "logits" else (out.token, out.finite)  # as the loop runs it
 
     fwd = jax.jit(one_pass, compiler_options=step_compiler_options(batch))  # compiled as the loop's steps are
-    params = step_params(params, parallel, greedy)  # and multiplying by the same weights
+    params = step_params(params, parallel, head != "logits")  # and multiplying by the same weights
     inputs = {}
     for n in counts:
         if progress is not None:
@@ -148,7 +175,7 @@ def monotone(costs: dict[int, float]) -> dict[int, float]:
 
 
 def cached_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: str = "xla", parallel=None,
-                      progress=None, remeasure: bool = False, greedy: bool = False) -> tuple[dict[int, float], str]:
+                      progress=None, remeasure: bool = False, head: str = "logits") -> tuple[dict[int, float], str]:
     """({nodes: seconds}, where they came from): the on-disk table, measuring what it lacks.
 
     Several processes (one mesh across hosts) each read their own host's table, and the tables can
@@ -158,7 +185,7 @@ def cached_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: s
     and decide every step's branch, so all processes must hold the same ones."""
     path = cache_path()
     dtype = jax.tree.leaves(params)[0].dtype
-    key = table_key(cfg, dtype, batch, impl, parallel, layers_split(params), greedy)
+    key = table_key(cfg, dtype, batch, impl, parallel, layers_split(params), head)
     counts = [int(n) for n in node_counts]
     row = {} if remeasure else {int(n): float(s) for n, s in _read(path).get(key, {}).items()}
     missing = [n for n in counts if n not in row]
@@ -166,7 +193,7 @@ def cached_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: s
     if shared:
         missing = _process0_sizes(counts, missing)
     if missing:
-        row.update(measure_pass_costs(params, cfg, batch, missing, impl, parallel, progress=progress, greedy=greedy))
+        row.update(measure_pass_costs(params, cfg, batch, missing, impl, parallel, progress=progress, head=head))
     if shared:
         row.update(_process0_costs(counts, row))
     if missing:
@@ -201,13 +228,13 @@ def _process0_costs(counts: list[int], row: dict[int, float]) -> dict[int, float
 
 
 def with_costs(budget: Budget, params, cfg: ModelConfig, batch: int, impl: str, parallel=None,
-               progress=None, greedy: bool = False) -> Budget:
+               progress=None, head: str = "logits") -> Budget:
     """The budget with each level's measured seconds per pass (unchanged when it already has costs);
-    ``greedy``: for the greedy verifier's passes."""
+    ``head``: for that verifier's passes (``pass_head``)."""
     if budget.costs is not None:
         return budget
     nodes = [budget.node_count(level) for level in range(len(budget.levels))]
-    costs, source = cached_pass_costs(params, cfg, batch, nodes, impl, parallel, progress=progress, greedy=greedy)
+    costs, source = cached_pass_costs(params, cfg, batch, nodes, impl, parallel, progress=progress, head=head)
     return dataclasses.replace(budget, costs=tuple(costs[n] for n in nodes), source=source)
 
 

@@ -19,7 +19,7 @@ from specjax.decoding.host_step import step_if_active
 from specjax.decoding.incremental import PAD_TOKEN, prefill
 from specjax.decoding.sampling import SamplingArrays, finite_rows, first_argmax, sample_tokens
 from specjax.models.cache import init_cache
-from specjax.models.output import ForwardOutput, GreedyOutput
+from specjax.models.output import ForwardOutput, TokenOutput
 from specjax.speculation.budget import choose_level, expected_by_level
 from specjax.speculation.commit import commit_rows, tree_forward
 from specjax.speculation.drafters.base import Accepted, DraftContext
@@ -30,21 +30,22 @@ from specjax.speculation.state import SpecOutput, SpecState, greedy_sampling, st
 from specjax.speculation.tree import TokenTree
 from specjax.speculation.verify.greedy import verify_greedy
 from specjax.speculation.verify.sampled import verify_sampled
-from specjax.speculation.verify.seeded import verify_seeded
+from specjax.speculation.verify.seeded import seeded_head, seeded_noise, verify_seeded
 
 __all__ = ["SpecConfig", "SpecState", "SpecOutput", "VERIFIERS", "DEFAULT_DRAFT", "spec_step", "init_state",
            "generate_speculative", "generate_speculative_jit", "generate_stream", "step_jit", "init_state_jit",
            "host_step_jit"]
 
 
-def propose_all(drafter_params: tuple, state: SpecState, spec: SpecConfig, sampling: SamplingArrays):
-    """Every drafter's proposal for this step (root token set), the drafters' new states and the root [B, 1]."""
+def propose_all(drafter_params: tuple, state: SpecState, spec: SpecConfig, sampling: SamplingArrays, noise=None):
+    """Every drafter's proposal for this step (root token set), the drafters' new states and the root [B, 1].
+    ``noise``: the seeded verifier's rows of noise this step (``DraftContext.noise``)."""
     history, length = state.history, state.llm_cache.length
     root = jnp.take_along_axis(history, length[:, None], axis=1)
     proposals, states = [], []
     for i, (drafter, params, dstate) in enumerate(zip(spec.drafters, drafter_params, state.drafter_states)):
         ctx = DraftContext(history=history, length=length, sampling=sampling, index=i, impl=spec.impl,
-                           fault=spec.fault, max_depth=spec.max_depth)
+                           fault=spec.fault, max_depth=spec.max_depth, noise=noise)
         proposal, dstate = drafter.propose(params, dstate, ctx)
         proposals.append(proposal.replace(tokens=proposal.tokens.at[:, 0].set(root[:, 0])))
         states.append(dstate)
@@ -98,33 +99,38 @@ def _root_only(root: jax.Array) -> TokenTree:
                      law_row=jnp.full((batch, 1, 1), -1, jnp.int32))
 
 
-def verify(out: ForwardOutput | GreedyOutput, tree: TokenTree, laws, sampling: SamplingArrays, length: jax.Array,
+def verify(out: ForwardOutput | TokenOutput, tree: TokenTree, laws, sampling: SamplingArrays, length: jax.Array,
            spec: SpecConfig, depth: int | None = None):
-    """The verdict on the tree pass ``out`` (a ``GreedyOutput`` for the greedy verifier, else its logits)."""
+    """The verdict on the tree pass ``out`` (a ``TokenOutput`` for the greedy and seeded verifiers, else its
+    logits)."""
     depth = spec.max_depth if depth is None else depth
     if spec.verifier == "greedy":
-        return verify_greedy(out.argmax, tree, depth)
+        return verify_greedy(out.token, tree, depth)
     if spec.verifier == "seeded":
-        return verify_seeded(out.logits, tree, sampling, length, depth, fault=spec.fault)
+        return verify_seeded(out.token, tree, depth)
     return verify_sampled(out.logits, tree, laws, sampling, length, spec.verifier, depth, fault=spec.fault)
 
 
-def _scored_pass(llm_params, proposals, root, state: SpecState, cfg, spec: SpecConfig, parallel, counts):
+def _scored_pass(llm_params, proposals, root, state: SpecState, cfg, spec: SpecConfig, parallel, counts, noise=None):
     """One branch of the budget switch: the tree at these node counts through the LLM, verified.
     Returns (verdict, K/V [L, B, D + 1, KVH, Dh], finite logits and hidden states, each at the path's
     nodes), padded to the spec's full depth so every branch has one shape. The pass only reads the
-    cache (``block_only``) and the accepted path is committed after the switch: it never copies the cache."""
+    cache (``block_only``) and the accepted path is committed after the switch: it never copies the cache.
+    ``noise``: the seeded verifier's rows of noise (``seeded_noise``)."""
     tree, laws, depth = build_tree(proposals, root, spec, counts)
-    greedy = spec.verifier == "greedy"  # reads only each node's argmax (and finiteness): cheaper to get
+    # The greedy and seeded verifiers read only each node's token (and finiteness): cheaper to get
+    greedy = spec.verifier == "greedy"
+    seeded = seeded_head(state.sampling, noise, tree) if spec.verifier == "seeded" else None
     out = tree_forward(llm_params, tree, state.llm_cache, cfg, spec.impl, parallel, hidden=spec.hidden_layers,
-                       block_only=True, greedy=greedy)
+                       block_only=True, greedy=greedy, seeded=seeded)
     verdict = verify(out, tree, laws, state.sampling, state.llm_cache.length, spec, depth)
     pad = spec.max_depth - depth
     if pad:
         verdict = verdict.replace(path=jnp.pad(verdict.path, ((0, 0), (0, pad)), constant_values=-1),
                                   emitted=jnp.pad(verdict.emitted, ((0, 0), (0, pad))))
     at_path = jnp.maximum(verdict.path, 0)
-    finite = jnp.take_along_axis(out.finite if greedy else finite_rows(out.logits), at_path, axis=1)
+    finite = jnp.take_along_axis(out.finite if isinstance(out, TokenOutput) else finite_rows(out.logits), at_path,
+                                 axis=1)
     hidden = None
     if out.hidden is not None:
         hidden = jnp.take_along_axis(out.hidden, at_path[:, :, None, None], axis=1)
@@ -143,10 +149,13 @@ def spec_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelCon
     depth = spec.max_depth
     length = state.llm_cache.length
     sampling = state.sampling
-    proposals, drafter_states, root = propose_all(drafter_params, state, spec, sampling)
+    noise = None
+    if spec.verifier == "seeded":  # made once: every branch's verification and the drafters' coupled drafts
+        noise = seeded_noise(sampling, length, depth + 1, cfg.vocab_size, fault=spec.fault)
+    proposals, drafter_states, root = propose_all(drafter_params, state, spec, sampling, noise)
     levels = spec.levels
-    branches = [functools.partial(_scored_pass, llm_params, proposals, root, state, cfg, spec, parallel, counts)
-                for counts in levels]
+    branches = [functools.partial(_scored_pass, llm_params, proposals, root, state, cfg, spec, parallel, counts,
+                                  noise) for counts in levels]
     if spec.budget is None:
         level = jnp.int32(0)
         verdict, path_kv, finite_on_path, hidden = branches[0]()

@@ -8,7 +8,12 @@ bounds each approximate logit's distance from the exact one (``GreedyHead.err``,
 from the rounding here), then recomputes exactly, in the matmul kernel's own order of fused
 multiply-adds, only the columns whose bounds reach the top: the decision is the float32 kernel's, bit
 for bit (``tests/test_greedy_head.py``). Rows whose approximate logits are not all finite, or large
-enough to overflow, are recomputed in full."""
+enough to overflow, are recomputed in full.
+
+Seeded sampling's token is decided the same way (``sampled_decision``): each row's first argmax of its
+Gumbel-max scores fl(fl(l r) + g) (``specjax.decoding.sampling.gumbel_scores``: r the request's inverse
+temperature, g its noise row), bounded from the approximate logits, the few columns that can win
+recomputed exactly: the token ``sample_tokens`` draws from the float32 kernel's logits, bit for bit."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import numpy as np
 from specjax.kernels.cpu import matmul as cpu_matmul
 
 TARGET = "specjax_cpu_greedy_head"
+SAMPLED_TARGET = "specjax_cpu_sampled_head"
 
 # Slack on the float64 bound: covers the rounding of the bound's own arithmetic many times over.
 _SLACK = 1.0 + 2.0 ** -10
@@ -79,4 +85,28 @@ def greedy_decision(x: jax.Array, head: GreedyHead) -> tuple[jax.Array, jax.Arra
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((m,), jnp.int32), jax.ShapeDtypeStruct((m,), jnp.bool_),
                                      jax.ShapeDtypeStruct((m, n), jnp.float32)))
     ids, finite, _ = call(x, head.packed, head.rows, head.err)
+    return ids, finite
+
+
+def sampled_decision(x: jax.Array, head: GreedyHead, inv_temperature: jax.Array, noise: jax.Array,
+                     noise_row: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] float32, inv_temperature [M] float32 (0: the row decides greedily), noise [R, N] float32
+    and noise_row [M] int32 (each sampled row's row of ``noise``, in [0, R)) -> (ids [M] int32, finite [M]
+    bool): each sampled row's first argmax of fl(fl(l * inv_temperature) + noise[noise_row]) over its
+    logits l = x @ W (the first NaN where one is NaN), each greedy row's as ``greedy_decision``; as
+    ``sample_tokens`` decides on the float32 kernel's logits (no top-k / top-p: the caller filters
+    those requests through the full logits)."""
+    if x.dtype != jnp.float32 or x.ndim != 2 or x.shape[1] != head.rows.shape[1]:
+        raise ValueError(f"x {x.dtype} {x.shape} does not match the greedy head's rows {head.rows.shape}")
+    m, n = x.shape[0], head.rows.shape[0]
+    if (inv_temperature.shape != (m,) or inv_temperature.dtype != jnp.float32 or noise_row.shape != (m,)
+            or noise_row.dtype != jnp.int32 or noise.ndim != 2 or noise.shape[1] != n or noise.dtype != jnp.float32):
+        raise ValueError(f"sampled decision of {m} rows over {n} columns: got inv_temperature {inv_temperature.dtype} "
+                         f"{inv_temperature.shape}, noise {noise.dtype} {noise.shape}, noise_row {noise_row.dtype} "
+                         f"{noise_row.shape}")
+    cpu_matmul.panel_width()  # builds and registers the kernels before XLA lowers the call
+    call = jax.ffi.ffi_call(SAMPLED_TARGET, (jax.ShapeDtypeStruct((m,), jnp.int32),
+                                             jax.ShapeDtypeStruct((m,), jnp.bool_),
+                                             jax.ShapeDtypeStruct((m, n), jnp.float32)))
+    ids, finite, _ = call(x, head.packed, head.rows, head.err, inv_temperature, noise, noise_row)
     return ids, finite

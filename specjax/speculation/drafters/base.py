@@ -75,6 +75,10 @@ class DraftContext:
     # The deepest tree of the merged pool: a step may commit up to max_depth + 1 tokens, also ones
     # another drafter proposed (a drafter that re-reads recent tokens must cover that many).
     max_depth: int = struct.field(pytree_node=False, default=0)
+    # Under the seeded verifier, the noise it adds this step, G(seed, length + 1 + d) [B, max_depth + 1, V]
+    # (zeros where no request samples; ``specjax.speculation.verify.seeded.seeded_noise``): a drafter
+    # coupling its drafts to it reads these rows instead of drawing them again. None otherwise.
+    noise: jax.Array | None = None
 
 
 @struct.dataclass

@@ -1,9 +1,10 @@
 """Verifiers: walk the tree from the root and accept the path the LLM itself would produce.
 
 * ``verify_greedy``: follow the child whose token is the LLM's argmax; that argmax is the bonus.
-* ``verify_seeded``: the LLM's token at node u is argmax(warp(logits[u]) + G(seed, t)) with t the
-  ABSOLUTE position of the next token, exactly the incremental sampler's definition, so the output
-  equals incremental seeded sampling token for token for any tree (drafter-invariant).
+* ``verify_seeded``: the LLM's token at node u is argmax(score(logits[u]) + G(seed, t)) with t the
+  ABSOLUTE position of the next token (``specjax.decoding.sampling``), exactly the incremental sampler's
+  definition, so the output equals incremental seeded sampling token for token for any tree
+  (drafter-invariant); the tree pass decides it per node (``SeededHead``).
 * ``verify_sampled``: multi-step speculative sampling over the entries of every node, in draw order
   (docs/verification.md): r <- p~[u]; entry j with token x and declared law lam is accepted iff
   xi_j * lam(x) < r(x) (strict, no division); else r <- norm(max(0, r - lam)) (kept when the mass

@@ -351,20 +351,29 @@ def test_init_reads_the_prompt_in_chunks_as_one_pass_would(width):
             np.testing.assert_allclose(np.asarray(got[:, b, :n]), np.asarray(want[:, b, :n]), rtol=1e-5, atol=1e-5)
 
 
+def _toy_drafter_after_prefill(prompt_seed: int, lens, first):
+    """(cfg, bound params, a 4-deep beam-3 drafter of 12 nodes, its state after a 3-request prefill of
+    8-token random prompts cut at ``lens`` with ``first`` the first generated tokens, the history): a
+    drafter about to propose, over a 12-token toy LLM whose token 0 can never be drafted."""
+    cfg, params = toy_model(12, 0, layers=2)
+    fcfg = FeatureConfig(cfg, tuple(range(1, 12)))  # token 0 can never be drafted
+    fp = bind(init_trained(params, fcfg, jax.random.key(3)), params, fcfg)
+    d = FeatureDrafter(fcfg, depth=4, beam=3, nodes=12, ladder=(0, 4, 12))
+    batch, width = 3, 8
+    prompts = jnp.asarray(np.random.RandomState(prompt_seed).randint(0, 12, (batch, width)), jnp.int32)
+    lens, first = jnp.asarray(lens, jnp.int32), jnp.asarray(first, jnp.int32)
+    _, _, hidden = prefill(params, prompts, lens, init_cache(cfg, batch, 32), cfg, hidden=(cfg.num_layers,))
+    state = d.init(fp, prompts, lens, cache_len=32, hidden=hidden, first=first)
+    history = jnp.zeros((batch, 32), jnp.int32).at[:, :width].set(prompts).at[jnp.arange(batch), lens].set(first)
+    return cfg, fp, d, state, history
+
+
 class TestDynamicTree(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_best_first_closed_and_within_the_beam(self):
-        cfg, params = toy_model(12, 0, layers=2)
-        fcfg = FeatureConfig(cfg, tuple(range(1, 12)))  # token 0 can never be drafted
-        fp = bind(init_trained(params, fcfg, jax.random.key(3)), params, fcfg)
-        d = FeatureDrafter(fcfg, depth=4, beam=3, nodes=12, ladder=(0, 4, 12))
-        batch, width = 3, 8
-        prompts = jnp.asarray(np.random.RandomState(0).randint(0, 12, (batch, width)), jnp.int32)
-        lens = jnp.asarray([8, 5, 2], jnp.int32)
-        _, _, hidden = prefill(params, prompts, lens, init_cache(cfg, batch, 32), cfg, hidden=(cfg.num_layers,))
-        first = jnp.asarray([4, 0, 7], jnp.int32)
-        state = d.init(fp, prompts, lens, cache_len=32, hidden=hidden, first=first)
-        history = jnp.zeros((batch, 32), jnp.int32).at[:, :width].set(prompts).at[jnp.arange(batch), lens].set(first)
+        lens, first = jnp.asarray([8, 5, 2], jnp.int32), jnp.asarray([4, 0, 7], jnp.int32)
+        cfg, fp, d, state, history = _toy_drafter_after_prefill(0, lens, first)
+        batch = 3
         ctx = DraftContext(history=history, length=lens, sampling=sampling_arrays(batch, 0.0), impl="xla")
         proposal, new = self.variant(lambda s: d.propose(fp, s, ctx))(state)
         tokens, parent, ok = (np.asarray(x) for x in (proposal.tokens, proposal.parent, proposal.ok))
@@ -393,17 +402,8 @@ def test_drafts_from_the_seeded_verifiers_noise_equal_its_own_draws():
     from specjax.decoding.sampling import SamplingArrays, SamplingParams
     from specjax.speculation.verify.seeded import seeded_noise
 
-    cfg, params = toy_model(12, 0, layers=2)
-    fcfg = FeatureConfig(cfg, tuple(range(1, 12)))
-    fp = bind(init_trained(params, fcfg, jax.random.key(3)), params, fcfg)
-    d = FeatureDrafter(fcfg, depth=4, beam=3, nodes=12, ladder=(0, 4, 12))
-    batch, width = 3, 8
-    prompts = jnp.asarray(np.random.RandomState(1).randint(0, 12, (batch, width)), jnp.int32)
     lens = jnp.asarray([8, 5, 6], jnp.int32)
-    _, _, hidden = prefill(params, prompts, lens, init_cache(cfg, batch, 32), cfg, hidden=(cfg.num_layers,))
-    first = jnp.asarray([4, 1, 7], jnp.int32)
-    state = d.init(fp, prompts, lens, cache_len=32, hidden=hidden, first=first)
-    history = jnp.zeros((batch, 32), jnp.int32).at[:, :width].set(prompts).at[jnp.arange(batch), lens].set(first)
+    cfg, fp, d, state, history = _toy_drafter_after_prefill(1, lens, [4, 1, 7])
     sampling = SamplingArrays.from_params([SamplingParams(1.0, seed=2), SamplingParams(), SamplingParams(1.0, seed=9)])
     propose = jax.jit(lambda s, ctx: d.propose(fp, s, ctx)[0])
     ctx = DraftContext(history=history, length=lens, sampling=sampling, impl="xla", max_depth=5)

@@ -161,10 +161,9 @@ def test_step_params_carry_the_greedy_head(family, tiny_llama_dir, tiny_opt_dir)
     chex.assert_shape(head.err, (head.rows.shape[0],))
 
 
-@needs_kernel
-def test_smollm2_tree_pass_decides_as_its_logits(smollm2):
-    """A SmolLM2 tree pass asked for ``greedy`` (through the step programs' params, as the speculative
-    loop runs it) gives every node the argmax and finiteness of the same pass's logits."""
+def smollm2_tree_pass(smollm2):
+    """(params as a deciding step program has them, a 9-node tree of two requests at 24 and 17 tokens of
+    committed random context, that cache, a jitted ``tree_forward``): a SmolLM2 tree pass to decide from."""
     from specjax.attention.meta import causal_meta
     from specjax.decoding.programs import step_params
     from specjax.models import forward
@@ -184,6 +183,15 @@ def test_smollm2_tree_pass_decides_as_its_logits(smollm2):
     tokens = [rng.integers(0, cfg.vocab_size, 9).tolist() for _ in parents]
     tree = from_parents(tokens, parents, n_max=9)
     run = jax.jit(tree_forward, static_argnames=("cfg", "impl", "block_only", "greedy"))
+    return params, tree, cache, run
+
+
+@needs_kernel
+def test_smollm2_tree_pass_decides_as_its_logits(smollm2):
+    """A SmolLM2 tree pass asked for ``greedy`` (through the step programs' params, as the speculative
+    loop runs it) gives every node the argmax and finiteness of the same pass's logits."""
+    cfg = smollm2.config
+    params, tree, cache, run = smollm2_tree_pass(smollm2)
     logits = run(params, tree, cache, cfg=cfg, impl="xla", block_only=True).logits
     got = run(params, tree, cache, cfg=cfg, impl="xla", block_only=True, greedy=True)
     chex.assert_shape((got.token, got.finite), (2, 9))

@@ -18,7 +18,7 @@ from specjax.decoding.sampling import SamplingArrays, SamplingParams, finite_row
 from specjax.kernels import cpu as cpu_kernels
 from specjax.kernels.cpu import greedy_head
 from specjax.kernels.cpu import matmul as cpu_matmul
-from tests.test_greedy_head import SHAPES, near_ties
+from tests.test_greedy_head import SHAPES, near_ties, smollm2_tree_pass
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.matmul_status() is not None,
                                   reason=f"kernel unavailable: {cpu_kernels.matmul_status()}")
@@ -166,26 +166,11 @@ def test_smollm2_tree_pass_samples_as_its_logits(smollm2):
     runs it) gives every node the token ``seeded_tokens`` draws from the same pass's logits with its
     depth's noise: at temperature 1 with a greedy request beside (the kernel), at temperature 0.7 and with
     top-k (both from the logits)."""
-    from specjax.attention.meta import causal_meta
-    from specjax.decoding.programs import step_params
-    from specjax.models import SeededHead, forward
-    from specjax.models.cache import init_cache
-    from specjax.speculation.commit import tree_forward
-    from specjax.speculation.tree import from_parents
+    from specjax.models import SeededHead
     from specjax.speculation.verify.seeded import seeded_head, seeded_noise
 
     cfg = smollm2.config
-    params = step_params(smollm2.params, decides=True)
-    rng = np.random.default_rng(5)
-    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 24)), jnp.int32)
-    cache = init_cache(cfg, 2, 64, jnp.float32)
-    _, cache, _ = forward(params, prompt, jnp.broadcast_to(jnp.arange(24), (2, 24)), cache,
-                          causal_meta(jnp.zeros((2,), jnp.int32)), cfg)
-    cache = cache.replace(length=jnp.asarray([24, 17], jnp.int32))
-    parents = [[-1, 0, 0, 1, 1, 2, 3, 3, 5], [-1, 0, 1, 2, 3, 4, 5, 6, 7]]
-    tokens = [rng.integers(0, cfg.vocab_size, 9).tolist() for _ in parents]
-    tree = from_parents(tokens, parents, n_max=9)
-    run = jax.jit(tree_forward, static_argnames=("cfg", "impl", "block_only", "greedy"))
+    params, tree, cache, run = smollm2_tree_pass(smollm2)
     logits = np.asarray(run(params, tree, cache, cfg=cfg, impl="xla", block_only=True).logits)
     for settings in ([SamplingParams(1.0, seed=3), SamplingParams()], [SamplingParams(0.7, seed=3)] * 2,
                      [SamplingParams(1.0, seed=3), SamplingParams(1.0, top_k=20, seed=4)]):

@@ -101,22 +101,17 @@ def _filter_top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax
 
 
 def warp_logits(logits: jax.Array, sampling: SamplingArrays) -> jax.Array:
-    """logits [B, ..., V] -> warped log-probabilities, same shape, float32 (-inf outside top-k/top-p).
+    """logits [B, ..., V] -> warped log-probabilities, same shape, float32 (-inf outside top-k/top-p):
+    ``gumbel_scores`` normalised into a law.
 
     Request b's settings apply to every row logits[b, ...]. Rows with temperature 0 are warped as
-    temperature 1 (their token is the raw argmax anyway). This one pipeline serves incremental
-    sampling, the verifier's targets at every tree node and the SSMs' drafting laws.
+    temperature 1 (their token is the raw argmax anyway). The verifiers' targets at every tree node and
+    the drafters' laws read it; Gumbel-max sampling reads the same scores unnormalised.
     """
     shape = logits.shape
     rows = int(np.prod(shape[1:-1], dtype=np.int64))
-    x = logits.astype(jnp.float32).reshape(shape[0] * rows, shape[-1])
-    per_row = lambda a: jnp.repeat(a, rows, axis=0)  # noqa: E731
-    temperature = per_row(jnp.where(sampling.temperature > 0, sampling.temperature, 1.0))
-    top_k, top_p = per_row(sampling.top_k), per_row(sampling.top_p)
-    x = x / temperature[:, None]
-    needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
-    # The sort costs O(V log V) per row; skip it when no request asks for top-k/top-p.
-    x = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda x, *_: x, x, top_k, top_p)
+    per_row = jax.tree.map(lambda a: jnp.repeat(a, rows, axis=0), sampling)
+    x = gumbel_scores(logits.reshape(shape[0] * rows, shape[-1]), per_row)
     return jax.nn.log_softmax(x, axis=-1).reshape(shape)
 
 
@@ -136,6 +131,7 @@ def gumbel_scores(logits: jax.Array, sampling: SamplingArrays) -> jax.Array:
     the reciprocal because that is what XLA makes of a division by a per-row temperature anyway (it
     rewrites x / broadcast(t) as x * broadcast(1 / t)); here it is the definition, on every backend."""
     x = logits.astype(jnp.float32) * inverse_temperature(sampling)[:, None]
+    # The sort costs O(V log V) per row; skip it when no request asks for top-k/top-p.
     return jax.lax.cond(needs_filter(sampling), _filter_top_k_top_p, lambda x, *_: x, x, sampling.top_k,
                         sampling.top_p)
 

@@ -41,8 +41,7 @@ HEADERS = ("matmul.h", "parallel.h", "simd.h", "vec16.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 # FFI target name -> the handler symbol the library exports
 MATMUL_TARGETS = {"specjax_cpu_matmul": "SpecjaxCpuMatmul", "specjax_cpu_matmul_f16": "SpecjaxCpuMatmulF16",
-                  "specjax_cpu_greedy_head": "SpecjaxCpuGreedyHead",
-                  "specjax_cpu_sampled_head": "SpecjaxCpuSampledHead"}
+                  "specjax_cpu_greedy_head": "SpecjaxCpuGreedyHead"}
 AVX2_TARGETS = {**MATMUL_TARGETS, "specjax_cpu_attention": "SpecjaxCpuAttention"}
 TARGETS = {**AVX2_TARGETS, "specjax_cpu_prefill_attention": "SpecjaxCpuPrefillAttention"}
 AVX2 = ("avx2", "fma", "f16c")

@@ -16,7 +16,7 @@
 // full argmax. A row whose approximate logits are not all finite, or are large enough that float32 could
 // overflow, is recomputed in full: its finiteness and first-NaN rule then come from the exact logits.
 //
-// Seeded sampling decides the same way (specjax_cpu_sampled_head): a row with inverse temperature r > 0
+// Seeded sampling decides the same way (the same target): a row with inverse temperature r > 0
 // takes its token as the first argmax of the Gumbel-max scores s_j = fl(fl(l_j r) + g_j), g one row of
 // the request's noise G(seed, t) (specjax.decoding.sampling.gumbel_scores, whose XLA form keeps the
 // product and the sum two roundings). Multiplying and adding are monotone, so with |l_j - a_j| <= |x| err_j
@@ -158,77 +158,38 @@ extern "C" void specjax_cpu_sampled_head_reference(const float* x, const uint16_
 #include "xla/ffi/api/ffi.h"
 namespace ffi = xla::ffi;
 
-namespace {
-
-// The shapes both targets share: x [M, K], w16 [P, K, CW], rows [N, K], err [N], ids/finite [M], approx [M, N].
-ffi::Error check_shapes(const char* name, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F16>& w16,
-                        ffi::Buffer<ffi::F32>& rows, ffi::Buffer<ffi::F32>& err, ffi::ResultBuffer<ffi::S32>& ids,
-                        ffi::ResultBuffer<ffi::PRED>& finite, ffi::ResultBuffer<ffi::F32>& approx) {
+// x [M, K]; w16 the head as float16 panels [P, K, CW]; rows the float32 head with one contiguous row per
+// column [N, K]; err [N]; inv_t [M] (0: a greedy row); noise [R, N] and noise_row [M] (in [0, R) for every
+// row with inv_t != 0; greedy rows never read them, so an all-greedy call passes R = 0). Returns ids [M],
+// finite [M] and the approximate logits [M, N] (XLA's scratch: a buffer of its own would be mapped and
+// faulted in on every call).
+static ffi::Error GreedyHeadImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F16> w16,
+                                 ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> err, ffi::Buffer<ffi::F32> inv_t,
+                                 ffi::Buffer<ffi::F32> noise, ffi::Buffer<ffi::S32> noise_row,
+                                 ffi::ResultBuffer<ffi::S32> ids, ffi::ResultBuffer<ffi::PRED> finite,
+                                 ffi::ResultBuffer<ffi::F32> approx) {
   auto xd = x.dimensions(), wd = w16.dimensions(), rd = rows.dimensions(), ed = err.dimensions();
-  auto ad = approx->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || rd.size() != 2 || ed.size() != 1 || ad.size() != 2)
-    return ffi::Error::InvalidArgument(std::string(name) + ": expected x [M, K], w16 [P, K, CW], rows [N, K], "
-                                       "err [N], approx [M, N]");
+  auto ad = approx->dimensions(), nd = noise.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || rd.size() != 2 || ed.size() != 1 || ad.size() != 2 || nd.size() != 2 ||
+      inv_t.dimensions().size() != 1 || noise_row.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("specjax_cpu_greedy_head: expected x [M, K], w16 [P, K, CW], rows [N, K], "
+                                       "err [N], inv_t [M], noise [R, N], noise_row [M], approx [M, N]");
   const long M = xd[0], K = xd[1], N = rd[0];
   const long CW = specjax_cpu_matmul_panel_width();
   if (rd[1] != K || ed[0] != N || ad[0] != M || ad[1] != N || wd[1] != K || wd[2] != CW ||
-      wd[0] != (N + CW - 1) / CW || ids->dimensions()[0] != M || finite->dimensions()[0] != M)
-    return ffi::Error::InvalidArgument(std::string(name) + ": shapes do not match (w16: the matmul kernel's "
+      wd[0] != (N + CW - 1) / CW || ids->dimensions()[0] != M || finite->dimensions()[0] != M ||
+      inv_t.dimensions()[0] != M || noise_row.dimensions()[0] != M || nd[1] != N)
+    return ffi::Error::InvalidArgument("specjax_cpu_greedy_head: shapes do not match (w16: the matmul kernel's "
                                        "panels of the head)");
-  if (M > 0 && N == 0) return ffi::Error::InvalidArgument(std::string(name) + ": a head of no columns has no argmax");
-  return ffi::Error::Success();
-}
-
-}  // namespace
-
-// x [M, K]; w16 the head as float16 panels [P, K, CW]; rows the float32 head with one contiguous row per
-// column [N, K]; err [N]. Returns ids [M], finite [M] and the approximate logits [M, N] (XLA's scratch:
-// a buffer of its own would be mapped and faulted in on every call).
-static ffi::Error GreedyHeadImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F16> w16,
-                                 ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> err, ffi::ResultBuffer<ffi::S32> ids,
-                                 ffi::ResultBuffer<ffi::PRED> finite, ffi::ResultBuffer<ffi::F32> approx) {
-  if (auto e = check_shapes("specjax_cpu_greedy_head", x, w16, rows, err, ids, finite, approx); e.failure()) return e;
-  const long M = x.dimensions()[0], K = x.dimensions()[1], N = rows.dimensions()[0];
   if (M == 0) return ffi::Error::Success();
-  const long threads = std::max<int64_t>(1, pool.num_threads());
-  decide_head(x.typed_data(), w16.typed_data(), rows.typed_data(), err.typed_data(), nullptr, nullptr, nullptr,
-              ids->typed_data(), finite->typed_data(), approx->typed_data(), M, K, N, threads,
-              [&pool](std::function<void()> task) { pool.Schedule(std::move(task)); });
-  return ffi::Error::Success();
-}
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuGreedyHead, GreedyHeadImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::PRED>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-// As GreedyHeadImpl, plus inv_t [M] (0 = a greedy row), noise [R, N] and noise_row [M] (in [0, R) for
-// every row with inv_t != 0): the seeded sampler's token of each row.
-static ffi::Error SampledHeadImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F16> w16,
-                                  ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> err, ffi::Buffer<ffi::F32> inv_t,
-                                  ffi::Buffer<ffi::F32> noise, ffi::Buffer<ffi::S32> noise_row,
-                                  ffi::ResultBuffer<ffi::S32> ids, ffi::ResultBuffer<ffi::PRED> finite,
-                                  ffi::ResultBuffer<ffi::F32> approx) {
-  const char* name = "specjax_cpu_sampled_head";
-  if (auto e = check_shapes(name, x, w16, rows, err, ids, finite, approx); e.failure()) return e;
-  const long M = x.dimensions()[0], K = x.dimensions()[1], N = rows.dimensions()[0];
-  auto nd = noise.dimensions();
-  if (inv_t.dimensions().size() != 1 || inv_t.dimensions()[0] != M || noise_row.dimensions().size() != 1 ||
-      noise_row.dimensions()[0] != M || nd.size() != 2 || nd[1] != N)
-    return ffi::Error::InvalidArgument(std::string(name) + ": expected inv_t [M], noise [R, N], noise_row [M]");
+  if (N == 0) return ffi::Error::InvalidArgument("specjax_cpu_greedy_head: a head of no columns has no argmax");
   const float* r = inv_t.typed_data();
   const int32_t* row = noise_row.typed_data();
   for (long m = 0; m < M; ++m)
     if (r[m] != 0.0f && (row[m] < 0 || row[m] >= nd[0]))
-      return ffi::Error::InvalidArgument(std::string(name) + ": a sampled row's noise_row " + std::to_string(row[m]) +
-                                         " is outside the noise's " + std::to_string(nd[0]) + " rows");
-  if (M == 0) return ffi::Error::Success();
+      return ffi::Error::InvalidArgument("specjax_cpu_greedy_head: a sampled row's noise_row " +
+                                         std::to_string(row[m]) + " is outside the noise's " + std::to_string(nd[0]) +
+                                         " rows");
   const long threads = std::max<int64_t>(1, pool.num_threads());
   decide_head(x.typed_data(), w16.typed_data(), rows.typed_data(), err.typed_data(), r, noise.typed_data(), row,
               ids->typed_data(), finite->typed_data(), approx->typed_data(), M, K, N, threads,
@@ -236,7 +197,7 @@ static ffi::Error SampledHeadImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuSampledHead, SampledHeadImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuGreedyHead, GreedyHeadImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -10,10 +10,12 @@ multiply-adds, only the columns whose bounds reach the top: the decision is the 
 for bit (``tests/test_greedy_head.py``). Rows whose approximate logits are not all finite, or large
 enough to overflow, are recomputed in full.
 
-Seeded sampling's token is decided the same way (``sampled_decision``): each row's first argmax of its
-Gumbel-max scores fl(fl(l r) + g) (``specjax.decoding.sampling.gumbel_scores``: r the request's inverse
-temperature, g its noise row), bounded from the approximate logits, the few columns that can win
-recomputed exactly: the token ``sample_tokens`` draws from the float32 kernel's logits, bit for bit."""
+Seeded sampling's token is decided the same way, by the same target (``sampled_decision``): each row's
+first argmax of its Gumbel-max scores fl(fl(l r) + g) (``specjax.decoding.sampling.gumbel_scores``: r the
+request's inverse temperature, g its noise row), bounded from the approximate logits, the few columns
+that can win recomputed exactly. At r = 1 that is the token ``seeded_tokens`` draws from the float32
+kernel's logits, bit for bit; at other r XLA may fuse its product and sum into one FMA, which these two
+roundings need not match, so callers use r in {0, 1} only."""
 
 from __future__ import annotations
 
@@ -26,7 +28,6 @@ import numpy as np
 from specjax.kernels.cpu import matmul as cpu_matmul
 
 TARGET = "specjax_cpu_greedy_head"
-SAMPLED_TARGET = "specjax_cpu_sampled_head"
 
 # Slack on the float64 bound: covers the rounding of the bound's own arithmetic many times over.
 _SLACK = 1.0 + 2.0 ** -10
@@ -78,14 +79,8 @@ def greedy_decision(x: jax.Array, head: GreedyHead) -> tuple[jax.Array, jax.Arra
     """x [M, K] float32 -> (ids [M] int32: each row's first argmax of its logits x @ W, the first NaN
     where one is NaN; finite [M] bool: all its logits finite), as ``first_argmax`` and ``finite_rows``
     decide on the float32 kernel's logits."""
-    if x.dtype != jnp.float32 or x.ndim != 2 or x.shape[1] != head.rows.shape[1]:
-        raise ValueError(f"x {x.dtype} {x.shape} does not match the greedy head's rows {head.rows.shape}")
-    cpu_matmul.panel_width()  # builds and registers the kernels before XLA lowers the call
     m, n = x.shape[0], head.rows.shape[0]
-    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((m,), jnp.int32), jax.ShapeDtypeStruct((m,), jnp.bool_),
-                                     jax.ShapeDtypeStruct((m, n), jnp.float32)))
-    ids, finite, _ = call(x, head.packed, head.rows, head.err)
-    return ids, finite
+    return _decide(x, head, jnp.zeros((m,), jnp.float32), jnp.zeros((0, n), jnp.float32), jnp.zeros((m,), jnp.int32))
 
 
 def sampled_decision(x: jax.Array, head: GreedyHead, inv_temperature: jax.Array, noise: jax.Array,
@@ -93,20 +88,24 @@ def sampled_decision(x: jax.Array, head: GreedyHead, inv_temperature: jax.Array,
     """x [M, K] float32, inv_temperature [M] float32 (0: the row decides greedily), noise [R, N] float32
     and noise_row [M] int32 (each sampled row's row of ``noise``, in [0, R)) -> (ids [M] int32, finite [M]
     bool): each sampled row's first argmax of fl(fl(l * inv_temperature) + noise[noise_row]) over its
-    logits l = x @ W (the first NaN where one is NaN), each greedy row's as ``greedy_decision``; as
-    ``sample_tokens`` decides on the float32 kernel's logits (no top-k / top-p: the caller filters
-    those requests through the full logits)."""
-    if x.dtype != jnp.float32 or x.ndim != 2 or x.shape[1] != head.rows.shape[1]:
-        raise ValueError(f"x {x.dtype} {x.shape} does not match the greedy head's rows {head.rows.shape}")
+    logits l = x @ W (the first NaN where one is NaN), each greedy row's as ``greedy_decision``. At
+    inverse temperature 1 what ``seeded_tokens`` decides on the float32 kernel's logits (module
+    docstring); no top-k / top-p: the caller decides those requests from the full logits."""
     m, n = x.shape[0], head.rows.shape[0]
     if (inv_temperature.shape != (m,) or inv_temperature.dtype != jnp.float32 or noise_row.shape != (m,)
             or noise_row.dtype != jnp.int32 or noise.ndim != 2 or noise.shape[1] != n or noise.dtype != jnp.float32):
         raise ValueError(f"sampled decision of {m} rows over {n} columns: got inv_temperature {inv_temperature.dtype} "
                          f"{inv_temperature.shape}, noise {noise.dtype} {noise.shape}, noise_row {noise_row.dtype} "
                          f"{noise_row.shape}")
+    return _decide(x, head, inv_temperature, noise, noise_row)
+
+
+def _decide(x, head: GreedyHead, inv_temperature, noise, noise_row) -> tuple[jax.Array, jax.Array]:
+    if x.dtype != jnp.float32 or x.ndim != 2 or x.shape[1] != head.rows.shape[1]:
+        raise ValueError(f"x {x.dtype} {x.shape} does not match the greedy head's rows {head.rows.shape}")
     cpu_matmul.panel_width()  # builds and registers the kernels before XLA lowers the call
-    call = jax.ffi.ffi_call(SAMPLED_TARGET, (jax.ShapeDtypeStruct((m,), jnp.int32),
-                                             jax.ShapeDtypeStruct((m,), jnp.bool_),
-                                             jax.ShapeDtypeStruct((m, n), jnp.float32)))
+    m, n = x.shape[0], head.rows.shape[0]
+    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((m,), jnp.int32), jax.ShapeDtypeStruct((m,), jnp.bool_),
+                                     jax.ShapeDtypeStruct((m, n), jnp.float32)))
     ids, finite, _ = call(x, head.packed, head.rows, head.err, inv_temperature, noise, noise_row)
     return ids, finite

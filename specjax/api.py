@@ -12,7 +12,7 @@ import numpy as np
 
 from specjax.attention import resolve_impl
 from specjax.decoding.buckets import _next_pow2, cache_bucket
-from specjax.decoding.host_step import run_host_loop, run_two_programs
+from specjax.decoding.host_step import run_host_loop, run_streamed_program, run_two_programs
 from specjax.decoding.incremental import decode_host_step, decode_init_jit, finish_incremental, full_logits
 from specjax.decoding.programs import step_drafter_params, step_matmuls, step_program
 from specjax.decoding.sampling import SamplingArrays, SamplingParams
@@ -227,7 +227,10 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
         out = run_two_programs(init, finish_all, host, timing)
         tokens = host(out.tokens)
         finish = None
-    else:
+    elif parallel is None:  # one device: the loop program streams its reports to the host
+        out, finish = run_streamed_program(init, finish_all, host, n, on_tokens, timing)
+        tokens = host(out.tokens)
+    else:  # a mesh (maybe several processes): one program call per step, each process fetching its reports
         out, finish = run_host_loop(init, step, host, n, on_tokens, timing)
         tokens = host(out.tokens)
     return _result(model, plan, out, tokens, host, n, timing, finish)

@@ -1,6 +1,8 @@
-"""The streaming host loop is pipelined (step k + 1 dispatched before step k's tokens are read): it must
-stream exactly the tokens the one-jit loop returns, count the same LLM passes (the step dispatched
-after the last tokens does nothing), and read reports that outlive the donated state."""
+"""Streaming. On one device the loop program reports every step to the host (an io_callback): it must
+stream exactly the tokens the one-jit loop returns, one report per LLM pass, share one compilation
+between generations and leave no sink behind, whatever the callback does. The host loop of meshes is
+pipelined (step k + 1 dispatched before step k's tokens are read): its step does nothing once every
+request is done, and its reports outlive the donated state."""
 
 from __future__ import annotations
 
@@ -11,7 +13,10 @@ import numpy as np
 import pytest
 
 import specjax
+from specjax.decoding import host_step
 from specjax.decoding.incremental import PAD_TOKEN, decode_host_step, decode_host_step_jit, decode_init_jit
+from specjax.decoding.programs import step_program
+from specjax.speculation.loop import finish_speculative
 from specjax.speculation.state import greedy_sampling
 from tests.conftest import random_ids
 
@@ -48,6 +53,34 @@ def test_streamed_tokens_and_passes_equal_the_one_jit_loop(llama, kind):
     ref = specjax.generate(llama, prompts, max_new_tokens=40, ignore_eos=True, **kw)
     assert streams == batch.token_ids == ref.token_ids
     assert batch.stats["llm_passes"] == ref.stats["llm_passes"]
+
+
+def test_one_report_per_pass_one_compilation_and_no_sink_left(llama):
+    """Every pass's tokens reach ``on_tokens`` as their own call (the prefill's first token too), a second
+    streamed generation reuses the first's compiled loop (the sink id is an operand), and the sinks
+    are unregistered afterwards, also when ``on_tokens`` raises mid-generation."""
+    drafters = [specjax.Bound(specjax.LookupDrafter())]
+    prompt = _prompts(llama)[0]
+    loop = step_program(finish_speculative, 1, ("cfg", "spec", "parallel")).jitted
+    calls = []
+    res = specjax.generate(llama, [prompt], max_new_tokens=30, ignore_eos=True, drafters=drafters,
+                           on_tokens=lambda i, ids: calls.append(ids))
+    assert sum(calls, []) == res.token_ids[0] and all(calls)
+    assert len(calls) == res.stats["llm_passes"]  # every pass emits (the prefill's, counted, its first token)
+    assert max(map(len, calls)) > 1  # the lookup drafter's passes land several tokens at once
+    compiled = loop._cache_size()
+    again = specjax.generate(llama, [prompt], max_new_tokens=30, ignore_eos=True, drafters=drafters,
+                             on_tokens=lambda i, ids: None)
+    assert loop._cache_size() == compiled and again.token_ids == res.token_ids
+    assert not host_step._SINKS
+
+    def fail(i, ids):
+        if len(ids) > 1:
+            raise RuntimeError("the consumer went away")
+
+    with pytest.raises(RuntimeError, match="the consumer went away"):
+        specjax.generate(llama, [prompt], max_new_tokens=30, ignore_eos=True, drafters=drafters, on_tokens=fail)
+    assert not host_step._SINKS
 
 
 def _prompt(model):

@@ -80,8 +80,8 @@ def compiled_texts(monkeypatch):
     texts = []
     lower = host_step.lower_partial
 
-    def spy(fn, *args):
-        lowered = lower(fn, *args)
+    def spy(fn, *args, **kwargs):
+        lowered = lower(fn, *args, **kwargs)
 
         class Recorded:
             def compile(self):

@@ -10,7 +10,7 @@ import time
 from specjax.cli.layers import split_layers_arg
 from specjax.errors import GenerationError, InputError
 from specjax.io import registry
-from specjax.speculation.drafters.base import Drafter
+from specjax.speculation.drafters.base import estimates_acceptance
 
 
 def _positive(name: str, value, allow_none: bool = False):
@@ -126,7 +126,7 @@ def _budget(args, ssm_specs, drafter_objs) -> str | None:
         return None
     # ssm_specs, not args.ssm: --mode sequence without --ssm drafts with the default SSM.
     blind = [f"SSM {s}" for s in ssm_specs]
-    blind += [d.describe() for d in drafter_objs if type(d).expected_accepted is Drafter.expected_accepted]
+    blind += [d.describe() for d in drafter_objs if not estimates_acceptance(d)]
     if not blind:
         return "auto"
     if args.budget == "auto":

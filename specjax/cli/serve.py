@@ -65,11 +65,11 @@ def _drafters(args, llm, load: bool) -> list:
 
 def _budget(args, bound: list) -> str | None:
     """auto when every drafter estimates its acceptance (the default drafter does), else the whole tree."""
-    from specjax.speculation.drafters.base import Drafter
+    from specjax.speculation.drafters.base import estimates_acceptance
 
     if not bound or args.budget == "off":
         return None
-    blind = [b.drafter.describe() for b in bound if type(b.drafter).expected_accepted is Drafter.expected_accepted]
+    blind = [b.drafter.describe() for b in bound if not estimates_acceptance(b.drafter)]
     if blind and args.budget == "auto":
         raise InputError(f"--budget auto needs drafters that estimate their acceptance; {', '.join(blind)} do not "
                          f"(use --budget off, or the lookup drafter alone)")

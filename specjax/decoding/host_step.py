@@ -1,11 +1,17 @@
-"""The streaming host loop, and the loop step as it calls it: at most one step, plus a report of the tokens.
+"""Streaming: the loop programs' reports to the host, and the host loop of one program call per step.
 
-The host loop (``run_host_loop``, behind ``specjax.generate(on_tokens=...)``) dispatches step k + 1
-before it reads step k's tokens, so the device does not wait for the host's fetch, its callbacks and
-the next dispatch (about 1.4 ms of host time per step on a 2-core CPU). Measured on 2 Xeon cores
-(SmolLM2, grounded prompts, alternating): the streaming loop 3.7% slower than the one-jit loop
-before, 2.9% after; what remains is the host's CPU time competing with XLA's threads for the two
-cores. That needs two things of the step:
+On one device (``run_streamed_program``, behind ``specjax.generate(on_tokens=...)``) the decoding loop
+is the same single program as without streaming, plus a report after every step that an
+``io_callback`` hands to the host (``send_report``); the host calls ``on_tokens`` as reports arrive,
+while the program runs on. On a mesh, where a callback would run on one process only, the host loop
+(``run_host_loop``) calls the jitted step once per LLM pass.
+
+The host loop dispatches step k + 1 before it reads step k's tokens, so the device does not wait for
+the host's fetch, its callbacks and the next dispatch (about 1.4 ms of host time per step on a 2-core
+CPU). Measured on 2 Xeon cores (SmolLM2, grounded prompts, alternating): the streaming loop 3.7%
+slower than the one-jit loop before, 2.9% after; what remains is the host's CPU time competing with
+XLA's threads for the two cores (and, measured later with bigger step programs, each call's fresh
+temporary buffers: ``run_streamed_program``). That needs two things of the step:
 
 - a report: copies of what the host reads (``num_generated``, ``tokens``, ``done``) as outputs of
   their own, because the state itself is donated to the next step before the host reads it;
@@ -17,12 +23,16 @@ cores. That needs two things of the step:
 from __future__ import annotations
 
 import functools
+import itertools
+import queue
+import threading
 import time
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from specjax.sharding.distributed import wait_for_peers
 
@@ -52,6 +62,81 @@ def step_if_active(step: Callable, state):
 
     state, _ = jax.lax.while_loop(cond, body, (state, jnp.bool_(False)))
     return state, report(state)
+
+
+# Where the reports of a loop program running with a sink go: sink id -> the host's receiving function.
+# The id is an operand of the program (not part of it), so every streamed generation shares one
+# compilation.
+_SINKS: dict[int, Callable] = {}
+_SINK_IDS = itertools.count(1)
+_SINKS_LOCK = threading.Lock()
+
+
+def _deliver(sink, num_generated, tokens, done) -> None:
+    receive = _SINKS.get(int(sink))
+    if receive is not None:
+        receive(np.asarray(num_generated), np.asarray(tokens), np.asarray(done))
+
+
+def send_report(state, sink: jax.Array) -> None:
+    """Inside a loop program: hand the state's report (``report``) to the host's sink ``sink`` (an int32
+    scalar operand). Unordered: each report is cumulative (counts and the whole token buffer), so the
+    receiver needs no ordering and keeps the largest counts it has seen."""
+    rep = report(state)
+    io_callback(_deliver, None, sink, rep.num_generated, rep.tokens, rep.done, ordered=False)
+
+
+def run_streamed_program(init, finish, host, n, on_tokens, timing):
+    """The streaming loop of ``specjax.generate(on_tokens=...)`` on one device: the whole decoding loop
+    as one program ``finish(state, sink=...)`` (the non-streaming program plus a report after every
+    step, ``send_report``), the host calling ``on_tokens(request, ids)`` as reports arrive while the
+    program runs. Returns (the loop's output, each request's finish time), ``timing`` as
+    ``run_host_loop``.
+
+    Why not one program call per step (``run_host_loop``): each call allocates the program's
+    temporary buffers afresh (41 MB for SmolLM2's default step program with 15 budget levels: above
+    glibc's mmap threshold, so every call maps, faults in and unmaps them), and dispatches and
+    donates the state from Python. Measured on 2 AMD EPYC cores (SmolLM2, temperature 1, 8 prompts):
+    28.5 ms per LLM pass streamed that way against 20.3 ms in the one-program loop."""
+    reports: queue.SimpleQueue = queue.SimpleQueue()
+    with _SINKS_LOCK:
+        sink_id = next(_SINK_IDS)
+        _SINKS[sink_id] = lambda *rep: reports.put(rep)
+    sink = jnp.int32(sink_id)
+    try:
+        state, compile_s, prefill_s = prefill_then_compile(init, finish, sink=sink)
+        loop_start = time.perf_counter()
+        shown = np.zeros(n, np.int64)
+        finish_at = [None] * n
+
+        def emit(counts, tokens, done):
+            counts, done = counts[:n], done[:n]
+            now = prefill_s + time.perf_counter() - loop_start
+            for b in range(n):
+                if counts[b] > shown[b]:
+                    on_tokens(b, tokens[b, shown[b]:counts[b]].tolist())
+                    shown[b] = counts[b]
+                if done[b] and finish_at[b] is None:
+                    finish_at[b] = now
+
+        emit(*(host(x) for x in report(state)))  # the prefill's tokens
+        out = finish(state, sink=sink)  # dispatched: runs while the reports are consumed here
+        while not all(f is not None for f in finish_at):
+            try:
+                emit(*reports.get(timeout=0.05))
+            except queue.Empty:
+                if out.tokens.is_ready():  # finished (or failed) with no report left to read
+                    break
+        host(out.tokens)  # raises here if the program failed
+        while not reports.empty():
+            emit(*reports.get())
+    finally:
+        with _SINKS_LOCK:
+            del _SINKS[sink_id]
+    timing["compile_seconds"] = compile_s
+    timing["prefill_seconds"] = prefill_s
+    timing["seconds"] = prefill_s + time.perf_counter() - loop_start
+    return out, finish_at
 
 
 def run_host_loop(init, step, host, n, on_tokens, timing):
@@ -117,7 +202,7 @@ def run_two_programs(init, finish, host, timing):
     return out
 
 
-def prefill_then_compile(init, then):
+def prefill_then_compile(init, then, **kwargs):
     """Compile ``init``, run it, then compile ``then`` for the state it returned: (state, seconds of
     compilation, seconds of prefill). AOT lower + compile, so the calls that follow hit the same cache.
     The prefill is waited for before ``then`` is compiled: it runs asynchronously, and a compilation
@@ -131,11 +216,11 @@ def prefill_then_compile(init, then):
     state = jax.block_until_ready(init())
     prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    lower_partial(then, state).compile()
+    lower_partial(then, state, **kwargs).compile()
     wait_for_peers("the decoding loop compiled")
     return state, compile_s + time.perf_counter() - t0, prefill_s
 
 
-def lower_partial(fn: functools.partial, *args):
-    """AOT-lower a partially applied jitted function with these extra positional arguments."""
-    return fn.func.lower(*fn.args, *args, **fn.keywords)
+def lower_partial(fn: functools.partial, *args, **kwargs):
+    """AOT-lower a partially applied jitted function with these extra arguments."""
+    return fn.func.lower(*fn.args, *args, **fn.keywords, **kwargs)

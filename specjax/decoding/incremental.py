@@ -17,7 +17,7 @@ from flax import struct
 
 from specjax.attention.meta import causal_meta
 from specjax.config import ModelConfig
-from specjax.decoding.host_step import step_if_active
+from specjax.decoding.host_step import send_report, step_if_active
 from specjax.decoding.programs import prefill_kernel_enabled
 from specjax.decoding.sampling import SamplingArrays, finite_rows, sample_tokens
 from specjax.kernels.cpu.attention import max_head_dim
@@ -204,15 +204,24 @@ def generate_incremental(params, prompt_tokens: jax.Array, prompt_lens: jax.Arra
 
 
 def finish_incremental(params, state: DecodeState, sampling: SamplingArrays, max_new_tokens: jax.Array,
-                       cfg: ModelConfig, eos_ids: tuple[int, ...] = (), parallel=None) -> GenerateOutput:
+                       cfg: ModelConfig, eos_ids: tuple[int, ...] = (), parallel=None,
+                       sink: jax.Array | None = None) -> GenerateOutput:
     """The loop of ``generate_incremental`` after ``decode_init``: one step per token until every
-    request is done (its own program in ``specjax.generate``, see ``specjax.decoding.programs``)."""
+    request is done (its own program in ``specjax.generate``, see ``specjax.decoding.programs``).
+    ``sink``: a host sink's id that gets the state's report after every step (streaming)."""
 
     def cond(state: DecodeState):
         return jnp.any(~state.done)  # some request still needs tokens
 
-    step = functools.partial(decode_step, params, sampling=sampling, max_new_tokens=max_new_tokens,
-                             cfg=cfg, eos_ids=eos_ids, parallel=parallel)
+    decode_once = functools.partial(decode_step, params, sampling=sampling, max_new_tokens=max_new_tokens,
+                                    cfg=cfg, eos_ids=eos_ids, parallel=parallel)
+
+    def step(state: DecodeState) -> DecodeState:
+        state = decode_once(state)
+        if sink is not None:
+            send_report(state, sink)
+        return state
+
     state = jax.lax.while_loop(cond, step, state)
     return GenerateOutput(tokens=state.tokens, num_generated=state.num_generated, llm_passes=state.llm_passes,
                           failed=state.failed)

@@ -5,7 +5,8 @@ one token); it pays only when enough of it is accepted. A ``Budget`` holds a few
 static cut of every drafter's proposal (a prefix of its nodes, parents before children), and the
 measured seconds of one LLM pass at each level for the batch size being compiled
 (``specjax.speculation.cost``). Every step, inside the jitted loop, the drafters estimate the tokens
-each level would get accepted for each request (``Drafter.expected_accepted``, e_r(l)), and the level
+each level would get accepted for each request (e_r(l), ``expected_by_level``: the sum of the
+level's distinct nodes' ``Drafter.node_acceptance``), and the level
 that serves the budget's *goal* best runs (``lax.switch`` over one compiled pass per level):
 
 - ``"finish"`` (``specjax.generate``: the batch runs until its last request ends): the level that
@@ -39,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.errors import InputError
-from specjax.speculation.drafters.base import Drafter
+from specjax.speculation.drafters.base import estimates_acceptance
 
 GOALS = ("finish", "rate")
 
@@ -89,25 +90,73 @@ class Budget:
                 if m > d.num_nodes:
                     raise InputError(f"Budget level {lv}: {m} nodes of {d.describe()}, which proposes {d.num_nodes}")
         for d in drafters:
-            if type(d).expected_accepted is Drafter.expected_accepted:
+            if not estimates_acceptance(d):
                 raise InputError(f"the tree budget needs drafters that estimate their acceptance; "
                                  f"{d.describe()} does not (use budget=None for a fixed tree)")
 
 
 def default_levels(drafters) -> tuple[tuple[int, ...], ...]:
     """Level i keeps rung i of every drafter's own ladder (``Drafter.budget_ladder``; a shorter ladder
-    stays on its top rung): one drafter climbs its ladder, several grow their merged tree together."""
+    stays on its top rung): one drafter climbs its ladder, several grow their merged tree together.
+    With several drafters, every drafter's rungs alone are levels too (sorted by node count): where one
+    drafter's nodes do not pay (lookup's chains in text that does not repeat, a feature drafter at
+    temperature 1 on copied text) the step need not verify them to get the other's."""
     ladders = [d.budget_ladder() for d in drafters]
-    return tuple(tuple(lad[min(i, len(lad) - 1)] for lad in ladders) for i in range(max(map(len, ladders))))
+    together = {tuple(lad[min(i, len(lad) - 1)] for lad in ladders) for i in range(max(map(len, ladders)))}
+    if len(drafters) > 1:
+        for s, lad in enumerate(ladders):
+            together |= {tuple(m if t == s else 0 for t in range(len(drafters))) for m in lad}
+    return tuple(sorted(together, key=lambda lv: (sum(lv), lv)))
 
 
-def expected_by_level(drafters, drafter_params, drafter_states, budget: Budget) -> jax.Array:
-    """[B, L] expected accepted tokens per request at each level: the best single drafter's estimate
-    (merged proposals share their first tokens, so their gains do not add up)."""
-    per = []
-    for s, (d, p, st) in enumerate(zip(drafters, drafter_params, drafter_states)):
-        per.append(d.expected_accepted(p, st, tuple(lv[s] for lv in budget.levels)))
-    return jnp.max(jnp.stack(per, 0), axis=0)
+def expected_by_level(drafters, drafter_params, drafter_states, proposals, budget: Budget) -> jax.Array:
+    """[B, L] expected accepted tokens per request at each level: the sum of the acceptance estimates
+    (``Drafter.node_acceptance``) of the level's distinct nodes. Accepted tokens are accepted nodes, so
+    the sum is the expectation; a node several drafters propose is one node of the merged tree and
+    counts once, at the largest of their estimates."""
+    probs = [jnp.where(_exists(prop), jnp.pad(d.node_acceptance(p, st), ((0, 0), (1, 0))), 0.0)
+             for d, p, st, prop in zip(drafters, drafter_params, drafter_states, proposals)]  # [B, 1 + N_s]
+    # same[t][s] [B, 1 + N_t]: the node of drafter s < t with the path of t's node (-1: none; 0: the root)
+    same = [[same_nodes(proposals[s], proposals[t]) for s in range(t)] for t in range(len(drafters))]
+    out = []
+    for lv in budget.levels:
+        total = 0.0
+        for t, m in enumerate(lv):
+            if m == 0:
+                continue
+            # what the earlier drafters kept of the same node already counts (the largest estimate wins)
+            before = jnp.zeros_like(probs[t][:, 1:m + 1])
+            for s in range(t):
+                idx = same[t][s][:, 1:m + 1]
+                kept = (idx > 0) & (idx <= lv[s])
+                before = jnp.maximum(before, jnp.where(kept, jnp.take_along_axis(probs[s], jnp.maximum(idx, 0),
+                                                                                 axis=1), 0.0))
+            total = total + jnp.sum(jnp.maximum(probs[t][:, 1:m + 1] - before, 0.0), axis=1)
+        out.append(jnp.broadcast_to(jnp.asarray(total, jnp.float32), (probs[0].shape[0],)))
+    return jnp.stack(out, axis=1)
+
+
+def _exists(prop) -> jax.Array:
+    """[B, N] the node and its ancestors were drawn (``Proposal.ok`` along the path; parents first)."""
+    exists = prop.ok.at[:, 0].set(True)
+    for i in range(1, prop.ok.shape[1]):
+        up = jnp.take_along_axis(exists, jnp.maximum(prop.parent[:, i:i + 1], 0), axis=1)[:, 0]
+        exists = exists.at[:, i].set(exists[:, i] & up & (prop.parent[:, i] >= 0))
+    return exists
+
+
+def same_nodes(a, b) -> jax.Array:
+    """[B, N_b] for every node of proposal ``b`` the index of the node of ``a`` with the same token
+    path from the root (0 for the root, -1 where ``a`` has none or b's node was not drawn)."""
+    ea, eb = _exists(a), _exists(b)
+    match = jnp.full(b.tokens.shape, -1, jnp.int32).at[:, 0].set(0)
+    cols = jnp.arange(a.tokens.shape[1])[None, :]
+    for j in range(1, b.tokens.shape[1]):
+        up = jnp.take_along_axis(match, jnp.maximum(b.parent[:, j:j + 1], 0), axis=1)  # [B, 1]
+        hit = ea & (cols > 0) & (a.parent == up) & (a.tokens == b.tokens[:, j:j + 1]) & (up >= 0)
+        found = jnp.any(hit, axis=1) & eb[:, j]
+        match = match.at[:, j].set(jnp.where(found, jnp.argmax(hit, axis=1), -1))
+    return match
 
 
 def choose_level(budget: Budget, expected: jax.Array, active: jax.Array, remaining: jax.Array) -> jax.Array:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.decoding.host_step import step_if_active
+from specjax.decoding.host_step import send_report, step_if_active
 from specjax.decoding.incremental import PAD_TOKEN, prefill
 from specjax.decoding.sampling import SamplingArrays, finite_rows, first_argmax, sample_tokens
 from specjax.models.cache import init_cache
@@ -160,7 +160,7 @@ def spec_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelCon
         level = jnp.int32(0)
         verdict, path_kv, finite_on_path, hidden = branches[0]()
     else:
-        expected = expected_by_level(spec.drafters, drafter_params, drafter_states, spec.budget)
+        expected = expected_by_level(spec.drafters, drafter_params, drafter_states, proposals, spec.budget)
         level = choose_level(spec.budget, expected, active, left)
         verdict, path_kv, finite_on_path, hidden = jax.lax.switch(level, branches)
     # Accepted token d + 1 was decided by the LLM's logits at path node d (the root is node 0); the bonus
@@ -292,15 +292,23 @@ def generate_speculative(llm_params, drafter_params: tuple, prompt_tokens: jax.A
 
 
 def finish_speculative(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelConfig, spec: SpecConfig,
-                       parallel=None) -> SpecOutput:
+                       parallel=None, sink: jax.Array | None = None) -> SpecOutput:
     """The loop of ``generate_speculative`` after ``init_state``: steps until every request is done.
     Its own program in ``specjax.generate``, so the prefill and the steps can be compiled with
-    different options (``specjax.decoding.programs``)."""
+    different options (``specjax.decoding.programs``). ``sink``: a host sink's id (int32 scalar) that
+    gets the state's report after every step (streaming, ``host_step.run_streamed_program``)."""
 
     def cond(state: SpecState):
         return jnp.any(~state.done)  # some request still needs tokens
 
-    step = functools.partial(spec_step, llm_params, drafter_params, cfg=cfg, spec=spec, parallel=parallel)
+    spec_once = functools.partial(spec_step, llm_params, drafter_params, cfg=cfg, spec=spec, parallel=parallel)
+
+    def step(state: SpecState) -> SpecState:
+        state = spec_once(state)
+        if sink is not None:
+            send_report(state, sink)
+        return state
+
     state = jax.lax.while_loop(cond, step, state)
     return SpecOutput(tokens=state.tokens, num_generated=state.num_generated, llm_passes=state.llm_passes,
                       tokens_per_pass=state.tokens_per_pass, accepted_at_depth=state.accepted_at_depth,

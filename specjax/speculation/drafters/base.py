@@ -32,6 +32,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
@@ -141,11 +142,21 @@ class Drafter:
         tree budget may cut this drafter's proposal to: by default none or all of it."""
         return (0, self.num_nodes)
 
+    def node_acceptance(self, params, state):
+        """[B, num_nodes] float32: the estimated probability that each proposed node below the root
+        (proposal order) is accepted, from the state ``propose`` just returned; None when the drafter
+        does not estimate (the tree budget then cannot be used with it). Accepted tokens are the
+        accepted nodes, so a tree's expected accepted tokens is the sum over its distinct nodes."""
+        return None
+
     def expected_accepted(self, params, state, node_counts: tuple[int, ...]):
         """[B, len(node_counts)] float32: expected accepted tokens if the tree kept this drafter's first
-        m nodes, from the state ``propose`` just returned; None when the drafter does not estimate
-        (the tree budget then cannot be used with it)."""
-        return None
+        m nodes (the sum of their ``node_acceptance``); None when the drafter does not estimate."""
+        p = self.node_acceptance(params, state)
+        if p is None:
+            return None
+        cum = jnp.concatenate([jnp.zeros_like(p[:, :1]), jnp.cumsum(p, axis=1)], axis=1)
+        return cum[:, jnp.asarray(node_counts)]
 
     def check_mesh(self, parallel, batch: int) -> None:
         """Refuse a mesh this drafter cannot run on (before any weights move)."""
@@ -159,6 +170,11 @@ class Drafter:
     def place(self, params, parallel):
         """The params placed for ``parallel`` (default: replicated on every device)."""
         return parallel.put(params, jax.tree.map(lambda _: parallel.replicated(), params))
+
+
+def estimates_acceptance(drafter: Drafter) -> bool:
+    """Whether the drafter estimates its nodes' acceptance (what the tree budget needs)."""
+    return type(drafter).node_acceptance is not Drafter.node_acceptance
 
 
 class Bound(NamedTuple):

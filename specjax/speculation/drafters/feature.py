@@ -210,11 +210,10 @@ class FeatureDrafter(Drafter):
         predicted = jnp.sum(jnp.where(visible, jnp.exp(state["score"]), 0.0), axis=1)
         return matched, predicted
 
-    def expected_accepted(self, params, state: dict, node_counts: tuple[int, ...]) -> jax.Array:
+    def node_acceptance(self, params, state: dict) -> jax.Array:
+        """Each node's path probability (best first), scaled by the request's calibration ratio."""
         ratio = (state["calib"][:, 0] + PRIOR) / (state["calib"][:, 1] + PRIOR)
-        p = jnp.where(jnp.isfinite(state["score"]), jnp.exp(state["score"]), 0.0)  # best first
-        cum = jnp.concatenate([jnp.zeros_like(p[:, :1]), jnp.cumsum(p, axis=1)], axis=1)
-        return ratio[:, None] * cum[:, jnp.asarray(node_counts)]
+        return ratio[:, None] * jnp.where(jnp.isfinite(state["score"]), jnp.exp(state["score"]), 0.0)
 
 
 _PLAIN: dict[tuple, tuple] = {}  # ids of the source arrays -> (weakrefs to them, the derived arrays)

@@ -146,27 +146,20 @@ class LookupDrafter(Drafter):
         counts = counts.at[jnp.arange(counts.shape[0])[:, None], rows].add(update)
         return dict(state, counts=counts)
 
-    def expected_accepted(self, params, state: dict, node_counts: tuple[int, ...]) -> jax.Array:
-        """[B, len(node_counts)] expected accepted tokens if the tree kept this drafter's first m nodes.
-
-        Chain c (match length n_c, known_c drafted tokens, acceptance alpha_c) with t_c nodes kept
-        contributes P(no earlier chain's first token was right) * sum_{d <= min(t_c, known_c)} alpha_c^d
-        (chains start with different tokens, so at most one can be accepted)."""
+    def node_acceptance(self, params, state: dict) -> jax.Array:
+        """[B, K * D] (chain-major): node d of chain c (match length n_c, known_c drafted tokens,
+        acceptance alpha_c) is accepted with P(no earlier chain's first token was right) * alpha_c^d,
+        d <= known_c (chains start with different tokens, so at most one can be accepted)."""
         counts = state["counts"]
         right = jnp.take_along_axis(counts[..., 0], state["ngram"], axis=1) + PRIOR[0]
         wrong = jnp.take_along_axis(counts[..., 1], state["ngram"], axis=1) + PRIOR[1]
         alpha = jnp.where(state["ngram"] > 0, right / (right + wrong), 0.0)  # [B, K]
         d = jnp.arange(1, self.depth + 1, dtype=jnp.float32)
         powers = alpha[:, :, None] ** d[None, None, :]  # [B, K, D]
-        out = []
-        for m in node_counts:
-            kept = np.clip(m - np.arange(self.branches) * self.depth, 0, self.depth)  # [K] static
-            use = (d[None, None, :] <= jnp.asarray(kept, jnp.float32)[None, :, None]) \
-                & (d[None, None, :] <= state["known"][:, :, None])
-            per_chain = jnp.sum(jnp.where(use, powers, 0.0), axis=2)  # [B, K]
-            first_wrong = jnp.cumprod(jnp.concatenate([jnp.ones_like(alpha[:, :1]), 1 - alpha[:, :-1]], 1), axis=1)
-            out.append(jnp.sum(first_wrong * per_chain, axis=1))
-        return jnp.stack(out, axis=1)
+        drafted = d[None, None, :] <= state["known"][:, :, None]
+        first_wrong = jnp.cumprod(jnp.concatenate([jnp.ones_like(alpha[:, :1]), 1 - alpha[:, :-1]], 1), axis=1)
+        per_node = first_wrong[:, :, None] * jnp.where(drafted, powers, 0.0)
+        return per_node.reshape(per_node.shape[0], -1)
 
 
 def find_chains(history: jax.Array, length: jax.Array, depth: int, branches: int, max_ngram: int,

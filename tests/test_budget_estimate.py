@@ -164,3 +164,4 @@ def test_several_drafters_get_their_merged_and_their_solo_rungs():
     a, b = GivenEstimates(8), LookupDrafter(depth=4, branches=2)  # ladders (0, 8) and (0, 2, 4, 8)
     assert default_levels((a,)) == ((0,), (8,))
     assert default_levels((a, b)) == ((0, 0), (0, 2), (0, 4), (0, 8), (8, 0), (8, 2), (8, 4), (8, 8))
+    assert default_levels((a, b), solo=False) == ((0, 0), (8, 2), (8, 4), (8, 8))  # the serving engine's

@@ -76,7 +76,9 @@ class Engine:
         self.slots = slots
         drafter_objs = tuple(b.drafter for b in bound)
         if budget == "auto":
-            budget = with_costs(Budget(default_levels(drafter_objs), goal="rate"), model.params, model.config, slots,
+            # solo=False: the engine calls a step program per pass (see default_levels)
+            levels = default_levels(drafter_objs, solo=False)
+            budget = with_costs(Budget(levels, goal="rate"), model.params, model.config, slots,
                                 resolve_impl(impl), progress=progress,
                                 head=pass_head(verifier)) if drafter_objs else None
         elif budget is not None and not isinstance(budget, Budget):

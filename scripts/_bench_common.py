@@ -34,6 +34,20 @@ def print_header(title: str) -> None:
     print(f"# machine: {machine()}")
 
 
+def one_per_kind(path: str, which: int) -> tuple[list[dict], list[str]]:
+    """The ``which``-th prompt record of every task kind (``category``) of a prompts file, kinds sorted,
+    and every kind's name; exits naming the file when no kind has that many prompts."""
+    import collections
+
+    by_kind = collections.defaultdict(list)
+    for r in load_prompts(path, None):
+        by_kind[r.get("category", "?")].append(r)
+    chosen = [v[which] for _, v in sorted(by_kind.items()) if len(v) > which]
+    if not chosen:
+        sys.exit(f"{path}: no task kind has a prompt number {which}")
+    return chosen, sorted(by_kind)
+
+
 def load_prompts(path: str, n: int | None, stride: int = 1) -> list[dict]:
     """Every ``stride``-th record of a prompts file (specjax's own reader: errors name file and line)."""
     from specjax.errors import InputError

@@ -13,7 +13,6 @@ reports' host work sharing the cores with XLA.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import sys
 
@@ -38,12 +37,7 @@ def main() -> int:
     from specjax.speculation.drafters.lookup import LookupDrafter
 
     common.print_header(f"streamed vs one program ({args.mode}, temperature {args.temperature:g}, batch 1)")
-    by_kind = collections.defaultdict(list)
-    for r in common.load_prompts(args.prompts_file, None):
-        by_kind[r.get("category", "?")].append(r)
-    chosen = [v[args.which] for _, v in sorted(by_kind.items()) if len(v) > args.which]
-    if not chosen:
-        sys.exit(f"{args.prompts_file}: no task kind has a prompt number {args.which}")
+    chosen, kinds = common.one_per_kind(args.prompts_file, args.which)
     llm = specjax.load_model("smollm2-135m-instruct", progress=False)
     prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in chosen])
     if args.mode == "incremental":
@@ -51,7 +45,7 @@ def main() -> int:
     else:
         kw = {"drafters": [from_arg("auto", llm, load=True, expansion=None, draft="topk"),
                            specjax.Bound(LookupDrafter())], "budget": "auto"}
-    print(f"# {len(prompts)} prompts ({', '.join(sorted(by_kind))}), {args.max_new_tokens} new tokens")
+    print(f"# {len(prompts)} prompts ({', '.join(kinds)}), {args.max_new_tokens} new tokens")
     for rep in range(args.repetitions):
         for stream in ((True, False) if rep % 2 == 0 else (False, True)):
             on_tokens = (lambda i, ids: None) if stream else None

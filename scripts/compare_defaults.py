@@ -21,7 +21,6 @@ merge at an equal node count:
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import sys
 
@@ -85,12 +84,7 @@ def main() -> int:
 
     mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}, seeded"
     common.print_header(f"default drafters, side by side (batch 1, {mode})")
-    by_kind = collections.defaultdict(list)
-    for r in common.load_prompts(args.prompts_file, None):
-        by_kind[r.get("category", "?")].append(r)
-    chosen = [v[args.which] for _, v in sorted(by_kind.items()) if len(v) > args.which]
-    if not chosen:
-        sys.exit(f"{args.prompts_file}: no task kind has a prompt number {args.which}")
+    chosen, kinds = common.one_per_kind(args.prompts_file, args.which)
     llm = specjax.load_model("smollm2-135m-instruct", progress=False)
     prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in chosen])
     def used(drafter: str) -> bool:  # load only the drafters the chosen configurations use
@@ -109,7 +103,7 @@ def main() -> int:
     for spec, (parts, budgeted) in extra.items():
         configs[spec] = {"drafters": [FACTORIES[kind](arg or "auto", llm, load=True, expansion=None, draft="topk")
                                       for kind, arg in parts], **({"budget": "auto"} if budgeted else {})}
-    print(f"# {len(prompts)} prompts ({', '.join(sorted(by_kind))}), {args.max_new_tokens} new tokens")
+    print(f"# {len(prompts)} prompts ({', '.join(kinds)}), {args.max_new_tokens} new tokens")
     reference, mismatches = {}, 0
     for rep in range(args.repetitions):
         for name in (list(configs) if rep % 2 == 0 else list(configs)[::-1]):

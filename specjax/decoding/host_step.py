@@ -86,6 +86,20 @@ def send_report(state, sink: jax.Array) -> None:
     io_callback(_deliver, None, sink, rep.num_generated, rep.tokens, rep.done, ordered=False)
 
 
+def reporting(step: Callable, sink: jax.Array | None) -> Callable:
+    """``step`` followed by ``send_report`` to ``sink`` (the loop programs' body); ``step`` itself when
+    there is no sink."""
+    if sink is None:
+        return step
+
+    def step_and_report(state):
+        state = step(state)
+        send_report(state, sink)
+        return state
+
+    return step_and_report
+
+
 def run_streamed_program(init, finish, host, n, on_tokens, timing):
     """The streaming loop of ``specjax.generate(on_tokens=...)`` on one device: the whole decoding loop
     as one program ``finish(state, sink=...)`` (the non-streaming program plus a report after every

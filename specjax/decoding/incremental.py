@@ -17,7 +17,7 @@ from flax import struct
 
 from specjax.attention.meta import causal_meta
 from specjax.config import ModelConfig
-from specjax.decoding.host_step import send_report, step_if_active
+from specjax.decoding.host_step import reporting, step_if_active
 from specjax.decoding.programs import prefill_kernel_enabled
 from specjax.decoding.sampling import SamplingArrays, finite_rows, sample_tokens
 from specjax.kernels.cpu.attention import max_head_dim
@@ -213,16 +213,9 @@ def finish_incremental(params, state: DecodeState, sampling: SamplingArrays, max
     def cond(state: DecodeState):
         return jnp.any(~state.done)  # some request still needs tokens
 
-    decode_once = functools.partial(decode_step, params, sampling=sampling, max_new_tokens=max_new_tokens,
-                                    cfg=cfg, eos_ids=eos_ids, parallel=parallel)
-
-    def step(state: DecodeState) -> DecodeState:
-        state = decode_once(state)
-        if sink is not None:
-            send_report(state, sink)
-        return state
-
-    state = jax.lax.while_loop(cond, step, state)
+    step = functools.partial(decode_step, params, sampling=sampling, max_new_tokens=max_new_tokens,
+                             cfg=cfg, eos_ids=eos_ids, parallel=parallel)
+    state = jax.lax.while_loop(cond, reporting(step, sink), state)
     return GenerateOutput(tokens=state.tokens, num_generated=state.num_generated, llm_passes=state.llm_passes,
                           failed=state.failed)
 

@@ -117,13 +117,15 @@ def expected_by_level(drafters, drafter_params, drafter_states, proposals, budge
     (``Drafter.node_acceptance``) of the level's distinct nodes. Accepted tokens are accepted nodes, so
     the sum is the expectation; a node several drafters propose is one node of the merged tree and
     counts once, at the largest of their estimates."""
-    probs = [jnp.where(_exists(prop), jnp.pad(d.node_acceptance(p, st), ((0, 0), (1, 0))), 0.0)
-             for d, p, st, prop in zip(drafters, drafter_params, drafter_states, proposals)]  # [B, 1 + N_s]
+    exists = [_exists(prop) for prop in proposals]
+    probs = [jnp.where(e, jnp.pad(d.node_acceptance(p, st), ((0, 0), (1, 0))), 0.0)
+             for d, p, st, e in zip(drafters, drafter_params, drafter_states, exists)]  # [B, 1 + N_s]
     # same[t][s] [B, 1 + N_t]: the node of drafter s < t with the path of t's node (-1: none; 0: the root)
-    same = [[same_nodes(proposals[s], proposals[t]) for s in range(t)] for t in range(len(drafters))]
+    same = [[_match_paths(proposals[s], proposals[t], exists[s], exists[t]) for s in range(t)]
+            for t in range(len(drafters))]
     out = []
     for lv in budget.levels:
-        total = 0.0
+        total = jnp.zeros(probs[0].shape[:1], jnp.float32)
         for t, m in enumerate(lv):
             if m == 0:
                 continue
@@ -135,7 +137,7 @@ def expected_by_level(drafters, drafter_params, drafter_states, proposals, budge
                 before = jnp.maximum(before, jnp.where(kept, jnp.take_along_axis(probs[s], jnp.maximum(idx, 0),
                                                                                  axis=1), 0.0))
             total = total + jnp.sum(jnp.maximum(probs[t][:, 1:m + 1] - before, 0.0), axis=1)
-        out.append(jnp.broadcast_to(jnp.asarray(total, jnp.float32), (probs[0].shape[0],)))
+        out.append(total)
     return jnp.stack(out, axis=1)
 
 
@@ -151,7 +153,11 @@ def _exists(prop) -> jax.Array:
 def same_nodes(a, b) -> jax.Array:
     """[B, N_b] for every node of proposal ``b`` the index of the node of ``a`` with the same token
     path from the root (0 for the root, -1 where ``a`` has none or b's node was not drawn)."""
-    ea, eb = _exists(a), _exists(b)
+    return _match_paths(a, b, _exists(a), _exists(b))
+
+
+def _match_paths(a, b, ea: jax.Array, eb: jax.Array) -> jax.Array:
+    """``same_nodes`` with both proposals' ``_exists`` given (computed once per step)."""
     match = jnp.full(b.tokens.shape, -1, jnp.int32).at[:, 0].set(0)
     cols = jnp.arange(a.tokens.shape[1])[None, :]
     for j in range(1, b.tokens.shape[1]):

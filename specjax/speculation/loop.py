@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.decoding.host_step import send_report, step_if_active
+from specjax.decoding.host_step import reporting, step_if_active
 from specjax.decoding.incremental import PAD_TOKEN, prefill
 from specjax.decoding.sampling import SamplingArrays, finite_rows, first_argmax, sample_tokens
 from specjax.models.cache import init_cache
@@ -301,15 +301,8 @@ def finish_speculative(llm_params, drafter_params: tuple, state: SpecState, cfg:
     def cond(state: SpecState):
         return jnp.any(~state.done)  # some request still needs tokens
 
-    spec_once = functools.partial(spec_step, llm_params, drafter_params, cfg=cfg, spec=spec, parallel=parallel)
-
-    def step(state: SpecState) -> SpecState:
-        state = spec_once(state)
-        if sink is not None:
-            send_report(state, sink)
-        return state
-
-    state = jax.lax.while_loop(cond, step, state)
+    step = functools.partial(spec_step, llm_params, drafter_params, cfg=cfg, spec=spec, parallel=parallel)
+    state = jax.lax.while_loop(cond, reporting(step, sink), state)
     return SpecOutput(tokens=state.tokens, num_generated=state.num_generated, llm_passes=state.llm_passes,
                       tokens_per_pass=state.tokens_per_pass, accepted_at_depth=state.accepted_at_depth,
                       level_passes=state.level_passes, failed=state.failed)

@@ -98,7 +98,7 @@ class CorpusDrafter(LookupDrafter):
         chains, known, ngram, source = pick_chains(own, quoted, self.depth, self.branches)
         proposal = self.chain_proposal(ctx, chains, known)
         # The statistics row of each chain: its match length, in the corpus rows for corpus chains
-        # (LookupDrafter.commit and expected_accepted read state["ngram"] as the row; 0 = no chain).
+        # (LookupDrafter.commit and node_acceptance read state["ngram"] as the row; 0 = no chain).
         row = jnp.where(ngram > 0, ngram + source * self._rows, 0)
         return proposal, dict(state, chains=chains, known=known, ngram=row)
 

@@ -5,9 +5,9 @@ the order each repetition; with the passes the budget ran at each level (batch 1
     python scripts/bench_streaming.py --temperature 1 --repetitions 2
     python scripts/bench_streaming.py --mode incremental
 
-Streaming on one device is the one-program loop plus an io_callback report per step
-(``specjax.decoding.host_step.run_streamed_program``); what is left between the two columns is the
-reports' host work sharing the cores with XLA.
+Streaming calls the same loop in chunks of up to 8 passes (``specjax.decoding.host_step``); what is
+left between the two columns is a call's fresh temporaries per chunk and the host's work (fetching
+the reports, ``on_tokens``) sharing the cores with XLA.
 """
 
 from __future__ import annotations

@@ -606,8 +606,7 @@ def test_merged_drafters_climb_their_ladders_together(llama, trained):
     cfg, _, _, _ = trained
     feature = FeatureDrafter(cfg, depth=4, beam=3, nodes=8, ladder=(0, 1, 3, 8))
     lookup = LookupDrafter(depth=4, branches=2)  # ladder (0, 2, 4, 8)
-    # rung i of both ((0, 0), (1, 2), (3, 4), (8, 8)) and each drafter's rungs alone, by node count
-    assert default_levels((feature, lookup)) == ((0, 0), (1, 0), (0, 2), (1, 2), (3, 0), (0, 4), (3, 4), (0, 8),
-                                                 (8, 0), (8, 8))
-    short = LookupDrafter(depth=2, branches=1)  # ladder (0, 2): it stays on its top rung
-    assert default_levels((feature, short)) == ((0, 0), (1, 0), (0, 2), (1, 2), (3, 0), (3, 2), (8, 0), (8, 2))
+    # rung i of both ((0, 0), (1, 2), (3, 4), (8, 8)) and each drafter's inner rungs alone, by node count
+    assert default_levels((feature, lookup)) == ((0, 0), (1, 2), (3, 0), (0, 4), (3, 4), (8, 8))
+    short = LookupDrafter(depth=2, branches=1)  # ladder (0, 2): it stays on its top rung, has no inner rung
+    assert default_levels((feature, short)) == ((0, 0), (1, 2), (3, 0), (3, 2), (8, 2))

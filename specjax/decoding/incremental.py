@@ -17,7 +17,7 @@ from flax import struct
 
 from specjax.attention.meta import causal_meta
 from specjax.config import ModelConfig
-from specjax.decoding.host_step import reporting, step_if_active
+from specjax.decoding.host_step import steps_while_active
 from specjax.decoding.programs import prefill_kernel_enabled
 from specjax.decoding.sampling import SamplingArrays, finite_rows, sample_tokens
 from specjax.kernels.cpu.attention import max_head_dim
@@ -204,18 +204,16 @@ def generate_incremental(params, prompt_tokens: jax.Array, prompt_lens: jax.Arra
 
 
 def finish_incremental(params, state: DecodeState, sampling: SamplingArrays, max_new_tokens: jax.Array,
-                       cfg: ModelConfig, eos_ids: tuple[int, ...] = (), parallel=None,
-                       sink: jax.Array | None = None) -> GenerateOutput:
+                       cfg: ModelConfig, eos_ids: tuple[int, ...] = (), parallel=None) -> GenerateOutput:
     """The loop of ``generate_incremental`` after ``decode_init``: one step per token until every
-    request is done (its own program in ``specjax.generate``, see ``specjax.decoding.programs``).
-    ``sink``: a host sink's id that gets the state's report after every step (streaming)."""
+    request is done (its own program in ``specjax.generate``, see ``specjax.decoding.programs``)."""
 
     def cond(state: DecodeState):
         return jnp.any(~state.done)  # some request still needs tokens
 
     step = functools.partial(decode_step, params, sampling=sampling, max_new_tokens=max_new_tokens,
                              cfg=cfg, eos_ids=eos_ids, parallel=parallel)
-    state = jax.lax.while_loop(cond, reporting(step, sink), state)
+    state = jax.lax.while_loop(cond, step, state)
     return GenerateOutput(tokens=state.tokens, num_generated=state.num_generated, llm_passes=state.llm_passes,
                           failed=state.failed)
 
@@ -228,12 +226,12 @@ decode_step_jit = jax.jit(decode_step, static_argnames=("cfg", "eos_ids", "paral
 
 
 def decode_host_step(params, state: DecodeState, sampling: SamplingArrays, max_new_tokens: jax.Array,
-                     cfg: ModelConfig, eos_ids: tuple[int, ...], parallel=None):
-    """``decode_step`` as the streaming host loop calls it: a no-op once every request is done, and
-    returning (state, ``StepReport``) (``specjax.decoding.host_step``)."""
+                     cfg: ModelConfig, eos_ids: tuple[int, ...], parallel=None, steps=1):
+    """``decode_step`` as the streaming host loop calls it: up to ``steps`` (int32 operand) steps while
+    some request is not done, returning (state, ``ChunkReport``) (``specjax.decoding.host_step``)."""
     step = functools.partial(decode_step, params, sampling=sampling, max_new_tokens=max_new_tokens, cfg=cfg,
                              eos_ids=eos_ids, parallel=parallel)
-    return step_if_active(step, state)
+    return steps_while_active(step, state, steps)
 
 
 decode_host_step_jit = jax.jit(decode_host_step, static_argnames=("cfg", "eos_ids", "parallel"),

@@ -98,17 +98,21 @@ class Budget:
 def default_levels(drafters, solo: bool = True) -> tuple[tuple[int, ...], ...]:
     """Level i keeps rung i of every drafter's own ladder (``Drafter.budget_ladder``; a shorter ladder
     stays on its top rung): one drafter climbs its ladder, several grow their merged tree together.
-    With several drafters and ``solo``, every drafter's rungs alone are levels too (sorted by node
-    count): where one drafter's nodes do not pay (lookup's chains in text that does not repeat, a
-    feature drafter at temperature 1 on copied text) the step need not verify them to get the other's.
-    The serving engine passes ``solo=False``: it calls its step program once per pass, and XLA:CPU
-    allocates a program's temporaries on every call, 41 MB for SmolLM2's default with the solo levels
-    against 7.9 MB without (batch 1), above glibc's mmap threshold (``host_step.run_streamed_program``)."""
+    With several drafters and ``solo``, a drafter's rungs alone are levels too (sorted by node count),
+    its smallest and largest excepted: where one drafter's nodes do not pay (lookup's chains in text
+    that does not repeat, a feature drafter at temperature 1 on copied text) the step need not verify
+    them to get the other's. The budget never picked the excepted ones on the 8 task kinds of
+    ``scripts/data/task_kinds.jsonl`` at temperature 0 or 1 (a 2- or 3-node pass costs what the merged
+    4-node level does; the largest alone was never worth its pass), and every level is a branch that
+    each step program compiles. The serving engine passes ``solo=False``: it calls its step program
+    once per pass, and XLA:CPU allocates a program's temporaries on every call (41 MB for SmolLM2's
+    default with solo levels against 7.9 MB without, batch 1: above glibc's mmap threshold)."""
     ladders = [d.budget_ladder() for d in drafters]
     together = {tuple(lad[min(i, len(lad) - 1)] for lad in ladders) for i in range(max(map(len, ladders)))}
     if solo and len(drafters) > 1:
         for s, lad in enumerate(ladders):
-            together |= {tuple(m if t == s else 0 for t in range(len(drafters))) for m in lad}
+            inner = [m for m in lad if m > 0][1:-1]
+            together |= {tuple(m if t == s else 0 for t in range(len(drafters))) for m in inner}
     return tuple(sorted(together, key=lambda lv: (sum(lv), lv)))
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.decoding.host_step import reporting, step_if_active
+from specjax.decoding.host_step import steps_while_active
 from specjax.decoding.incremental import PAD_TOKEN, prefill
 from specjax.decoding.sampling import SamplingArrays, finite_rows, first_argmax, sample_tokens
 from specjax.models.cache import init_cache
@@ -292,17 +292,16 @@ def generate_speculative(llm_params, drafter_params: tuple, prompt_tokens: jax.A
 
 
 def finish_speculative(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelConfig, spec: SpecConfig,
-                       parallel=None, sink: jax.Array | None = None) -> SpecOutput:
+                       parallel=None) -> SpecOutput:
     """The loop of ``generate_speculative`` after ``init_state``: steps until every request is done.
     Its own program in ``specjax.generate``, so the prefill and the steps can be compiled with
-    different options (``specjax.decoding.programs``). ``sink``: a host sink's id (int32 scalar) that
-    gets the state's report after every step (streaming, ``host_step.run_streamed_program``)."""
+    different options (``specjax.decoding.programs``)."""
 
     def cond(state: SpecState):
         return jnp.any(~state.done)  # some request still needs tokens
 
     step = functools.partial(spec_step, llm_params, drafter_params, cfg=cfg, spec=spec, parallel=parallel)
-    state = jax.lax.while_loop(cond, reporting(step, sink), state)
+    state = jax.lax.while_loop(cond, step, state)
     return SpecOutput(tokens=state.tokens, num_generated=state.num_generated, llm_passes=state.llm_passes,
                       tokens_per_pass=state.tokens_per_pass, accepted_at_depth=state.accepted_at_depth,
                       level_passes=state.level_passes, failed=state.failed)
@@ -316,11 +315,11 @@ step_jit = jax.jit(spec_step, static_argnames=("cfg", "spec", "parallel"), donat
 
 
 def host_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelConfig, spec: SpecConfig,
-              parallel=None):
-    """``spec_step`` as the streaming host loop calls it: a no-op once every request is done, and
-    returning (state, ``StepReport``) (``specjax.decoding.host_step``)."""
+              parallel=None, steps=1):
+    """``spec_step`` as the streaming host loop calls it: up to ``steps`` (int32 operand) passes while
+    some request is not done, returning (state, ``ChunkReport``) (``specjax.decoding.host_step``)."""
     step = functools.partial(spec_step, llm_params, drafter_params, cfg=cfg, spec=spec, parallel=parallel)
-    return step_if_active(step, state)
+    return steps_while_active(step, state, steps)
 
 
 host_step_jit = jax.jit(host_step, static_argnames=("cfg", "spec", "parallel"), donate_argnames=("state",))

@@ -34,6 +34,17 @@ def print_header(title: str) -> None:
     print(f"# machine: {machine()}")
 
 
+TASK_KINDS = os.path.join(os.path.dirname(__file__), "data", "task_kinds.jsonl")
+
+
+def add_task_kind_args(ap) -> None:
+    """The options of the scripts that run one prompt per task kind (``one_per_kind``) repeatedly."""
+    ap.add_argument("--prompts-file", default=TASK_KINDS)
+    ap.add_argument("--which", type=int, default=1, help="the K-th prompt of every task kind")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repetitions", type=int, default=2)
+
+
 def one_per_kind(path: str, which: int) -> tuple[list[dict], list[str]]:
     """The ``which``-th prompt record of every task kind (``category``) of a prompts file, kinds sorted,
     and every kind's name; exits naming the file when no kind has that many prompts."""

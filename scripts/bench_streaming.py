@@ -19,17 +19,12 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 import _bench_common as common  # noqa: E402
 
-TASKS = os.path.join(os.path.dirname(__file__), "data", "task_kinds.jsonl")
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts-file", default=TASKS)
-    ap.add_argument("--which", type=int, default=1, help="the K-th prompt of every task kind")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    common.add_task_kind_args(ap)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: seeded sampling, prompt i seed i")
     ap.add_argument("--mode", choices=("default", "incremental"), default="default")
-    ap.add_argument("--repetitions", type=int, default=2)
     args = ap.parse_args()
 
     import specjax

@@ -28,15 +28,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _bench_common as common  # noqa: E402
 
 MEMBERS = ("lookup", "corpus", "feature", "feature + lookup", "feature + corpus")  # the drafter sets compared
-TASKS = os.path.join(os.path.dirname(__file__), "data", "task_kinds.jsonl")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts-file", default=TASKS)
-    ap.add_argument("--which", type=int, default=1, help="the K-th prompt of every task kind")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--repetitions", type=int, default=2)
+    common.add_task_kind_args(ap)
     ap.add_argument("--feature", default="auto", help="the feature drafter (name or directory)")
     ap.add_argument("--corpus", default="auto", help="the corpus drafter's corpus (auto, a shipped name or a path)")
     ap.add_argument("--configs", help="comma-separated configuration names to run (default: all), e.g. "

@@ -179,7 +179,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
     dp x microbatches; the output is the same as on one device.
     on_tokens: ``on_tokens(request_index, new_token_ids)`` is called once for every LLM pass that
     accepted tokens (several at once when speculation succeeds): the host calls the same loop in
-    chunks of up to ``host_step.MAX_CHUNK_STEPS`` passes and hands over each pass's tokens as a chunk
+    chunks of up to ``host_step.MAX_CHUNK_STEPS`` passes (one on a mesh) and hands over each pass's tokens as a chunk
     returns; each request's own finish time is reported. Either way
     ``stats`` has ``prefill_seconds`` (the time to the first tokens); ``stats["seconds"]`` (prefill +
     decoding) never includes compilation, which ``stats["compile_seconds"]`` reports apart.

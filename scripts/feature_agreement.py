@@ -8,7 +8,7 @@ drafter given: the LLM's greedy continuations of a prompts file (chat template; 
 ``--workdir`` by ``specjax.boost.feature_tune.eval_prompt_set``, which ``feature-tune --eval-prompts``
 uses too), their features, and ``depth_agreement`` (the drafter fed its own features, depth 1..6),
 overall and by the prompts' ``category``, with the share of continuation tokens each drafter's
-vocabulary can name.
+vocabulary can name. A fused (EAGLE-3-style) drafter's layers are computed once beside g.
 
     python scripts/feature_agreement.py --drafter feature:auto --drafter feature:/path/to/other \
         --prompts-file ../shared/data/dev_prompts.jsonl --max-new-tokens 128 --workdir bench_out/agreement
@@ -50,13 +50,22 @@ def main(argv=None) -> None:
     records = common.load_prompts(args.prompts_file, None)
     llm = specjax.load_model("smollm2-135m-instruct", progress=False)
     plan = dataclasses.replace(CorpusPlan(), max_new_tokens=args.max_new_tokens)
-    data = eval_prompt_set(llm, args.workdir, [r["prompt"] for r in records], plan,
-                           categories=[str(r.get("category", "?")) for r in records], log=lambda *_: None)
+    sets = {}
+
+    def data_for(layers):  # the same continuations; a fused drafter's raw layers stored beside g
+        if layers not in sets:
+            sets[layers] = eval_prompt_set(llm, args.workdir, [r["prompt"] for r in records], plan,
+                                           categories=[str(r.get("category", "?")) for r in records],
+                                           log=lambda *_: None, layers=layers)
+        return sets[layers]
+
+    data = data_for(())
     print(f"# {len(data)} prompts of {args.prompts_file}, {data.continuation_tokens()} continuation tokens "
           f"(max {args.max_new_tokens} each)")
     results = {}
     for spec in args.drafter:
         bound = from_arg(spec.split(":", 1)[1], llm, load=True, expansion=None, draft="topk")
+        data = data_for(bound.drafter.config.raw_layers)
         coverage = vocabulary_coverage(data, bound.drafter.config.draft_vocab)
         agreement = depth_agreement(bound.params, data, bound.drafter.config, steps=args.depths,
                                     window=args.max_new_tokens + args.depths + 8)

@@ -300,6 +300,10 @@ def test_bad_boost_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, arg
     (["--time-budget", "nan"], "--time-budget must be a positive number of seconds, got nan"),
     (["--eval-prompts", "/nonexistent.jsonl"], "prompts file not found"),
     (["--init-from", "/nonexistent-drafter"], "not a registered name"),
+    (["--fused", "1,final"], "--fused must be comma-separated LLM layer indices"),
+    (["--fused", "2,1"], "--fused must list distinct layers in increasing order"),
+    (["--fused", "0,3"], "fused must be increasing LLM layer indices in [0, 2] (2: the final feature)"),
+    (["--fused", "2"], "is the final feature alone"),
 ])
 def test_bad_feature_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, args, message):
     """Checked in-process (what the command runs before loading the LLM); one run through the CLI below."""

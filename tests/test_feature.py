@@ -273,7 +273,8 @@ def _check_draft_route(llama, cfg, params, data):
     P = prompt_len + 5
     # the sequence's LLM features in float32 (the stored ones are float16: not the drafting route's inputs)
     out = forward(llama.params, jnp.asarray([ids]), jnp.arange(len(ids))[None], init_cache(llama.config, 1, len(ids)),
-                  causal_meta(jnp.zeros((1,), jnp.int32)), llama.config, hidden=cfg.fused + (llama.config.num_layers,))
+                  causal_meta(jnp.zeros((1,), jnp.int32)), llama.config,
+                  hidden=cfg.raw_layers + (llama.config.num_layers,))
     g = np.asarray(final_features(llama.params, out.hidden[0, :, -1], cfg))
     one = FeatureSet(np.asarray(ids), g, greedy, np.asarray([0, len(ids)]), np.asarray([prompt_len]),
                      np.zeros(1, np.int32), ("one",), np.asarray(out.hidden[0, :, :-1]) if cfg.fused else None)
@@ -296,11 +297,18 @@ def test_draft_features_equal_the_unrolled_training_features(llama, trained, cor
     _check_draft_route(llama, cfg, params, corpus)
 
 
-def test_fused_draft_features_equal_the_unrolled_training_features(llama, corpus):
-    """The EAGLE-3 input (the fusion of several LLM layers' hidden states) on both routes."""
+@pytest.mark.parametrize("final", [False, True], ids=["layers", "layers-and-final"])
+def test_fused_draft_features_equal_the_unrolled_training_features(llama, corpus, final):
+    """The EAGLE-3 input (the fusion of several LLM layers' hidden states, with or without the final
+    feature g, which training reads from the stored features) on both routes."""
     layers = (0, 1)
-    cfg = FeatureConfig(llama.config, tuple(range(llama.config.vocab_size)), fused=layers)
+    cfg = FeatureConfig(llama.config, tuple(range(llama.config.vocab_size)),
+                        fused=layers + ((llama.config.num_layers,) if final else ()))
+    assert cfg.raw_layers == layers
     start = init_trained(llama.params, cfg, jax.random.key(4))
+    d = llama.config.hidden_size
+    # a random fusion: every slot matters (a final-reading fusion starts passing g through)
+    start["fuse"] = jax.random.normal(jax.random.key(5), (len(cfg.fused) * d, d)) / np.sqrt(len(cfg.fused) * d)
     # the zero-initialised output projections would make the layer's attention invisible (and the
     # ancestor mutation below harmless): give it the LLM's last layer's, as a trained drafter has some
     last = take_layers(llama.params, [llama.config.num_layers - 1])
@@ -313,6 +321,61 @@ def test_fused_draft_features_equal_the_unrolled_training_features(llama, corpus
         np.testing.assert_allclose(x[:, -1].astype(np.float32),  # float16 storage: a few of its ulps
                                    teacher_features(llama, [(ids, 1)])[0].astype(np.float32), rtol=4e-3, atol=4e-3)
     _check_draft_route(llama, cfg, params, corpus)
+
+
+def test_a_fusion_started_from_a_final_feature_drafter_drafts_exactly_as_it(llama, trained, tmp_path):
+    """``with_fusion``: the EAGLE-3 drafter that training starts from a trained EAGLE-1 one (fusion rows
+    of the raw layers zero, g passed through) computes the same input features bit for bit, so the same
+    drafts: the same tokens and the same LLM passes in the loop (greedy and seeded, merged with lookup).
+    Mutation: one raw-layer fusion weight moved changes the features."""
+    from specjax.boost.feature_train import split_params
+    from specjax.models.feature import with_fusion
+
+    cfg, _, params, _ = trained
+    L = llama.config.num_layers
+    fcfg = dataclasses.replace(cfg, fused=(1, L))
+    fparams = bind(with_fusion(split_params(params, cfg)[0], fcfg), llama.params, fcfg)
+    hidden = jax.random.normal(jax.random.key(0), (2, 5, 2, llama.config.hidden_size))
+    g = llm_features(params, hidden[:, :, 1:], cfg)
+    chex.assert_trees_all_equal(llm_features(fparams, hidden, fcfg), g)
+    moved = {**fparams, "fuse": fparams["fuse"].at[3, 0].set(0.5)}
+    assert not np.array_equal(np.asarray(llm_features(moved, hidden, fcfg)), np.asarray(g))
+
+    prompts = _prompts(llama.config.vocab_size)
+    kw = dict(max_new_tokens=30, ignore_eos=True)
+    for sampling, verifier in ((None, "auto"), (specjax.SamplingParams(temperature=0.8, seed=5), "seeded")):
+        outs = [specjax.generate(llama, prompts, sampling=sampling, verifier=verifier,
+                                 drafters=[specjax.Bound(FeatureDrafter(c, depth=4, beam=3, nodes=8,
+                                                                        ladder=(0, 1, 3, 8)), p),
+                                           specjax.Bound(LookupDrafter(depth=4))], **kw)
+                for c, p in ((cfg, params), (fcfg, fparams))]
+        assert outs[1].token_ids == outs[0].token_ids
+        assert outs[1].stats["llm_passes"] == outs[0].stats["llm_passes"]
+    # saved and loaded: its fusion (one normalised raw layer, then g) comes back as it was
+    from specjax.io.feature_checkpoint import save_feature_drafter
+    from specjax.speculation.drafters.feature import load_feature_drafter
+
+    save_feature_drafter(str(tmp_path / "f"), fcfg, split_params(fparams, fcfg)[0],
+                         {"depth": 4, "beam": 3, "nodes": 8, "ladder": (0, 1, 3, 8)}, dtype="float32")
+    bound = load_feature_drafter(str(tmp_path / "f"), llama)
+    assert bound.drafter.config == fcfg and bound.params["fuse_norm"].shape == (1, llama.config.hidden_size)
+    chex.assert_trees_all_equal(bound.params, fparams)
+
+
+def test_fusion_settings_are_refused_by_name(llama):
+    from specjax.models.feature import fusion_passing_final, with_fusion
+
+    L = llama.config.num_layers
+    vocab = (0, 1, 2)
+    with pytest.raises(InputError, match="the final feature alone"):
+        FeatureConfig(llama.config, vocab, fused=(L,))
+    with pytest.raises(InputError, match=rf"indices in \[0, {L}\]"):
+        FeatureConfig(llama.config, vocab, fused=(0, L + 1))
+    with pytest.raises(InputError, match="does not read the final feature"):
+        fusion_passing_final(FeatureConfig(llama.config, vocab, fused=(0, 1)))
+    final = FeatureConfig(llama.config, vocab)
+    with pytest.raises(InputError, match="final-feature drafter's params"):
+        with_fusion({"fc": 0}, dataclasses.replace(final, fused=(0, L)))
 
 
 # -- the dynamic tree ------------------------------------------------------------------------------------------

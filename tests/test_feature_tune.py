@@ -138,6 +138,28 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
                          export=str(tmp_path / "spent"), **kw)
     assert spent["steps"]["done"] == 0 and os.path.isdir(tmp_path / "spent" / "params")
 
+    # an EAGLE-3-style fusion continued from the finished final-feature drafter: its LLM features (layer
+    # 15's raw input beside g) kept apart from the final-only ones, and it starts as exactly that drafter
+    from specjax.models.feature import with_fusion
+
+    last = smollm2.config.num_layers
+    with pytest.raises(InputError, match=f"must include {last}, the final feature"):
+        feature_tune(smollm2, corpus, str(tmp_path / "run-no"), plan, tc, drafting, stop_after=0,
+                     init_from=str(tmp_path / "final"), fused=(15,), **kw)
+    assert not os.path.exists(tmp_path / "run-no")  # refused before any work
+    fused = feature_tune(smollm2, corpus, str(tmp_path / "run-fused"), plan, tc, drafting, stop_after=0,
+                         init_from=str(tmp_path / "final"), fused=(15, last), export=str(tmp_path / "fused"), **kw)
+    assert {p: os.path.getmtime(p) for p in stamps} == stamps  # the final-only features untouched
+    assert len(glob.glob(os.path.join(corpus, "features-l15", "*", "features-*.npz"))) == \
+        len(glob.glob(os.path.join(corpus, "features", "*", "features-*.npz")))
+    assert fused["fused"] == [15, last] and fused["steps"]["done"] == 0
+    _, start, _ = restore_feature_drafter(str(tmp_path / "final"))
+    fused_cfg, after, _ = restore_feature_drafter(str(tmp_path / "fused"))
+    assert fused_cfg.fused == (15, last)
+    chex.assert_trees_all_equal(after, with_fusion(start, fused_cfg))
+    # the same drafts on the same held-out split (its g from the layers' own teacher pass: float16 ulps apart)
+    np.testing.assert_allclose(fused["held_out_agreement"]["all"], done["held_out_agreement"]["all"], atol=0.02)
+
     bound = from_arg(str(tmp_path / "final"), smollm2, load=True, expansion=None, draft="topk")
     prompts = specjax.api.encode_prompts(smollm2, ["Name three rivers in Europe.", "Write a haiku about rain."])
     ref = specjax.generate(smollm2, prompts, max_new_tokens=12)

@@ -37,7 +37,7 @@ from specjax.boost.distill import RunDir, batches_per_epoch, epoch_batches, make
 from specjax.boost.feature_data import FeatureSet
 from specjax.errors import InputError
 from specjax.models.common import project_qkv, rms_norm, rope_inv_freq
-from specjax.models.feature import FeatureConfig, llm_features, logits_of, output_features, pair_inputs
+from specjax.models.feature import FeatureConfig, fuse_features, logits_of, output_features, pair_inputs
 from specjax.models.llama import mlp
 
 WIDTH_MULTIPLE = 64
@@ -146,7 +146,8 @@ def unrolled(params: dict, batch: dict, cfg: FeatureConfig, steps: int, window: 
     w0 = width - window
     col = jnp.arange(width)
     real = col[None, :] >= start[:, None]  # [B, W]
-    first = llm_features(params, batch["inputs"], cfg) if cfg.fused else g  # step 1's true input features
+    # step 1's true input features (a fusion's stored inputs are its raw layers; g is stored apart)
+    first = fuse_features(params, batch["inputs"], g if cfg.reads_final else None, cfg) if cfg.fused else g
     first = jnp.where(real[..., None], first, 0.0)
     prev = jnp.pad(first, ((0, 0), (1, 0), (0, 0)))[:, :width]  # feature of p - 1; 0 before the first position
     if noise_key is not None and noise > 0:
@@ -295,6 +296,8 @@ def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: Featur
               "draft_vocab": [len(cfg.draft_vocab), vocab_id]}
     if start is not None:  # absent for a fresh start, so the recipes of earlier fresh runs still resume
         recipe["start"] = start
+    if cfg.fused:  # likewise: a run of another fusion (or none) is another recipe
+        recipe["fused"] = list(cfg.fused)
     run = RunDir(run_dir, recipe)
     step, trained, opt_state, history = run.resume(trained, opt_state)
     if step:

@@ -27,7 +27,7 @@ from specjax.boost.feature_data import (
 )
 from specjax.boost.feature_train import FeatureTrainConfig, depth_agreement, split_params, train_feature
 from specjax.errors import InputError
-from specjax.models.feature import FeatureConfig, bind, init_trained
+from specjax.models.feature import FeatureConfig, bind, init_trained, with_fusion
 from specjax.types import Model
 
 EVAL_DEPTHS = 6
@@ -52,16 +52,22 @@ class BatchShapes:
     def gpu(cls) -> "BatchShapes":
         return cls(teacher_batch=32, width_multiple=256, full_batches=True)
 
-    def features(self, llm: Model, paths, out_dir: str, progress: bool, log) -> list[str]:
+    def features(self, llm: Model, paths, out_dir: str, progress: bool, log, layers: tuple[int, ...] = ()) -> list[str]:
         return feature_shards(llm, paths, out_dir, batch_size=self.teacher_batch, progress=progress, log=log,
-                              width_multiple=self.width_multiple, full_batches=self.full_batches)
+                              width_multiple=self.width_multiple, full_batches=self.full_batches, layers=layers)
+
+
+def features_dir(layers: tuple[int, ...]) -> str:
+    """Where a corpus keeps its LLM features: ``features`` (g only), ``features-l15`` (layer 15's raw input
+    beside g): each set of layers apart, so adding a fused drafter does not overwrite the others' data."""
+    return "features" + "".join(f"-l{i}" for i in layers)
 
 
 def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc: FeatureTrainConfig, drafting: dict,
                  *, draft_vocab: int, held_out: float, max_eval: int, exclude=(), export: str | None = None,
                  model_name: str = "", stop_after: int | None = None, init_from: str | None = None,
                  eval_prompts=(), progress: bool = True, log=print, time_budget: float | None = None,
-                 shapes: BatchShapes | None = None) -> dict:
+                 shapes: BatchShapes | None = None, fused: tuple[int, ...] = ()) -> dict:
     """Run (or resume) every stage; returns the summary also written to ``run_dir/summary.json``.
     ``stop_after``: train at most this many steps in this run, then evaluate and export what there is
     (the summary says how many of the planned steps are done; running again resumes the training).
@@ -72,31 +78,40 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
     training data's generator, so it flatters the drafter (``eval_prompt_set``). ``time_budget``: seconds
     from now after which no training step starts (the corpus, features and evaluations count; the last
     step is checkpointed, then the run evaluates and exports; running again resumes: ``train_feature``).
-    ``shapes``: how batches are padded (``BatchShapes``)."""
+    ``shapes``: how batches are padded (``BatchShapes``). ``fused``: the LLM layers an EAGLE-3-style
+    drafter reads (``FeatureConfig.fused``; the LLM's layer count names the final feature); a final-feature
+    ``init_from`` then starts the fusion passing g through (``with_fusion``), so training starts from its
+    drafts exactly. A fused ``init_from`` keeps its own layers (``fused`` must be () or the same)."""
     deadline = None if time_budget is None else time.monotonic() + time_budget
     shapes = shapes or BatchShapes()
     timing = {}
     started = time.perf_counter()
     exclude = list(dict.fromkeys([*exclude, *eval_prompts]))  # evaluation prompts are never training prompts
+    fused = resolve_fusion(llm, init_from, tuple(fused))  # checked before the corpus: a bad request costs nothing
+    layers = FeatureConfig(llm.config, (0,), fused).raw_layers
     shards = build_feature_corpus(llm, corpus_dir, plan, exclude=exclude, progress=progress, log=log)
     timing["corpus_s"] = time.perf_counter() - started
     started = time.perf_counter()
-    parts = {name: (paths, shapes.features(llm, paths, os.path.join(corpus_dir, "features", name), progress, log))
+    parts = {name: (paths, shapes.features(llm, paths, os.path.join(corpus_dir, features_dir(layers), name), progress,
+                                           log, layers))
              for name, paths in shards.items()}
     timing["features_s"] = time.perf_counter() - started
     train, held, groups = _split(parts, held_out, tc.seed)
     start = None  # a fresh start is named by the recipe's seed; a continued one by its weights
     if init_from is None:
         vocab, coverage = draft_vocabulary(train, draft_vocab, llm.config.vocab_size)
-        cfg = FeatureConfig(llm.config, vocab)
+        cfg = FeatureConfig(llm.config, vocab, fused)
         params = bind(init_trained(llm.params, cfg, jax.random.key(tc.seed)), llm.params, cfg)
     else:
         cfg, params = _start_from(init_from, llm, groups, tc.seed)
+        if fused and not cfg.fused:  # a final-feature drafter, fused from here on
+            final, cfg = cfg, dataclasses.replace(cfg, fused=fused)
+            params = bind(with_fusion(split_params(params, final)[0], cfg), llm.params, cfg)
         start = weights_digest(split_params(params, cfg)[0])
         coverage = vocabulary_coverage(train, cfg.draft_vocab)
     evaluation = held.subset(np.arange(min(max_eval, len(held))))
-    prompt_set = (eval_prompt_set(llm, corpus_dir, list(eval_prompts), plan, progress, log, shapes=shapes)
-                  if eval_prompts else None)
+    prompt_set = (eval_prompt_set(llm, corpus_dir, list(eval_prompts), plan, progress, log, shapes=shapes,
+                                  layers=layers) if eval_prompts else None)
     started = time.perf_counter()
     params, history = train_feature(params, train, cfg, tc, run_dir, held_out=evaluation, eval_prompts=prompt_set,
                                     start=start, eval_steps=EVAL_DEPTHS, progress=progress, log=log,
@@ -116,7 +131,7 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
                "tokens": {"train": int(train.lengths.sum()), "train_continuation": train.continuation_tokens(),
                           "held_out": int(held.lengths.sum())},
                "draft_vocab": {"size": len(cfg.draft_vocab), "continuation_coverage": coverage},
-               "init_from": init_from,
+               "init_from": init_from, "fused": list(cfg.fused),
                "steps": {"done": _steps_done(run_dir),
                          "planned": math.ceil(tc.epochs * batches_per_epoch(len(train), tc.batch_size))},
                "held_out_agreement": final,
@@ -130,7 +145,8 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
         trained, _ = split_params(params, cfg)
         save_feature_drafter(export, cfg, trained, drafting,
                              extra={"trained": {k: summary[k] for k in ("model", "plan", "train", "sequences",
-                                                                        "tokens", "draft_vocab", "init_from", "steps",
+                                                                        "tokens", "draft_vocab", "init_from", "fused",
+                                                                        "steps",
                                                                         "held_out_agreement",
                                                                         "eval_prompts_agreement")}})
         log(f"exported the drafter to {export}")
@@ -154,10 +170,12 @@ def _split(parts: dict, fraction: float, seed: int) -> tuple[FeatureSet, Feature
 
 
 def eval_prompt_set(llm: Model, corpus_dir: str, prompts: list[str], plan: CorpusPlan, progress: bool = True,
-                    log=print, categories: list[str] | None = None, shapes: BatchShapes | None = None) -> FeatureSet:
+                    log=print, categories: list[str] | None = None, shapes: BatchShapes | None = None,
+                    layers: tuple[int, ...] = ()) -> FeatureSet:
     """The LLM's greedy continuations of ``prompts`` (``plan.max_new_tokens``, chat template) with their
     features, made once under ``corpus_dir/eval-XXXXXXXXXXXX`` (named by the prompts' hash; never
-    training data). ``categories``: one per prompt, the set's parts (default: one part)."""
+    training data). ``categories``: one per prompt, the set's parts (default: one part). ``layers``: the raw
+    LLM layers a fused drafter reads, stored beside g (``features_dir``)."""
     if categories is not None and len(categories) != len(prompts):
         raise InputError(f"eval prompts: {len(categories)} categories for {len(prompts)} prompts")
     # named by what the continuations depend on: the prompts, their length, the seed and the LLM
@@ -167,13 +185,33 @@ def eval_prompt_set(llm: Model, corpus_dir: str, prompts: list[str], plan: Corpu
     shards = generate_corpus(llm, prompts, os.path.join(out, "continuations"), max_new_tokens=plan.max_new_tokens,
                              batch_size=plan.batch_size, temperatures=(0.0,), seed=plan.seed, progress=progress,
                              recipe={"part": "eval prompts"})
-    features = (shapes or BatchShapes()).features(llm, shards, os.path.join(out, "features"), progress, log)
+    features = (shapes or BatchShapes()).features(llm, shards, os.path.join(out, features_dir(layers)), progress, log,
+                                                  layers)
     data = load_feature_set({"eval prompts": (shards, features)})  # the prompts' order
     if categories is not None:
         names = tuple(sorted(set(categories)))
         data = dataclasses.replace(data, parts=np.asarray([names.index(c) for c in categories], np.int32),
                                    part_names=names)
     return data
+
+
+def resolve_fusion(llm, init_from: str | None, fused: tuple[int, ...]) -> tuple[int, ...]:
+    """The fused layers of the drafter to train (``llm``: a Model or ``describe_model``'s description):
+    ``fused``, or a fused ``init_from``'s own (refused if they differ); checked against the LLM."""
+    if init_from is not None:
+        from specjax.speculation.drafters.feature import load_feature_drafter
+
+        own = load_feature_drafter(init_from, llm, load=False).drafter.config.fused
+        if own and fused and own != fused:
+            raise InputError(f"--init-from {init_from} reads LLM layers {list(own)}; --fused asks {list(fused)}: "
+                             f"a trained fusion cannot change its layers")
+        if own:
+            return own
+        if fused and llm.config.num_layers not in fused:
+            raise InputError(f"--fused {list(fused)} with --init-from {init_from} (a final-feature drafter) must "
+                             f"include {llm.config.num_layers}, the final feature, so training starts from its drafts")
+    FeatureConfig(llm.config, (0,), fused)  # refuses layers outside the LLM
+    return fused
 
 
 def _start_from(name_or_path: str, llm: Model, groups: dict, seed: int):

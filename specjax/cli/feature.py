@@ -52,6 +52,10 @@ def add_parser(sub, formatter_class) -> None:
     f.add_argument("--draft-vocab", type=int, default=8192, help="tokens the drafter can name (most frequent)")
     f.add_argument("--held-out", type=float, default=0.02, help="share of sequences held out for evaluation")
     f.add_argument("--max-eval", type=int, default=400, help="held-out sequences evaluated during training")
+    f.add_argument("--fused", default=None,
+                   help="comma-separated LLM layers whose hidden states an EAGLE-3-style drafter reads, fused into "
+                        "one feature; the LLM's layer count (30 for SmolLM2) names its final feature, which lets a "
+                        "final-feature --init-from start exactly as it drafts (default: the final feature only)")
     f.add_argument("--init-from", help="continue training this feature drafter (registered name or directory), "
                                         "keeping its draft vocabulary (default: none, a fresh start)")
     f.add_argument("--epochs", type=float, default=1.0, help="passes over the training sequences")
@@ -82,6 +86,7 @@ def check_args(args):
     evaluation prompts: ``feature_tune`` holds these out of training too)."""
     from specjax.boost.feature_corpus import CorpusPlan
     from specjax.boost.feature_train import FeatureTrainConfig
+    from specjax.boost.feature_tune import resolve_fusion
     from specjax.cli.boost import _writable_dir
     from specjax.io.checkpoint import check_destination
     from specjax.io.loader import describe_model
@@ -119,10 +124,9 @@ def check_args(args):
     if args.init_from is not None:
         from specjax.speculation.drafters.feature import load_feature_drafter
 
-        start = load_feature_drafter(args.init_from, describe_model(args.model), load=False)  # exists, fits the LLM
-        if start.drafter.config.fused:  # the corpus features are the final ones only
-            raise InputError(f"--init-from {args.init_from}: it reads fused LLM layers {start.drafter.config.fused}; "
-                             f"feature-tune trains drafters of the final feature only")
+        load_feature_drafter(args.init_from, describe_model(args.model), load=False)  # exists, fits the LLM
+    fused = parse_fused(args.fused)
+    args.fused_layers = resolve_fusion(describe_model(args.model), args.init_from, fused)  # refused before any work
     held = [p for path in args.exclude_prompts
             for p in read_prompts_file(path, flag="--exclude-prompts", allow_token_ids=False, plain_lines=True)]
     evaluate = [p for path in args.eval_prompts
@@ -150,7 +154,7 @@ def _cmd_feature_tune(args, out) -> int:
                            eval_prompts=evaluate, progress=not args.no_progress,
                            time_budget=None if args.time_budget is None  # the model's loading counts too
                            else args.time_budget - (time.perf_counter() - started),
-                           shapes=BatchShapes.gpu() if gpu else BatchShapes())
+                           shapes=BatchShapes.gpu() if gpu else BatchShapes(), fused=args.fused_layers)
     depth = summary["held_out_agreement"]["all"]
     on_prompts = summary["eval_prompts_agreement"]
     out.write(f"feature-tune done in {time.perf_counter() - started:.0f} s (this run): held-out agreement by depth "
@@ -159,6 +163,19 @@ def _cmd_feature_tune(args, out) -> int:
               + (f"; drafter in {args.export}" if args.export else "") + "\n")
     out.write(json.dumps({k: v for k, v in summary.items() if k != "history"}, default=_plain) + "\n")
     return 0
+
+
+def parse_fused(text: str | None) -> tuple[int, ...]:
+    """``--fused 15,30`` -> (15, 30); None -> () (the final feature only)."""
+    if text is None:
+        return ()
+    try:
+        layers = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise InputError(f"--fused must be comma-separated LLM layer indices (e.g. 15,30), got {text!r}") from None
+    if list(layers) != sorted(set(layers)):
+        raise InputError(f"--fused must list distinct layers in increasing order, got {text!r}")
+    return layers
 
 
 def _plain(x):

@@ -32,7 +32,7 @@ def trained_shapes(cfg: FeatureConfig) -> dict:
     shapes = {"fc": (2 * d, d), "layers": jax.tree.map(lambda s: s.shape, layers, is_leaf=is_param_spec),
               "out_norm": (d,)}
     if cfg.fused:
-        shapes.update(fuse=(len(cfg.fused) * d, d), fuse_norm=(len(cfg.fused), d))
+        shapes.update(fuse=(len(cfg.fused) * d, d), fuse_norm=(len(cfg.raw_layers), d))
     return shapes
 
 

@@ -7,8 +7,9 @@ reads) from the previous feature and the embedding of the current token:
                           f_p  = RMSNorm(one LLaMA decoder layer(x_p))     causal over the pairs before p
                           logits_p = f_p @ head^T  over the draft vocabulary (predicts token_{p+1})
 
-g_p is the LLM's post-norm feature at p while drafting from committed text, and the drafter's own f_p
-deeper in a draft (where the LLM has not run yet). The embedding, final norm and head rows are the
+g_p is the LLM's post-norm feature at p while drafting from committed text (or, for a fused drafter,
+the fusion of several LLM layers' hidden states at p: ``FeatureConfig.fused``), and the drafter's own
+f_p deeper in a draft (where the LLM has not run yet). The embedding, final norm and head rows are the
 LLM's own, frozen and taken from its params at bind time (``bind``), so a shipped drafter holds only
 ``fc``, its layer and its output norm. The output norm (initialised as the LLM's final norm) puts f in
 g's space whatever the layer's residual scale: f is what the next draft step reads as its feature,
@@ -44,7 +45,9 @@ class FeatureConfig:
     head is token draft_vocab[r]); drafts never contain other tokens, which costs acceptance only.
     fused: () reads the LLM's final feature g (EAGLE-1); or LLM layer indices whose input hidden states
     are normalised, concatenated and projected to one feature (EAGLE-3: low, middle and high layers
-    carry more about the tokens after the next than the final, next-token-shaped feature)."""
+    carry more about the tokens after the next than the final, next-token-shaped feature). The index
+    ``llm.num_layers`` names the final feature g itself (post-norm, as the head reads it), so a fusion
+    that includes it can start as exactly a trained final-feature drafter (``with_fusion``)."""
 
     llm: ModelConfig
     draft_vocab: tuple[int, ...]
@@ -63,9 +66,11 @@ class FeatureConfig:
             raise InputError(f"draft_vocab must hold distinct token ids in [0, {self.llm.vocab_size}), got min "
                              f"{ids.min()}, max {ids.max()}, {len(ids) - len(np.unique(ids))} repeats")
         if not isinstance(self.fused, tuple) or list(self.fused) != sorted(set(self.fused)) or any(
-                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.llm.num_layers for i in self.fused):
-            raise InputError(f"fused must be increasing LLM layer indices in [0, {self.llm.num_layers}), got "
-                             f"{self.fused!r}")
+                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= self.llm.num_layers for i in self.fused):
+            raise InputError(f"fused must be increasing LLM layer indices in [0, {self.llm.num_layers}] "
+                             f"({self.llm.num_layers}: the final feature), got {self.fused!r}")
+        if self.fused == (self.llm.num_layers,):
+            raise InputError(f"fused={self.fused!r} is the final feature alone: that is fused=()")
 
     @property
     def layer_config(self) -> ModelConfig:
@@ -76,6 +81,17 @@ class FeatureConfig:
     def hidden_layers(self) -> tuple[int, ...]:
         """The LLM hidden states it reads (``specjax.models`` indices; L = the final one)."""
         return self.fused or (self.llm.num_layers,)
+
+    @property
+    def reads_final(self) -> bool:
+        """Whether the fusion includes the final feature g (its last slot)."""
+        return self.llm.num_layers in self.fused
+
+    @property
+    def raw_layers(self) -> tuple[int, ...]:
+        """The fused layers read as raw hidden states (normalised by ``fuse_norm``): all but the final one.
+        The training corpus stores these beside g."""
+        return tuple(i for i in self.fused if i != self.llm.num_layers)
 
     @property
     def trained_keys(self) -> tuple[str, ...]:
@@ -124,9 +140,10 @@ def init_trained(llm_params: dict, cfg: FeatureConfig, key: jax.Array) -> dict:
     """Starting point for training: the LLM's last layer with its output projections (attention ``wo``,
     MLP ``w_down``) zeroed, so the layer starts as the identity on its residual stream, and the LLM's
     final norm as the output norm; ``fc`` passes the feature through (identity on g) plus a small random
-    map of the token embedding; a fusion starts random. (Measured on the passages corpus: held-out
-    depth-1 agreement 0.19 after 50 steps, against 0.10 with the LLM's last layer as it is, whose
-    updates, meant for layer 29's residual stream, swamp the post-norm input.)"""
+    map of the token embedding; a fusion starts random, or, where it reads the final feature, passing g
+    through (the raw layers' rows zero: the start is the final-feature drafter's). (Measured on the
+    passages corpus: held-out depth-1 agreement 0.19 after 50 steps, against 0.10 with the LLM's last
+    layer as it is, whose updates, meant for layer 29's residual stream, swamp the post-norm input.)"""
     d = cfg.llm.hidden_size
     dtype = llm_params["embed"].dtype
     k_embed, k_fuse = jax.random.split(key)
@@ -137,9 +154,34 @@ def init_trained(llm_params: dict, cfg: FeatureConfig, key: jax.Array) -> dict:
     out = {"fc": fc, "layers": layers, "out_norm": llm_params["final_norm"]}
     if cfg.fused:
         n = len(cfg.fused)
-        out["fuse"] = jax.random.normal(k_fuse, (n * d, d), dtype) * (1.0 / np.sqrt(n * d))
-        out["fuse_norm"] = jnp.ones((n, d), dtype)
+        if cfg.reads_final:
+            out.update(fusion_passing_final(cfg, dtype))
+        else:
+            out["fuse"] = jax.random.normal(k_fuse, (n * d, d), dtype) * (1.0 / np.sqrt(n * d))
+            out["fuse_norm"] = jnp.ones((n, d), dtype)
     return out
+
+
+def fusion_passing_final(cfg: FeatureConfig, dtype=jnp.float32) -> dict:
+    """{fuse, fuse_norm} of a fusion that reads the final feature and passes it through unchanged: the
+    raw layers' rows zero (they start to matter as training moves them), g's rows the identity."""
+    if not cfg.reads_final:
+        raise InputError(f"a fusion of layers {cfg.fused} does not read the final feature "
+                         f"({cfg.llm.num_layers}): it cannot pass it through")
+    d = cfg.llm.hidden_size
+    raw = len(cfg.raw_layers)
+    return {"fuse": jnp.concatenate([jnp.zeros((raw * d, d), dtype), jnp.eye(d, dtype=dtype)], axis=0),
+            "fuse_norm": jnp.ones((raw, d), dtype)}
+
+
+def with_fusion(trained: dict, fused_cfg: FeatureConfig) -> dict:
+    """A final-feature drafter's trained params -> those of ``fused_cfg`` (same LLM and draft vocabulary)
+    that compute exactly the same drafts: its fusion passes g through (``fusion_passing_final``). The
+    start of EAGLE-3-style training from a trained EAGLE-1-style drafter."""
+    missing = [k for k in TRAINED if k not in trained]
+    if missing or any(k in trained for k in FUSED):
+        raise InputError(f"with_fusion takes a final-feature drafter's params ({TRAINED}); got {sorted(trained)}")
+    return {**{k: trained[k] for k in TRAINED}, **fusion_passing_final(fused_cfg, trained["out_norm"].dtype)}
 
 
 def llm_features(params: dict, hidden: jax.Array, cfg: FeatureConfig) -> jax.Array:
@@ -147,8 +189,22 @@ def llm_features(params: dict, hidden: jax.Array, cfg: FeatureConfig) -> jax.Arr
     the post-norm final feature g, or the fusion of the listed layers' normalised inputs."""
     if not cfg.fused:
         return final_features(params, hidden[..., 0, :], cfg)
-    normed = rms_norm(hidden, params["fuse_norm"], cfg.llm.norm_eps)  # per layer
-    return normed.reshape(hidden.shape[:-2] + (-1,)) @ params["fuse"]
+    if cfg.reads_final:
+        return fuse_features(params, hidden[..., :-1, :], final_features(params, hidden[..., -1, :], cfg), cfg)
+    return fuse_features(params, hidden, None, cfg)
+
+
+def fuse_features(params: dict, raw: jax.Array, g: jax.Array | None, cfg: FeatureConfig) -> jax.Array:
+    """The fusion of ``cfg.raw_layers``' hidden states ``raw`` [..., n_raw, D] (each normalised by its
+    ``fuse_norm`` row) and, where the fusion reads it, the final feature ``g`` [..., D] -> [..., D]."""
+    if (g is not None) != cfg.reads_final or raw.shape[-2] != len(cfg.raw_layers):
+        raise InputError(f"fusion of layers {cfg.fused}: got {raw.shape[-2]} raw layers and "
+                         f"{'a' if g is not None else 'no'} final feature")
+    normed = rms_norm(raw, params["fuse_norm"], cfg.llm.norm_eps)  # per layer
+    parts = normed.reshape(raw.shape[:-2] + (-1,))
+    if g is not None:
+        parts = jnp.concatenate([parts, g.astype(parts.dtype)], axis=-1)
+    return parts @ params["fuse"]
 
 
 def final_features(params: dict, hidden: jax.Array, cfg: FeatureConfig) -> jax.Array:

@@ -197,7 +197,8 @@ def eval_prompt_set(llm: Model, corpus_dir: str, prompts: list[str], plan: Corpu
 
 def resolve_fusion(llm, init_from: str | None, fused: tuple[int, ...]) -> tuple[int, ...]:
     """The fused layers of the drafter to train (``llm``: a Model or ``describe_model``'s description):
-    ``fused``, or a fused ``init_from``'s own (refused if they differ); checked against the LLM."""
+    ``fused``, or a fused ``init_from``'s own (refused if they differ); checked against the LLM, as is
+    ``init_from`` (it must exist and have been trained for this LLM)."""
     if init_from is not None:
         from specjax.speculation.drafters.feature import load_feature_drafter
 

@@ -121,12 +121,8 @@ def check_args(args):
                 "ladder": tuple(sorted({0, 1, min(3, args.nodes), min(6, args.nodes), min(10, args.nodes),
                                        args.nodes}))}
     FeatureDrafter(cfg, **drafting)  # the shipped settings must make a valid drafter
-    if args.init_from is not None:
-        from specjax.speculation.drafters.feature import load_feature_drafter
-
-        load_feature_drafter(args.init_from, describe_model(args.model), load=False)  # exists, fits the LLM
-    fused = parse_fused(args.fused)
-    args.fused_layers = resolve_fusion(describe_model(args.model), args.init_from, fused)  # refused before any work
+    # --init-from exists and fits the LLM, --fused fits both: refused before any work
+    args.fused_layers = resolve_fusion(describe_model(args.model), args.init_from, parse_fused(args.fused))
     held = [p for path in args.exclude_prompts
             for p in read_prompts_file(path, flag="--exclude-prompts", allow_token_ids=False, plain_lines=True)]
     evaluate = [p for path in args.eval_prompts

@@ -176,10 +176,12 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
     and costs. Needs drafters that estimate their acceptance (the lookup drafter).
     parallel: a ``specjax.sharding.Parallel`` to run on its mesh (LLM under its rules, pipelined
     when pp > 1; SSMs under its ssm_rules). The batch is padded with inert requests to a multiple of
-    dp x microbatches; the output is the same as on one device.
+    dp x microbatches; the output is the same as on one device. A pipelined mesh of several CPU
+    devices in one process runs one LLM pass per program call (``Parallel.one_pass_per_call``:
+    XLA:CPU ran several in one program wrongly there).
     on_tokens: ``on_tokens(request_index, new_token_ids)`` is called once for every LLM pass that
     accepted tokens (several at once when speculation succeeds): the host calls the same loop in
-    chunks of up to ``host_step.MAX_CHUNK_STEPS`` passes (one on a mesh) and hands over each pass's tokens as a chunk
+    chunks of up to ``host_step.MAX_CHUNK_STEPS`` passes and hands over each pass's tokens as a chunk
     returns; each request's own finish time is reported. Either way
     ``stats`` has ``prefill_seconds`` (the time to the first tokens); ``stats["seconds"]`` (prefill +
     decoding) never includes compilation, which ``stats["compile_seconds"]`` reports apart.
@@ -224,18 +226,22 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
         finish_all = step_program(finish_speculative, batch, statics).bind(params, drafter_params, **per_step)
         step = step_program(host_step, batch, statics, ("state",)).bind(params, drafter_params, **per_step)
     timing = {"step_matmuls": step_matmuls(params, batch, parallel)}
-    if on_tokens is None:
+    # XLA:CPU runs several pipelined passes in one program wrongly on an in-process mesh
+    # (``Parallel.one_pass_per_call``): there the loop goes one pass per call, streamed or not.
+    one_pass = parallel is not None and parallel.one_pass_per_call
+    if on_tokens is None and not one_pass:
         out = run_two_programs(init, finish_all, host, timing)
         tokens = host(out.tokens)
         finish = None
     else:  # the loop in chunks of a few passes, each process fetching its reports
-        # A mesh steps one pass per call, as before chunks: multi-pass chunks hung in a collective
-        # permute on an in-process 8-device pp=2 x tp=4 CPU mesh and gave SmolLM2 other tokens there
-        # (stop 63, not understood yet; two processes with pp=2 ran them correctly).
-        most = MAX_CHUNK_STEPS if parallel is None else 1
-        out, finish = run_host_loop(init, step, host, n, on_tokens, timing, most)
+        out, finish = run_host_loop(init, step, host, n, on_tokens or _ignore_tokens, timing,
+                                    1 if one_pass else MAX_CHUNK_STEPS)
         tokens = host(out.tokens)
     return _result(model, plan, out, tokens, host, n, timing, finish)
+
+
+def _ignore_tokens(request: int, token_ids: list) -> None:
+    """The host loop's ``on_tokens`` where the caller streams nothing."""
 
 
 def measured_budget(model: Model, plan: GenerationPlan, params=None, batch: int | None = None, parallel=None,

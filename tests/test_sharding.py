@@ -158,6 +158,21 @@ def test_pipeline_equals_sequential_reference():
     assert "collective_permute" in program(piped) and "collective_permute" not in program(sequential)
 
 
+def test_one_pass_per_call_only_for_an_in_process_cpu_pipeline(recwarn):
+    """A pipelined mesh of several CPU devices in this process steps one pass per call (XLA:CPU ran
+    several pipelined passes in one program wrongly there, tests/test_smollm2.py); tp / dp meshes and
+    the sequential schedule do not, and only the first warns when a whole loop is traced on it."""
+    piped = Parallel.create("pp=2,tp=4")
+    assert piped.one_pass_per_call
+    assert Parallel.create("pp=2,dp=4").one_pass_per_call
+    for other in (Parallel.create("tp=8"), Parallel.create("dp=2,tp=4"), Parallel(piped.mesh, schedule="sequential")):
+        assert not other.one_pass_per_call
+        other.warn_multi_pass("a whole loop")
+    assert not [w for w in recwarn if "pipelined LLM passes" in str(w.message)]
+    with pytest.warns(RuntimeWarning, match="a whole loop runs several pipelined LLM passes in one program"):
+        piped.warn_multi_pass("a whole loop")
+
+
 def test_rules_errors_name_the_leaf():
     cfg = tiny("llama").config
     with pytest.raises(ShardingError, match=r"param \['layers'\]\['attn_norm'\]: dimension 0 \(layers\) has size 4"):

@@ -86,7 +86,7 @@ def run_host_loop(init, chunk, host, n, on_tokens, timing, most: int = MAX_CHUNK
     (every process its part on a mesh); ``timing`` receives compile_seconds, prefill_seconds and
     seconds. Returns (final state, each request's finish time as the host saw it). Compilation is
     timed apart (AOT lower + compile, the prefill waited for first: ``prefill_then_compile``).
-    ``most``: the largest chunk (1 on a mesh, see ``specjax.api.run_plan``)."""
+    ``most``: the largest chunk (1 where ``Parallel.one_pass_per_call``, see ``specjax.api.run_plan``)."""
     sizes = (np.int32(k) for k in chunk_sizes(most))  # numpy: replicated as it is on every process
     state, compile_s, prefill_s = prefill_then_compile(init, chunk, steps=np.int32(1))
     loop_start = time.perf_counter()

@@ -195,7 +195,8 @@ def generate_incremental(params, prompt_tokens: jax.Array, prompt_lens: jax.Arra
     prompt_tokens: [B, T] int32 (right-padded); prompt_lens: [B] >= 1; max_new_tokens: [B] in
     [1, max_out]. Static: cfg, cache_len (>= T and >= max(prompt_len + max_new_tokens)), max_out,
     parallel (a ``specjax.sharding.Parallel``: the cache is pinned to its sharding and pp > 1 runs
-    the layers as a pipeline; None = whatever device the inputs are on).
+    the layers as a pipeline; None = whatever device the inputs are on; a pipelined mesh of several
+    CPU devices in one process is warned against: ``Parallel.one_pass_per_call``).
     The host wrapper validates these bounds; inside jit they are the caller's contract.
     """
     state = decode_init(params, prompt_tokens, prompt_lens, max_new_tokens, sampling, cfg=cfg, cache_len=cache_len,
@@ -207,6 +208,8 @@ def finish_incremental(params, state: DecodeState, sampling: SamplingArrays, max
                        cfg: ModelConfig, eos_ids: tuple[int, ...] = (), parallel=None) -> GenerateOutput:
     """The loop of ``generate_incremental`` after ``decode_init``: one step per token until every
     request is done (its own program in ``specjax.generate``, see ``specjax.decoding.programs``)."""
+    if parallel is not None:
+        parallel.warn_multi_pass("a whole incremental decoding loop")
 
     def cond(state: DecodeState):
         return jnp.any(~state.done)  # some request still needs tokens

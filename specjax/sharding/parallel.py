@@ -8,6 +8,7 @@ pipeline (``specjax.sharding.pipeline``), otherwise one scan under GSPMD.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import numpy as np
@@ -59,6 +60,34 @@ class Parallel:
     @property
     def pipelined(self) -> bool:
         return self.pp > 1 and self.schedule == "pipeline"
+
+    @property
+    def one_pass_per_call(self) -> bool:
+        """Whether a decoding loop on this mesh must run one LLM pass per program call: a pipelined
+        mesh (``pipelined``) with more than one CPU device in this process.
+
+        Why: XLA:CPU ran a loop of several pipelined passes in one program wrongly there. SmolLM2 on
+        an in-process pp=2 mesh gave another token at the 5th pass whenever that pass was the 3rd or a
+        later iteration of one program's loop, from a state bit for bit equal to the one a single-pass
+        call decoded correctly; multi-pass chunks also hung in a collective. The same programs were
+        right with the sequential schedule, with one device per process (two processes, pp=2), on
+        tp- and dp-only meshes, and pinned to one core (``taskset -c 0``), so it is a race of XLA:CPU's
+        in-process multi-device execution, not the program's semantics (stop 65; see
+        ``tests/test_smollm2.py``). ``specjax.generate`` drives such meshes one pass per call; a caller
+        jitting a whole loop itself (``generate_speculative``, ``generate_incremental``) is warned."""
+        if not self.pipelined:
+            return False
+        here = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+        return len(here) > 1 and all(d.platform == "cpu" for d in here)
+
+    def warn_multi_pass(self, what: str) -> None:
+        """Warn (at trace time) that ``what`` puts several LLM passes in one program where
+        ``one_pass_per_call`` holds."""
+        if self.one_pass_per_call:
+            warnings.warn(f"specjax: {what} runs several pipelined LLM passes in one program on a mesh of several "
+                          f"CPU devices in this process, which XLA:CPU computed wrongly (another token at a later "
+                          f"pass; see Parallel.one_pass_per_call): step one pass per call, as specjax.generate "
+                          f"does, or run one process per device", RuntimeWarning, stacklevel=3)
 
     @property
     def pp(self) -> int:

@@ -281,7 +281,8 @@ def generate_speculative(llm_params, drafter_params: tuple, prompt_tokens: jax.A
     it); the others sample. cache_len must be >= T and >= max(prompt_len + max_new_tokens) +
     spec.num_nodes (tree scratch). parallel: a ``specjax.sharding.Parallel`` (static): the LLM runs
     under its rules (pp > 1 = pipelined layers), SSM drafters under its ssm_rules; the whole loop
-    stays one jitted program.
+    stays one jitted program (warned against on a pipelined mesh of several CPU devices in one
+    process: ``Parallel.one_pass_per_call``).
     """
     batch = prompt_tokens.shape[0]
     sampling = greedy_sampling(batch) if sampling is None else sampling
@@ -296,6 +297,8 @@ def finish_speculative(llm_params, drafter_params: tuple, state: SpecState, cfg:
     """The loop of ``generate_speculative`` after ``init_state``: steps until every request is done.
     Its own program in ``specjax.generate``, so the prefill and the steps can be compiled with
     different options (``specjax.decoding.programs``)."""
+    if parallel is not None:
+        parallel.warn_multi_pass("a whole speculative decoding loop")
 
     def cond(state: SpecState):
         return jnp.any(~state.done)  # some request still needs tokens

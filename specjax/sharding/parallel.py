@@ -71,8 +71,8 @@ class Parallel:
         later iteration of one program's loop, from a state bit for bit equal to the one a single-pass
         call decoded correctly; multi-pass chunks also hung in a collective. The same programs were
         right with the sequential schedule, with one device per process (two processes, pp=2), on
-        tp- and dp-only meshes, and pinned to one core (``taskset -c 0``), so it is a race of XLA:CPU's
-        in-process multi-device execution, not the program's semantics (stop 65; see
+        tp- and dp-only meshes, and pinned to one core (``taskset -c 0``), which points at XLA:CPU's
+        in-process multi-device execution (most likely a race), not the program's semantics (stop 65; see
         ``tests/test_smollm2.py``). ``specjax.generate`` drives such meshes one pass per call; a caller
         jitting a whole loop itself (``generate_speculative``, ``generate_incremental``) is warned."""
         if not self.pipelined:

@@ -111,6 +111,26 @@ def test_greedy_tokens_match_one_device(model, reference, shape):
     assert tree.stats["llm_passes"] == tree_passes
 
 
+@pytest.mark.parametrize("shape", MESHES)
+def test_streamed_tokens_match_one_device_in_chunks(model, reference, shape, monkeypatch):
+    """Streaming on a mesh: the same tokens, handed over as they come, and the same passes as one
+    device; the host loop runs chunks of up to MAX_CHUNK_STEPS passes except on an in-process CPU
+    pipeline, one pass per call there (``Parallel.one_pass_per_call``)."""
+    from specjax import api
+    from specjax.decoding.host_step import MAX_CHUNK_STEPS
+
+    prompts, spec_kw, incremental, tree_passes = reference
+    parallel = Parallel.create(shape)
+    most, real = [], api.run_host_loop
+    monkeypatch.setattr(api, "run_host_loop", lambda *args: most.append(args[-1]) or real(*args))
+    shown = [[] for _ in prompts]
+    tree = specjax.generate(model, prompts, **GEN, **spec_kw, parallel=parallel,
+                            on_tokens=lambda i, ids: shown[i].extend(ids))
+    assert tree.token_ids == shown == incremental
+    assert tree.stats["llm_passes"] == tree_passes
+    assert most == [1 if shape.startswith("pp=") else MAX_CHUNK_STEPS]
+
+
 def test_pipeline_with_dp_and_odd_batch_pads_requests():
     """PP x DP x TP at once, a batch of 3 (padded to dp x microbatches = 4 inside, 3 returned): tokens,
     LLM passes and acceptance statistics equal one device's, so the padding requests leak nowhere."""

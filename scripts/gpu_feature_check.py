@@ -38,7 +38,7 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from specjax.boost.feature_data import load_feature_set
+    from specjax.boost.feature_loading import load_feature_set
     from specjax.boost.feature_train import FeatureTrainConfig, depth_agreement, split_params, train_feature
     from specjax.boost.feature_tune import BatchShapes
     from specjax.io.feature_checkpoint import save_feature_drafter

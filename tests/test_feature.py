@@ -127,7 +127,8 @@ def test_feature_shards_resume_and_load_with_greedy_targets(llama, tmp_path):
     import os
 
     from specjax.boost.corpus import generate_corpus
-    from specjax.boost.feature_data import feature_shards, load_feature_set
+    from specjax.boost.feature_data import feature_shards
+    from specjax.boost.feature_loading import load_feature_set
 
     shards = generate_corpus(llama, [[1, 2, 3], [4, 5]], str(tmp_path / "corpus"), max_new_tokens=6, batch_size=2,
                              temperatures=(0.0, 1.0), chat_template=False, progress=False)

@@ -98,7 +98,8 @@ def test_a_second_request_round_answers_only_requests_not_already_in_the_corpus(
 @pytest.mark.slow
 def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_path, monkeypatch):
     import specjax.boost.feature_tune as tune
-    from specjax.boost.feature_data import load_feature_set, split_held_out
+    from specjax.boost.feature_data import split_held_out
+    from specjax.boost.feature_loading import load_feature_set
     from specjax.boost.feature_tune import _split, feature_tune
     from specjax.speculation.drafters.feature import from_arg
 

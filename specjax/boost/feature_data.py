@@ -160,67 +160,18 @@ class FeatureSet:
         return int(np.sum(self.lengths - self.prompt_lens))
 
 
-def load_feature_set(parts: dict[str, tuple[list[str], list[str]]], max_len: int | None = None) -> FeatureSet:
-    """parts: {name: (corpus shard paths, feature shard paths)}. Sequences longer than ``max_len`` are
-    cut from the left of their prompt (the continuation is kept whole; positions restart at 0)."""
-    tokens, feats, inputs, greedy, lens, offs, part_ids = [], [], [], [], [], [0], []
-    names = tuple(parts)
-    for pi, name in enumerate(names):
-        shards, features = parts[name]
-        if len(shards) != len(features):
-            raise InputError(f"part {name}: {len(shards)} corpus shards but {len(features)} feature files")
-        for shard, fpath in zip(shards, features):
-            sequences = read_shard(shard)
-            with np.load(shard) as z:
-                is_greedy = float(z["temperature"]) == 0.0
-            with np.load(fpath) as z:
-                f, o = z["features"], z["offsets"]
-            if len(o) != len(sequences) + 1 or len(f) != o[-1]:
-                raise InputError(f"{fpath}: {len(o) - 1} sequences, its shard {shard} has {len(sequences)}")
-            for i, (ids, prompt_len) in enumerate(sequences):
-                cut = 0 if max_len is None else max(0, len(ids) - max_len)
-                if cut >= prompt_len:
-                    raise InputError(f"{shard}: a continuation of {len(ids) - prompt_len} tokens exceeds max_len "
-                                     f"{max_len}")
-                ids = np.asarray(ids, np.int32)
-                nxt = np.full(len(ids), -1, np.int32)
-                if is_greedy:  # position p's greedy next token is the continuation's token p + 1
-                    nxt[prompt_len - 1:-1] = ids[prompt_len:]
-                tokens.append(ids[cut:])
-                rows = f[o[i] + cut:o[i + 1]]
-                feats.append(rows if rows.ndim == 2 else rows[:, -1])  # [T, n + 1, D]: the inputs, then g
-                if rows.ndim == 3:
-                    inputs.append(rows[:, :-1])
-                greedy.append(nxt[cut:])
-                lens.append(prompt_len - cut)
-                offs.append(offs[-1] + len(ids) - cut)
-                part_ids.append(pi)
-    if not tokens:
-        raise InputError("no feature data: the corpus parts are empty")
-    if inputs and len(inputs) != len(tokens):
-        raise InputError("feature files disagree: some hold fused-layer inputs, some do not")
-    return FeatureSet(np.concatenate(tokens), np.concatenate(feats), np.concatenate(greedy), np.asarray(offs, np.int64),
-                      np.asarray(lens, np.int32), np.asarray(part_ids, np.int32), names,
-                      np.concatenate(inputs) if inputs else None)
-
-
-def concat_sets(a: FeatureSet, b: FeatureSet) -> FeatureSet:
-    """``a``'s sequences then ``b``'s (their parts kept apart: ``b``'s part names follow ``a``'s)."""
-    if (a.inputs is None) != (b.inputs is None) or a.features.shape[1:] != b.features.shape[1:]:
-        raise InputError("feature sets disagree: one holds fused-layer inputs or another feature shape")
-    return FeatureSet(np.concatenate([a.tokens, b.tokens]), np.concatenate([a.features, b.features]),
-                      np.concatenate([a.greedy, b.greedy]), np.concatenate([a.offsets, a.offsets[-1] + b.offsets[1:]]),
-                      np.concatenate([a.prompt_lens, b.prompt_lens]),
-                      np.concatenate([a.parts, b.parts + len(a.part_names)]).astype(np.int32),
-                      a.part_names + b.part_names,
-                      None if a.inputs is None else np.concatenate([a.inputs, b.inputs]))
+def held_out_indices(count: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, held out) sequence indices, each sorted: a seeded ``fraction`` of ``count`` held out."""
+    order = np.random.default_rng(seed).permutation(count)
+    n = max(1, int(round(count * fraction)))
+    return np.sort(order[n:]), np.sort(order[:n])
 
 
 def split_held_out(data: FeatureSet, fraction: float, seed: int = 0) -> tuple[FeatureSet, FeatureSet]:
-    """(train, held out): a seeded ``fraction`` of the sequences (each from a distinct prompt) held out."""
-    order = np.random.default_rng(seed).permutation(len(data))
-    n = max(1, int(round(len(data) * fraction)))
-    return data.subset(np.sort(order[n:])), data.subset(np.sort(order[:n]))
+    """(train, held out): a seeded ``fraction`` of the sequences (each from a distinct prompt) held out.
+    (Copies the set; ``feature_loading.load_split`` splits while loading.)"""
+    train, held = held_out_indices(len(data), fraction, seed)
+    return data.subset(train), data.subset(held)
 
 
 def vocabulary_coverage(data: FeatureSet, vocab) -> float:

@@ -16,15 +16,8 @@ import numpy as np
 from specjax.boost.corpus import generate_corpus
 from specjax.boost.distill import batches_per_epoch
 from specjax.boost.feature_corpus import REQUEST_PARTS, REQUEST_ROUNDS, CorpusPlan, build_feature_corpus
-from specjax.boost.feature_data import (
-    FeatureSet,
-    concat_sets,
-    draft_vocabulary,
-    feature_shards,
-    load_feature_set,
-    split_held_out,
-    vocabulary_coverage,
-)
+from specjax.boost.feature_data import FeatureSet, draft_vocabulary, feature_shards, vocabulary_coverage
+from specjax.boost.feature_loading import load_feature_set, load_split
 from specjax.boost.feature_train import FeatureTrainConfig, depth_agreement, split_params, train_feature
 from specjax.errors import InputError
 from specjax.models.feature import FeatureConfig, bind, init_trained, with_fusion
@@ -159,13 +152,13 @@ def _split(parts: dict, fraction: float, seed: int) -> tuple[FeatureSet, Feature
     it was: a drafter continued with ``init_from`` on the grown corpus is not evaluated on sequences it
     was trained on (``_check_split``)."""
     base = {name: paths for name, paths in parts.items() if name not in REQUEST_PARTS}
-    train, held = split_held_out(load_feature_set(base), fraction, seed=seed)
-    groups = {"templates": {"train": len(train), "held_out": len(held)}}
+    names, loads = ["templates"], [base]
     for round_name, (_, answers, _, _) in REQUEST_ROUNDS.items():
         if answers in parts:
-            more_train, more_held = split_held_out(load_feature_set({answers: parts[answers]}), fraction, seed=seed)
-            train, held = concat_sets(train, more_train), concat_sets(held, more_held)
-            groups[round_name] = {"train": len(more_train), "held_out": len(more_held)}
+            names.append(round_name)
+            loads.append({answers: parts[answers]})
+    train, held, counts = load_split(loads, fraction, seed=seed)  # the features copied once (feature_loading)
+    groups = {name: {"train": t, "held_out": h} for name, (t, h) in zip(names, counts)}
     return train, held, groups
 
 

@@ -1,0 +1,165 @@
+"""Loading the feature corpus into memory once: the whole set, or its train / held-out split.
+
+The features dominate memory (float16 [N, D] per stored layer: 5.7 GB for the final features of a
+2.5M-token corpus, as much again for each raw layer of a fusion), so they are copied once, into
+arrays allocated at their final size. Loading shard by shard into lists and concatenating them held
+every shard and the concatenation at once (2x), and splitting a loaded set and concatenating the
+request rounds' splits copied it twice more; the old route peaked near 3x the set, which left no
+room on a 24 GiB machine for a second raw layer. Here a first pass reads only what is small (the
+corpus tokens, the feature files' offsets and array headers) and decides where every sequence goes;
+the second loads one feature file at a time and copies its rows into place. The result equals the
+old route's exactly (``tests/test_feature_loading.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zipfile
+
+import numpy as np
+
+from specjax.boost.corpus import read_shard
+from specjax.boost.feature_data import FeatureSet, held_out_indices
+from specjax.errors import InputError
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sequence:
+    """One corpus sequence as the loader places it (rows ``cut:`` of its feature rows)."""
+
+    file: int  # index into the feature files
+    index: int  # its index in its shard and feature file
+    cut: int  # rows dropped from the left of the prompt (``max_len``)
+    tokens: np.ndarray
+    greedy: np.ndarray
+    prompt_len: int  # after the cut
+    part: int  # index into the part names
+
+
+@dataclasses.dataclass(frozen=True)
+class _Index:
+    files: list  # feature file paths
+    groups: list  # per group: its sequences, in the order the old route concatenated them
+    part_names: tuple
+    row_shape: tuple  # [D] (final features only) or [n + 1, D] (fused-layer inputs, then g)
+    dtype: np.dtype
+
+
+def _header(path: str, member: str):
+    """(shape, dtype) of an array in an ``.npz`` without reading its data."""
+    try:
+        with zipfile.ZipFile(path) as zf, zf.open(member + ".npy") as fh:
+            version = np.lib.format.read_magic(fh)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(fh)
+    except (OSError, KeyError, zipfile.BadZipFile, ValueError) as e:
+        raise InputError(f"{path}: not a feature file with a {member!r} array ({e})") from None
+    return shape, dtype
+
+
+def _index(groups: list[dict[str, tuple[list[str], list[str]]]], max_len: int | None) -> _Index:
+    files, grouped, names, shapes, dtypes = [], [], [], set(), []
+    for parts in groups:
+        sequences = []
+        for name, (shards, features) in parts.items():
+            if len(shards) != len(features):
+                raise InputError(f"part {name}: {len(shards)} corpus shards but {len(features)} feature files")
+            part = len(names)
+            names.append(name)
+            for shard, fpath in zip(shards, features):
+                corpus = read_shard(shard)
+                with np.load(shard) as z:
+                    is_greedy = float(z["temperature"]) == 0.0
+                with np.load(fpath) as z:
+                    offsets = np.asarray(z["offsets"])
+                shape, dtype = _header(fpath, "features")
+                if len(offsets) != len(corpus) + 1 or shape[0] != offsets[-1]:
+                    raise InputError(f"{fpath}: {len(offsets) - 1} sequences, its shard {shard} has {len(corpus)}")
+                if not np.array_equal(np.diff(offsets), [len(ids) for ids, _ in corpus]):
+                    raise InputError(f"{fpath}: its sequence lengths differ from those of its shard {shard} (the "
+                                     f"features of another shard?)")
+                shapes.add(tuple(shape[1:]))
+                dtypes.append(dtype)
+                file = len(files)
+                files.append((fpath, offsets))
+                for i, (ids, prompt_len) in enumerate(corpus):
+                    cut = 0 if max_len is None else max(0, len(ids) - max_len)
+                    if cut >= prompt_len:
+                        raise InputError(f"{shard}: a continuation of {len(ids) - prompt_len} tokens exceeds max_len "
+                                         f"{max_len}")
+                    ids = np.asarray(ids, np.int32)
+                    nxt = np.full(len(ids), -1, np.int32)
+                    if is_greedy:  # position p's greedy next token is the continuation's token p + 1
+                        nxt[prompt_len - 1:-1] = ids[prompt_len:]
+                    sequences.append(_Sequence(file, i, cut, ids[cut:], nxt[cut:], prompt_len - cut, part))
+        grouped.append(sequences)
+    if not any(grouped):
+        raise InputError("no feature data: the corpus parts are empty")
+    if len({len(s) for s in shapes}) > 1:
+        raise InputError("feature files disagree: some hold fused-layer inputs, some do not")
+    if len(shapes) > 1:
+        raise InputError(f"feature files disagree on their row shape: {sorted(shapes)}")
+    return _Index(files, grouped, tuple(names), shapes.pop(), np.result_type(*dtypes))
+
+
+def _gather(index: _Index, selections: list[list[_Sequence]]) -> list[FeatureSet]:
+    """One FeatureSet per selection (sequences in the given order), each feature row copied once."""
+    fused = len(index.row_shape) == 2
+    where = {}  # (file, index) -> (selection, first destination row)
+    out = []
+    for k, chosen in enumerate(selections):
+        lengths = [len(s.tokens) for s in chosen]
+        offsets = np.cumsum([0] + lengths).astype(np.int64)
+        rows = int(offsets[-1])
+        for s, start in zip(chosen, offsets[:-1]):
+            where[(s.file, s.index)] = (k, int(start))
+        features = np.empty((rows, index.row_shape[-1]), index.dtype)
+        inputs = np.empty((rows, index.row_shape[0] - 1, index.row_shape[-1]), index.dtype) if fused else None
+        tokens = np.concatenate([s.tokens for s in chosen]) if chosen else np.zeros((0,), np.int32)
+        greedy = np.concatenate([s.greedy for s in chosen]) if chosen else np.zeros((0,), np.int32)
+        out.append(FeatureSet(tokens, features, greedy, offsets, np.asarray([s.prompt_len for s in chosen], np.int32),
+                              np.asarray([s.part for s in chosen], np.int32), index.part_names, inputs))
+    wanted = {}
+    for group in index.groups:
+        for s in group:
+            if (s.file, s.index) in where:
+                wanted.setdefault(s.file, []).append(s)
+    for file, sequences in wanted.items():
+        path, offsets = index.files[file]
+        with np.load(path) as z:
+            stored = z["features"]
+        for s in sequences:
+            k, start = where[(s.file, s.index)]
+            rows = stored[offsets[s.index] + s.cut:offsets[s.index + 1]]
+            end = start + len(rows)
+            if fused:  # [T, n + 1, D]: the inputs, then g
+                out[k].features[start:end] = rows[:, -1]
+                out[k].inputs[start:end] = rows[:, :-1]
+            else:
+                out[k].features[start:end] = rows
+        del stored
+    return out
+
+
+def load_feature_set(parts: dict[str, tuple[list[str], list[str]]], max_len: int | None = None) -> FeatureSet:
+    """parts: {name: (corpus shard paths, feature shard paths)}. Sequences longer than ``max_len`` are
+    cut from the left of their prompt (the continuation is kept whole; positions restart at 0)."""
+    index = _index([parts], max_len)
+    return _gather(index, [index.groups[0]])[0]
+
+
+def load_split(groups: list[dict[str, tuple[list[str], list[str]]]], fraction: float, seed: int = 0,
+               max_len: int | None = None) -> tuple[FeatureSet, FeatureSet, list[tuple[int, int]]]:
+    """(train, held out, [(train, held out) sequences per group]): each group's sequences split on
+    their own (``held_out_indices`` with the same seed), then the groups' train and held-out parts
+    concatenated in order; equal to ``split_held_out`` of each group's ``load_feature_set`` joined by
+    ``concat_sets``, with the features copied once."""
+    index = _index(groups, max_len)
+    train, held, counts = [], [], []
+    for group in index.groups:
+        t, h = held_out_indices(len(group), fraction, seed)
+        train += [group[i] for i in t]
+        held += [group[i] for i in h]
+        counts.append((len(t), len(h)))
+    train_set, held_set = _gather(index, [train, held])
+    return train_set, held_set, counts

@@ -363,6 +363,56 @@ def test_a_fusion_started_from_a_final_feature_drafter_drafts_exactly_as_it(llam
     chex.assert_trees_all_equal(bound.params, fparams)
 
 
+def test_a_fusion_widened_by_more_layers_computes_the_same_features(llama, trained, tmp_path):
+    """``widen_fusion``: a trained fusion (here of layer 1 and g, its weights moved off the pass-through
+    start) given layer 0 too computes the same features, as close to the float64 features of the
+    narrow fusion as the narrow fusion's own float32 ones (layer 1's rows moved to their new place,
+    layer 0's zero); one added-layer weight moved changes them. Refusals named; ``feature-tune``
+    takes more layers for a fused ``--init-from`` and refuses fewer or others."""
+    from specjax.boost.feature_train import split_params
+    from specjax.models.feature import widen_fusion, with_fusion
+
+    cfg, _, params, _ = trained
+    L = llama.config.num_layers
+    narrow_cfg, wide_cfg = dataclasses.replace(cfg, fused=(1, L)), dataclasses.replace(cfg, fused=(0, 1, L))
+    narrow = with_fusion(split_params(params, cfg)[0], narrow_cfg)
+    k1, k2 = jax.random.split(jax.random.key(7))
+    narrow = {**narrow, "fuse": narrow["fuse"] + 0.05 * jax.random.normal(k1, narrow["fuse"].shape),
+              "fuse_norm": narrow["fuse_norm"] + 0.1 * jax.random.normal(k2, narrow["fuse_norm"].shape)}
+    wide = widen_fusion(narrow, narrow_cfg, wide_cfg)
+    d = llama.config.hidden_size
+    assert wide["fuse"].shape == (3 * d, d) and wide["fuse_norm"].shape == (2, d)
+    hidden = jax.random.normal(jax.random.key(0), (2, 5, 3, d))
+    narrow_bound, wide_bound = bind(narrow, llama.params, narrow_cfg), bind(wide, llama.params, wide_cfg)
+    want = np.asarray(llm_features(narrow_bound, hidden[:, :, 1:], narrow_cfg))
+    with precision.float64():
+        ref = np.asarray(llm_features(precision.params64(narrow_bound), jnp.asarray(hidden[:, :, 1:], jnp.float64),
+                                      narrow_cfg))
+    got = np.asarray(llm_features(wide_bound, hidden, wide_cfg))
+    precision.assert_within(got, ref, precision.error(want, ref), what="widened fusion")
+    moved = {**wide_bound, "fuse": wide_bound["fuse"].at[3, 0].set(0.5)}  # a row of the added layer 0
+    assert np.abs(np.asarray(llm_features(moved, hidden, wide_cfg)) - got).max() > 1e-3
+    with pytest.raises(InputError, match="must add some and keep the final feature's slot"):
+        widen_fusion(narrow, narrow_cfg, dataclasses.replace(cfg, fused=(0, 1)))
+    with pytest.raises(InputError, match="must add some"):
+        widen_fusion(narrow, narrow_cfg, narrow_cfg)
+    with pytest.raises(InputError, match=r"lack \['fuse_norm'\]"):
+        widen_fusion({k: v for k, v in narrow.items() if k != "fuse_norm"}, narrow_cfg, wide_cfg)
+
+    # feature-tune --init-from <this fusion> --fused ...: more layers are taken, fewer or others refused
+    from specjax.boost.feature_tune import resolve_fusion
+    from specjax.io.feature_checkpoint import save_feature_drafter
+
+    path = str(tmp_path / "narrow")
+    save_feature_drafter(path, narrow_cfg, narrow, {"depth": 4, "beam": 3, "nodes": 8, "ladder": (0, 1, 3, 8)},
+                         dtype="float32")
+    assert resolve_fusion(llama, path, ()) == (1, L) and resolve_fusion(llama, path, (1, L)) == (1, L)
+    assert resolve_fusion(llama, path, (0, 1, L)) == (0, 1, L)
+    for other in ((0, L), (0, 1)):
+        with pytest.raises(InputError, match="a trained fusion can only add layers"):
+            resolve_fusion(llama, path, other)
+
+
 def test_fusion_settings_are_refused_by_name(llama):
     from specjax.models.feature import fusion_passing_final, with_fusion
 

@@ -20,7 +20,7 @@ from specjax.boost.feature_data import FeatureSet, draft_vocabulary, feature_sha
 from specjax.boost.feature_loading import load_feature_set, load_split
 from specjax.boost.feature_train import FeatureTrainConfig, depth_agreement, split_params, train_feature
 from specjax.errors import InputError
-from specjax.models.feature import FeatureConfig, bind, init_trained, with_fusion
+from specjax.models.feature import FeatureConfig, bind, init_trained, widen_fusion, with_fusion
 from specjax.types import Model
 
 EVAL_DEPTHS = 6
@@ -74,7 +74,8 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
     ``shapes``: how batches are padded (``BatchShapes``). ``fused``: the LLM layers an EAGLE-3-style
     drafter reads (``FeatureConfig.fused``; the LLM's layer count names the final feature); a final-feature
     ``init_from`` then starts the fusion passing g through (``with_fusion``), so training starts from its
-    drafts exactly. A fused ``init_from`` keeps its own layers (``fused`` must be () or the same)."""
+    drafts exactly. A fused ``init_from`` keeps its own layers (``fused`` () or the same) or adds layers
+    (``widen_fusion``: the added ones' rows start at zero, so training again starts from its drafts)."""
     deadline = None if time_budget is None else time.monotonic() + time_budget
     shapes = shapes or BatchShapes()
     timing = {}
@@ -100,6 +101,9 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
         if fused and not cfg.fused:  # a final-feature drafter, fused from here on
             final, cfg = cfg, dataclasses.replace(cfg, fused=fused)
             params = bind(with_fusion(split_params(params, final)[0], cfg), llm.params, cfg)
+        elif fused != cfg.fused:  # a fusion that reads more layers from here on, starting as itself
+            narrow, cfg = cfg, dataclasses.replace(cfg, fused=fused)
+            params = bind(widen_fusion(split_params(params, narrow)[0], narrow, cfg), llm.params, cfg)
         start = weights_digest(split_params(params, cfg)[0])
         coverage = vocabulary_coverage(train, cfg.draft_vocab)
     evaluation = held.subset(np.arange(min(max_eval, len(held))))
@@ -197,8 +201,13 @@ def resolve_fusion(llm, init_from: str | None, fused: tuple[int, ...]) -> tuple[
 
         own = load_feature_drafter(init_from, llm, load=False).drafter.config.fused
         if own and fused and own != fused:
-            raise InputError(f"--init-from {init_from} reads LLM layers {list(own)}; --fused asks {list(fused)}: "
-                             f"a trained fusion cannot change its layers")
+            final = llm.config.num_layers
+            if not set(own) < set(fused) or (final in own) != (final in fused):
+                raise InputError(f"--init-from {init_from} reads LLM layers {list(own)}; --fused asks "
+                                 f"{list(fused)}: a trained fusion can only add layers (keeping its final "
+                                 f"feature {final} or its lack), not drop or change them")
+            FeatureConfig(llm.config, (0,), fused)  # refuses layers outside the LLM
+            return fused
         if own:
             return own
         if fused and llm.config.num_layers not in fused:

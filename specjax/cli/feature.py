@@ -55,7 +55,8 @@ def add_parser(sub, formatter_class) -> None:
     f.add_argument("--fused", default=None,
                    help="comma-separated LLM layers whose hidden states an EAGLE-3-style drafter reads, fused into "
                         "one feature; the LLM's layer count (30 for SmolLM2) names its final feature, which lets a "
-                        "final-feature --init-from start exactly as it drafts (default: the final feature only)")
+                        "final-feature --init-from start exactly as it drafts; a fused --init-from may be given more "
+                        "layers, which start at zero (default: the final feature only, or --init-from's)")
     f.add_argument("--init-from", help="continue training this feature drafter (registered name or directory), "
                                         "keeping its draft vocabulary (default: none, a fresh start)")
     f.add_argument("--epochs", type=float, default=1.0, help="passes over the training sequences")

@@ -184,6 +184,28 @@ def with_fusion(trained: dict, fused_cfg: FeatureConfig) -> dict:
     return {**{k: trained[k] for k in TRAINED}, **fusion_passing_final(fused_cfg, trained["out_norm"].dtype)}
 
 
+def widen_fusion(trained: dict, from_cfg: FeatureConfig, to_cfg: FeatureConfig) -> dict:
+    """A trained fusion's params -> those of a fusion of more LLM layers (``to_cfg.fused`` a superset
+    of ``from_cfg.fused``, the same final-feature slot) that compute exactly the same features: the
+    added layers' ``fuse`` rows are zero and their ``fuse_norm`` rows one, the others move to their
+    layers' places. The start of training a fusion of more layers from a trained one."""
+    if not from_cfg.fused or not set(from_cfg.fused) < set(to_cfg.fused) or from_cfg.reads_final != to_cfg.reads_final:
+        raise InputError(f"widen_fusion adds layers to a fusion: layers {list(from_cfg.fused)} -> "
+                         f"{list(to_cfg.fused)} must add some and keep the final feature's slot as it is")
+    missing = [k for k in from_cfg.trained_keys if k not in trained]
+    if missing:
+        raise InputError(f"widen_fusion: the fusion's params lack {missing}")
+    d = from_cfg.llm.hidden_size
+    fuse, norm = trained["fuse"], trained["fuse_norm"]
+    old = {layer: i for i, layer in enumerate(from_cfg.raw_layers)}
+    blocks = [fuse[old[layer] * d:(old[layer] + 1) * d] if layer in old else jnp.zeros((d, d), fuse.dtype)
+              for layer in to_cfg.raw_layers]
+    rows = [norm[old[layer]] if layer in old else jnp.ones((d,), norm.dtype) for layer in to_cfg.raw_layers]
+    if to_cfg.reads_final:
+        blocks.append(fuse[len(old) * d:])
+    return {**{k: trained[k] for k in TRAINED}, "fuse": jnp.concatenate(blocks, axis=0), "fuse_norm": jnp.stack(rows)}
+
+
 def llm_features(params: dict, hidden: jax.Array, cfg: FeatureConfig) -> jax.Array:
     """The drafter's input feature from the LLM's hidden states at ``cfg.hidden_layers``, [..., n, D] -> [..., D]:
     the post-norm final feature g, or the fusion of the listed layers' normalised inputs."""

@@ -39,7 +39,7 @@ class _Sequence:
 
 @dataclasses.dataclass(frozen=True)
 class _Index:
-    files: list  # feature file paths
+    files: list  # (feature file path, its offsets) per file
     groups: list  # per group: its sequences, in the order the old route concatenated them
     part_names: tuple
     row_shape: tuple  # [D] (final features only) or [n + 1, D] (fused-layer inputs, then g)

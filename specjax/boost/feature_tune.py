@@ -75,7 +75,7 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
     drafter reads (``FeatureConfig.fused``; the LLM's layer count names the final feature); a final-feature
     ``init_from`` then starts the fusion passing g through (``with_fusion``), so training starts from its
     drafts exactly. A fused ``init_from`` keeps its own layers (``fused`` () or the same) or adds layers
-    (``widen_fusion``: the added ones' rows start at zero, so training again starts from its drafts)."""
+    (``widen_fusion``: the added ones' rows start at zero, so training starts from its features, to rounding)."""
     deadline = None if time_budget is None else time.monotonic() + time_budget
     shapes = shapes or BatchShapes()
     timing = {}

@@ -6,10 +6,11 @@ final size. Loading shard by shard into lists and concatenating them held every 
 concatenation at once, and splitting the loaded set and concatenating the request rounds' splits
 copied it again: on the layer-15 fusion's whole corpus (5.60 GiB of features, stop 65) that route
 peaked at 11.45 GiB of RSS against 5.90 GiB here, which is what lets three raw layers and g (11.8 GB
-of features) train on a 24 GiB machine. A first pass reads
-only what is small (the corpus tokens, the feature files' offsets and array headers) and decides
-where every sequence goes; the second loads one feature file at a time and copies its rows into
-place. The result equals the replaced route's exactly (``tests/test_feature_loading.py``).
+of features) train on a 24 GiB machine. A first pass reads only what is small (the corpus tokens,
+the feature files' offsets and array headers) and decides where every sequence goes; the second
+loads one feature file at a time and copies its rows into place. The result equals the replaced
+route's exactly (``tests/test_feature_loading.py``); three raw layers and g, 11.20 GiB, loaded at
+a peak of 11.52 GiB.
 """
 
 from __future__ import annotations
@@ -106,31 +107,24 @@ def _index(groups: list[dict[str, tuple[list[str], list[str]]]], max_len: int | 
 def _gather(index: _Index, selections: list[list[_Sequence]]) -> list[FeatureSet]:
     """One FeatureSet per selection (sequences in the given order), each feature row copied once."""
     fused = len(index.row_shape) == 2
-    where = {}  # (file, index) -> (selection, first destination row)
+    placed = {}  # feature file -> [(sequence, selection, first destination row)]
     out = []
     for k, chosen in enumerate(selections):
-        lengths = [len(s.tokens) for s in chosen]
-        offsets = np.cumsum([0] + lengths).astype(np.int64)
-        rows = int(offsets[-1])
+        offsets = np.cumsum([0] + [len(s.tokens) for s in chosen]).astype(np.int64)
         for s, start in zip(chosen, offsets[:-1]):
-            where[(s.file, s.index)] = (k, int(start))
+            placed.setdefault(s.file, []).append((s, k, int(start)))
+        rows = int(offsets[-1])
         features = np.empty((rows, index.row_shape[-1]), index.dtype)
         inputs = np.empty((rows, index.row_shape[0] - 1, index.row_shape[-1]), index.dtype) if fused else None
         tokens = np.concatenate([s.tokens for s in chosen]) if chosen else np.zeros((0,), np.int32)
         greedy = np.concatenate([s.greedy for s in chosen]) if chosen else np.zeros((0,), np.int32)
         out.append(FeatureSet(tokens, features, greedy, offsets, np.asarray([s.prompt_len for s in chosen], np.int32),
                               np.asarray([s.part for s in chosen], np.int32), index.part_names, inputs))
-    wanted = {}
-    for group in index.groups:
-        for s in group:
-            if (s.file, s.index) in where:
-                wanted.setdefault(s.file, []).append(s)
-    for file, sequences in wanted.items():
+    for file, sequences in placed.items():  # one feature file in memory at a time
         path, offsets = index.files[file]
         with np.load(path) as z:
             stored = z["features"]
-        for s in sequences:
-            k, start = where[(s.file, s.index)]
+        for s, k, start in sequences:
             rows = stored[offsets[s.index] + s.cut:offsets[s.index + 1]]
             end = start + len(rows)
             if fused:  # [T, n + 1, D]: the inputs, then g

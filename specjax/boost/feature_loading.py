@@ -1,11 +1,11 @@
 """Loading the feature corpus into memory once: the whole set, or its train / held-out split.
 
-The features dominate memory (float16 [N, D] per stored layer: 2.9 GB a layer for SmolLM2's 2.5M-token
+The features dominate memory (float16 [N, D] per stored layer: 2.8 GiB a layer for SmolLM2's 2.6M-token
 corpus, g and each raw layer of a fusion), so they are copied once, into arrays allocated at their
 final size. Loading shard by shard into lists and concatenating them held every shard and the
 concatenation at once, and splitting the loaded set and concatenating the request rounds' splits
 copied it again: on the layer-15 fusion's whole corpus (5.60 GiB of features, stop 65) that route
-peaked at 11.45 GiB of RSS against 5.90 GiB here, which is what lets three raw layers and g (11.8 GB
+peaked at 11.45 GiB of RSS against 5.90 GiB here, which is what lets three raw layers and g (11.2 GiB
 of features) train on a 24 GiB machine. A first pass reads only what is small (the corpus tokens,
 the feature files' offsets and array headers) and decides where every sequence goes; the second
 loads one feature file at a time and copies its rows into place. The result equals the replaced

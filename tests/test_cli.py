@@ -304,6 +304,8 @@ def test_bad_boost_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, arg
     (["--fused", "2,1"], "--fused must list distinct layers in increasing order"),
     (["--fused", "0,3"], "fused must be increasing LLM layer indices in [0, 2] (2: the final feature)"),
     (["--fused", "2"], "is the final feature alone"),
+    (["--reg-weight", "-0.5"], "a finite reg_weight >= 0"),
+    (["--reg-weight", "inf"], "a finite reg_weight >= 0"),
 ])
 def test_bad_feature_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, args, message):
     """Checked in-process (what the command runs before loading the LLM); one run through the CLI below."""
@@ -315,6 +317,19 @@ def test_bad_feature_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, a
         check_args(parsed)
     assert message in str(err.value)
     assert not (tmp_path / "c").exists() and not (tmp_path / "o").exists()
+
+
+def test_feature_tune_training_flags_reach_the_training_config(tiny_llama_dir, tmp_path):
+    from specjax.cli.feature import check_args
+
+    parsed = build_parser().parse_args(["feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"),
+                                        "--out", str(tmp_path / "o"), "--draft-vocab", "64"])
+    assert check_args(parsed)[1].reg_weight == 0.5  # the recipe every shipped drafter was trained with
+    parsed = build_parser().parse_args(["feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"),
+                                        "--out", str(tmp_path / "o"), "--draft-vocab", "64", "--reg-weight", "0",
+                                        "--unrolled-steps", "3"])
+    tc = check_args(parsed)[1]
+    assert tc.reg_weight == 0.0 and tc.unrolled_steps == 3
 
 
 def test_feature_tune_refuses_bad_flags_with_exit_2(tiny_llama_dir, tmp_path):

@@ -67,8 +67,9 @@ class FeatureTrainConfig:
                 or self.eval_every < 1 or self.checkpoint_every < 1:
             raise InputError(f"unrolled_steps >= 1, window > unrolled_steps, warmup_steps >= 0, eval_every and "
                              f"checkpoint_every >= 1 required, got {self}")
-        if not (0 < self.step_decay <= 1 and self.reg_weight >= 0 and self.noise >= 0):
-            raise InputError(f"step_decay in (0, 1], reg_weight >= 0 and noise >= 0 required, got {self}")
+        if not (0 < self.step_decay <= 1 and math.isfinite(self.reg_weight) and self.reg_weight >= 0
+                and self.noise >= 0):
+            raise InputError(f"step_decay in (0, 1], a finite reg_weight >= 0 and noise >= 0 required, got {self}")
 
 
 def make_batch(data: FeatureSet, index: np.ndarray, window: int,

@@ -63,6 +63,9 @@ def add_parser(sub, formatter_class) -> None:
     f.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step")
     f.add_argument("--learning-rate", type=float, default=5e-4, help="peak AdamW learning rate")
     f.add_argument("--unrolled-steps", type=int, default=4, help="drafting steps unrolled in training")
+    f.add_argument("--reg-weight", type=float, default=0.5,
+                   help="weight of the smooth-L1 regression of the drafter's features on the LLM's, beside the "
+                        "distribution loss (0: the distribution loss alone, as EAGLE-3 trains) (default: 0.5)")
     f.add_argument("--depth", type=int, default=6, help="shipped drafting depth")
     f.add_argument("--beam", type=int, default=4, help="shipped beam (children per expanded node)")
     f.add_argument("--nodes", type=int, default=16, help="shipped node budget (best nodes kept)")
@@ -112,7 +115,7 @@ def check_args(args):
                       sampled_fraction=args.sampled_fraction, batch_size=args.corpus_batch, seed=args.seed,
                       requests=args.requests, more_requests=args.more_requests)
     tc = FeatureTrainConfig(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
-                            unrolled_steps=args.unrolled_steps, seed=args.seed,
+                            unrolled_steps=args.unrolled_steps, reg_weight=args.reg_weight, seed=args.seed,
                             window=max(plan.max_new_tokens, plan.passage_tokens) + args.unrolled_steps + 8)
     llm_cfg = describe_model(args.model).config
     if args.draft_vocab > llm_cfg.vocab_size:

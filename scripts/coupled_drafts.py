@@ -47,6 +47,7 @@ def main(argv=None) -> None:
     from specjax.boost.feature_corpus import CorpusPlan
     from specjax.boost.feature_train import make_batch, unrolled
     from specjax.boost.feature_tune import eval_prompt_set
+    from specjax.models.common import head_logits
     from specjax.models.feature import logits_of
     from specjax.speculation.drafters.feature import from_arg
 
@@ -60,15 +61,14 @@ def main(argv=None) -> None:
                            layers=cfg.raw_layers)
     window = args.max_new_tokens + 9
     vocab = jnp.asarray(cfg.draft_vocab, jnp.int32)
-    embed = llm.params["embed"]  # SmolLM2's head is its tied embedding: p over the whole vocabulary
 
     @jax.jit
-    def batch_counts(params, embed, batch, key):  # weights as arguments: as constants XLA would fold them
+    def batch_counts(params, llm_params, batch, key):  # weights as arguments: as constants XLA would fold them
         f1 = unrolled(params, batch, cfg, 1, window)[0]  # depth 1: the drafter fed the LLM's own features
         mask = batch["loss"][:, -window:] > 0
         logq = jax.nn.log_softmax(logits_of(params, f1), axis=-1)
-        logp = jax.nn.log_softmax(jnp.einsum("bwd,vd->bwv", batch["features"][:, -window:], embed,
-                                             precision="highest"), axis=-1)
+        # p over the whole vocabulary: the LLM's own head on its features g
+        logp = jax.nn.log_softmax(head_logits(batch["features"][:, -window:], llm_params, llm.config), axis=-1)
 
         def draw(hits, k):
             g = jax.random.gumbel(k, logp.shape)
@@ -91,7 +91,7 @@ def main(argv=None) -> None:
     for start in range(0, len(data), 4):
         batch = make_batch(data, np.arange(start, min(start + 4, len(data))), window)
         key, sub = jax.random.split(key)
-        h, n, s = batch_counts(params, embed, {k: jnp.asarray(v) for k, v in batch.items()}, sub)
+        h, n, s = batch_counts(params, llm.params, {k: jnp.asarray(v) for k, v in batch.items()}, sub)
         hits, positions, stats = hits + np.asarray(h), positions + float(n), stats + np.asarray(s)
     print(f"# {args.drafter} on {len(data)} prompts of {args.prompts_file}: {int(positions)} positions x "
           f"{args.draws} draws")

@@ -94,6 +94,41 @@ def test_a_second_request_round_answers_only_requests_not_already_in_the_corpus(
                        lambda *a: None)
 
 
+def test_written_prompts_are_read_deduplicated_split_and_continued_in_parts_of_their_own(tmp_path):
+    """Prompts written for training: read from their files in order, duplicates and prompts another part
+    holds (or held out) dropped, a seeded sampled_fraction continued at temperature 1 with the part's
+    own seeds, the manifests naming the prompts by hash; none left is refused by name."""
+    from specjax.boost.feature_corpus import WRITTEN_SEED_OFFSET, _written_parts, split_written, written_prompts
+
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.txt"
+    first.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(10)))
+    second.write_text("prompt 3\nanother one\nheld\n")
+    prompts = written_prompts([str(first), str(second)], taken={"held", "prompt 0"})
+    assert prompts == [f"prompt {i}" for i in range(1, 10)] + ["another one"]
+    plan = CorpusPlan(written=(str(first), str(second)), sampled_fraction=0.3, seed=4)
+    greedy, sampled = split_written(prompts, plan)
+    assert (len(greedy), len(sampled)) == (7, 3) and sorted(greedy + sampled) == sorted(prompts)
+    assert split_written(prompts, plan) == (greedy, sampled)  # seeded
+    assert split_written(prompts, dataclasses.replace(plan, seed=5)) != (greedy, sampled)
+    assert split_written(prompts, dataclasses.replace(plan, sampled_fraction=0.0)) == (prompts, [])
+    calls, shards = [], {}
+
+    def run(name, part, temperature, max_new, recipe=None, seed=0, source=None):
+        calls.append((name, part, temperature, recipe, seed, source))
+        return [f"{name}.npz"]
+
+    _written_parts(run, shards, plan, {"held", "prompt 0"}, lambda *a: None)
+    assert shards == {"written-greedy": ["written-greedy.npz"], "written-sampled": ["written-sampled.npz"]}
+    (g_name, g_part, g_temp, g_recipe, g_seed, g_src), (s_name, s_part, s_temp, s_recipe, s_seed, _) = calls
+    assert (g_part, g_temp, s_part, s_temp) == (greedy, 0.0, sampled, 1.0)
+    assert g_seed == s_seed == plan.seed + WRITTEN_SEED_OFFSET and "a.jsonl, b.txt" in g_src
+    assert g_recipe == s_recipe and len(g_recipe["written_sha256"]) == 64
+    with pytest.raises(InputError, match="--written-prompts .*b.txt: no prompt left"):
+        written_prompts([str(second)], taken={"prompt 3", "another one", "held"})
+    with pytest.raises(InputError, match="written must be a tuple of prompt file paths"):
+        CorpusPlan(written=str(first))
+
+
 @requires_smollm2
 @pytest.mark.slow
 def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_path, monkeypatch):
@@ -243,6 +278,32 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
     assert not set(answered_b) & set(answered)
     assert more_b["sequences"]["train"] + more_b["sequences"]["held_out"] == \
         more["sequences"]["train"] + more["sequences"]["held_out"] + len(answered_b)
+
+    # prompts written for training grow it in parts of their own: duplicates and held-out prompts are
+    # dropped, the earlier parts are untouched, the drafter trained without them continues, and one trained
+    # with them is not continued on a corpus without them
+    written_file = tmp_path / "written.jsonl"
+    fresh = ["Summarise in one sentence: the bakery on Elm Street now opens at six.",
+             "Translate into French: thank you."]
+    lines = [*fresh, held[0], hand_written[0], fresh[0]]  # a held-out, an evaluation and a repeated prompt
+    written_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in lines))
+    grown_w = dataclasses.replace(grown_b, written=(str(written_file),))
+    more_w = feature_tune(smollm2, corpus, str(tmp_path / "run-more-w"), grown_w, tc, drafting, stop_after=0,
+                          init_from=str(tmp_path / "continued"), eval_prompts=hand_written,
+                          export=str(tmp_path / "with-written"), **kw)
+    assert {p: os.path.getmtime(p) for p in stamps} == stamps
+    with open(os.path.join(corpus, "provenance.json")) as f:
+        made_w = json.load(f)
+    assert {"written-greedy", "written-sampled"} <= set(made_w)
+    assert "written.jsonl" in made_w["written-greedy"]["source"]
+    continued_w = sorted(smollm2.tokenizer.decode(ids) for part in ("written-greedy", "written-sampled")
+                         for ids in _shard_prompts(os.path.join(corpus, part)))
+    assert continued_w == sorted(smollm2.tokenizer.decode(ids) for ids in specjax.api.encode_prompts(smollm2, fresh))
+    assert more_w["sequences"]["train"] + more_w["sequences"]["held_out"] == \
+        more_b["sequences"]["train"] + more_b["sequences"]["held_out"] + len(fresh)
+    with pytest.raises(InputError, match="trained with a requests or written part this corpus plan does not have"):
+        feature_tune(smollm2, corpus, str(tmp_path / "run-w-gone"), grown_b, tc, drafting, stop_after=0,
+                     init_from=str(tmp_path / "with-written"), eval_prompts=hand_written, **kw)
 
 
 def _files(root):

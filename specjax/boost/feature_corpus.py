@@ -15,7 +15,13 @@ Parts, in generation order (stage 2 quotes the passages part, so it comes first)
   other meta prompts and sampling seeds, kept requests already in the corpus dropped. A part of its
   own, so the first round's parts (and a drafter trained on them) stay as they were; which requests
   it keeps depends on the first round's, so a changed ``requests`` makes it a different part
-  (its manifest guard refuses the old one).
+  (its manifest guard refuses the old one);
+* with ``written`` prompt files, ``written-greedy`` / ``written-sampled``: the LLM's continuations of
+  prompts written for training outside the LLM (by people, or by a stronger model), a
+  ``sampled_fraction`` of them at temperature 1 (seeded): worded as real requests are, with real
+  passages to summarise, quote and translate, which neither templates nor a 135M model's own
+  requests give. Prompts another part already holds, or a held-out one, are dropped; the part is
+  split on its own, so the earlier parts (and a drafter trained on them) stay as they were.
 
 Greedy parts match what greedy speculation sees; the sampled parts (temperature 1, seeded) keep
 the drafter useful when requests sample. Prompts are sorted by length inside a part so a batch
@@ -30,6 +36,8 @@ import json
 import os
 import time
 from typing import NamedTuple
+
+import numpy as np
 
 from specjax.boost.corpus import generate_corpus, read_shard
 from specjax.boost.request_prompts import extract_request, meta_prompts
@@ -51,6 +59,7 @@ class CorpusPlan:
     request_tokens: int = 64
     request_temperature: float = 0.8
     more_requests: int = 0  # a second round of self-written requests (other meta prompts and seeds)
+    written: tuple[str, ...] = ()  # prompt files written for training (``written_prompts``)
 
     def __post_init__(self):
         for name in ("passages", "tasks", "grounded", "max_new_tokens", "passage_tokens", "batch_size",
@@ -62,11 +71,15 @@ class CorpusPlan:
                              f"{self.more_requests}")
         if not 0.0 < self.request_temperature <= 2.0:
             raise InputError(f"corpus plan: request_temperature must be in (0, 2], got {self.request_temperature}")
+        if isinstance(self.written, str) or not all(isinstance(p, str) for p in self.written):
+            raise InputError(f"corpus plan: written must be a tuple of prompt file paths, got {self.written!r}")
         if not 0.0 <= self.sampled_fraction <= 1.0:
             raise InputError(f"corpus plan: sampled_fraction must be in [0, 1], got {self.sampled_fraction}")
 
 
 PARTS = ("passages", "grounded-greedy", "grounded-sampled", "tasks-greedy", "tasks-sampled")
+WRITTEN_PARTS = ("written-greedy", "written-sampled")
+WRITTEN_SEED_OFFSET = 2_000_003  # the written prompts' sampling seeds and greedy / sampled split
 
 
 class RequestRound(NamedTuple):
@@ -89,13 +102,14 @@ def part_recipe(plan: CorpusPlan, part: str) -> dict:
     """What a part's prompts depend on (its manifest guard): changing another part's size leaves it valid."""
     fields = {"passages": ("passages",), "grounded": ("passages", "grounded", "sampled_fraction"),
               "tasks": ("tasks", "sampled_fraction"),
-              "requests": ("request_tokens", "request_temperature")}[part.split("-")[0]]
+              "requests": ("request_tokens", "request_temperature"),
+              "written": ("sampled_fraction",)}[part.split("-")[0]]
     rounds = [r.count_field for r in REQUEST_ROUNDS.values() if part in (r.written, r.answers)]
     return {"part": part, "plan": {k: getattr(plan, k) for k in (*rounds, *fields)}}
 
 
 def part_dirs(out_dir: str) -> dict[str, str]:
-    return {name: os.path.join(out_dir, name) for name in PARTS + REQUEST_PARTS}
+    return {name: os.path.join(out_dir, name) for name in PARTS + REQUEST_PARTS + WRITTEN_PARTS}
 
 
 def build_feature_corpus(model, out_dir: str, plan: CorpusPlan = CorpusPlan(), exclude=(), progress: bool = True,
@@ -108,12 +122,12 @@ def build_feature_corpus(model, out_dir: str, plan: CorpusPlan = CorpusPlan(), e
     def by_length(prompts):
         return sorted(prompts, key=lambda p: len(tpl.encode(p)))
 
-    def run(name, prompts, temperature, max_new, recipe=None, seed=plan.seed):
+    def run(name, prompts, temperature, max_new, recipe=None, seed=plan.seed, source=None):
         started = time.perf_counter()
         paths = generate_corpus(model, by_length(prompts), dirs[name], max_new_tokens=max_new,
                                 batch_size=plan.batch_size, temperatures=(temperature,), seed=seed,
                                 progress=progress, recipe={**part_recipe(plan, name), **(recipe or {})})
-        _record(out_dir, name, len(prompts), temperature, time.perf_counter() - started)
+        _record(out_dir, name, len(prompts), temperature, time.perf_counter() - started, source)
         return paths
 
     shards = {}
@@ -136,6 +150,8 @@ def build_feature_corpus(model, out_dir: str, plan: CorpusPlan = CorpusPlan(), e
     for request_round in REQUEST_ROUNDS.values():
         if getattr(plan, request_round.count_field):
             taken |= set(_request_round(run, shards, request_round, plan, tpl, taken, dirs, log))
+    if plan.written:
+        _written_parts(run, shards, plan, taken, log)
     log(f"corpus {out_dir}: {sum(len(v) for v in shards.values())} shards")
     return shards
 
@@ -163,18 +179,58 @@ def _request_round(run, shards: dict, request_round: RequestRound, plan: CorpusP
     return kept
 
 
+def written_prompts(paths, taken=()) -> list[str]:
+    """The distinct prompts of the ``written`` files, in file order, without those in ``taken`` (held out,
+    or already another part's: the same greedy sequence in two parts split apart could be held out in one
+    and trained on in the other). Refused when none is left."""
+    from specjax.io.prompts import read_prompts_file
+
+    taken = set(taken)
+    every = [p for path in paths
+             for p in read_prompts_file(path, flag="--written-prompts", allow_token_ids=False, plain_lines=True)]
+    kept = [p for p in dict.fromkeys(every) if p not in taken]
+    if not kept:
+        raise InputError(f"--written-prompts {', '.join(paths)}: no prompt left ({len(every)} read, all held out "
+                         f"or already in the corpus)")
+    return kept
+
+
+def split_written(prompts: list[str], plan: CorpusPlan) -> tuple[list[str], list[str]]:
+    """(greedy, sampled): a seeded ``sampled_fraction`` of the written prompts is continued at temperature 1."""
+    order = np.random.RandomState(plan.seed + WRITTEN_SEED_OFFSET).permutation(len(prompts))
+    cut = round(len(prompts) * (1 - plan.sampled_fraction))
+    return [prompts[i] for i in sorted(order[:cut])], [prompts[i] for i in sorted(order[cut:])]
+
+
+def _written_parts(run, shards: dict, plan: CorpusPlan, taken: set, log) -> None:
+    prompts = written_prompts(plan.written, taken)
+    greedy, sampled = split_written(prompts, plan)
+    log(f"written: {len(prompts)} prompts ({len(greedy)} greedy, {len(sampled)} sampled)")
+    # the manifests name the prompts by hash: the files' paths may move, their content may not change
+    digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+    source = (f"prompts written for training ({', '.join(os.path.basename(p) for p in plan.written)}: by people or "
+              f"a stronger model, not by the LLM)")
+    seed = plan.seed + WRITTEN_SEED_OFFSET
+    for name, part, temperature in (("written-greedy", greedy, 0.0), ("written-sampled", sampled, 1.0)):
+        if part:
+            shards[name] = run(name, part, temperature, plan.max_new_tokens, recipe={"written_sha256": digest},
+                               seed=seed, source=source)
+
+
 def _continuations(paths, tokenizer) -> list[str]:
     """The continuation text of every sequence of a part, in generation order."""
     return [tokenizer.decode(ids[prompt_len:], skip_special_tokens=True)
             for path in paths for ids, prompt_len in read_shard(path)]
 
 
-def _record(out_dir: str, part: str, num_prompts: int, temperature: float, seconds: float) -> None:
+def _record(out_dir: str, part: str, num_prompts: int, temperature: float, seconds: float,
+            source: str | None = None) -> None:
     path = os.path.join(out_dir, "provenance.json")
     record = json.load(open(path)) if os.path.exists(path) else {}
     entry = record.get(part, {"seconds": 0.0})
-    made = ("specjax.boost.request_prompts: the LLM writing requests (sampled), then the kept ones"
-            if part.startswith("requests") else "specjax.boost.task_prompts (templates x topics, seeded numbers)")
+    made = source or ("specjax.boost.request_prompts: the LLM writing requests (sampled), then the kept ones"
+                      if part.startswith("requests") else
+                      "specjax.boost.task_prompts (templates x topics, seeded numbers)")
     entry.update(prompts=num_prompts, temperature=temperature, seconds=entry["seconds"] + seconds,
                  source=f"{made}; the LLM's own continuations via specjax.generate(mode='incremental')")
     record[part] = entry

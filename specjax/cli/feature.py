@@ -46,6 +46,11 @@ def add_parser(sub, formatter_class) -> None:
                         "already in the corpus dropped), answered into a part of its own: grows a corpus without "
                         "changing its earlier parts; it depends on the first round, so keep --requests as it was "
                         "made with (default: 0, none)")
+    f.add_argument("--written-prompts", action="append", default=[],
+                   help="prompt file written for training outside the LLM (by people or a stronger model; .jsonl "
+                        "with 'prompt', or text lines), continued into the parts written-greedy / written-sampled "
+                        "(a --sampled-fraction at temperature 1), split on their own; prompts held out or already "
+                        "in the corpus are dropped; repeatable (default: none)")
     f.add_argument("--sampled-fraction", type=float, default=0.25,
                    help="share of task and grounded prompts continued at temperature 1 (seeded)")
     f.add_argument("--corpus-batch", type=int, default=128, help="prompts per generation batch")
@@ -113,7 +118,8 @@ def check_args(args):
                          f"{args.stop_after}")
     plan = CorpusPlan(passages=args.passages, tasks=args.tasks, grounded=args.grounded,
                       sampled_fraction=args.sampled_fraction, batch_size=args.corpus_batch, seed=args.seed,
-                      requests=args.requests, more_requests=args.more_requests)
+                      requests=args.requests, more_requests=args.more_requests,
+                      written=tuple(args.written_prompts))
     tc = FeatureTrainConfig(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
                             unrolled_steps=args.unrolled_steps, reg_weight=args.reg_weight, seed=args.seed,
                             window=max(plan.max_new_tokens, plan.passage_tokens) + args.unrolled_steps + 8)
@@ -131,6 +137,10 @@ def check_args(args):
             for p in read_prompts_file(path, flag="--exclude-prompts", allow_token_ids=False, plain_lines=True)]
     evaluate = [p for path in args.eval_prompts
                 for p in read_prompts_file(path, flag="--eval-prompts", allow_token_ids=False, plain_lines=True)]
+    if args.written_prompts:  # read (so checked) now; the corpus drops those held out or already in it
+        from specjax.boost.feature_corpus import written_prompts
+
+        written_prompts(args.written_prompts, set(held) | set(evaluate))
     _writable_dir(args.corpus, "--corpus")
     _writable_dir(args.out, "--out")
     if args.export:

@@ -308,6 +308,8 @@ def test_bad_boost_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, arg
     (["--reg-weight", "inf"], "a finite reg_weight >= 0"),
     (["--written-prompts", "/nonexistent.jsonl"], "--written-prompts /nonexistent.jsonl: prompts file not found"),
     (["--written-prompts", "WRITTEN", "--eval-prompts", "WRITTEN"], "no prompt left (1 read, all held out"),
+    (["--written-prompts", "WRITTEN", "--more-written-prompts", "WRITTEN"],
+     "--more-written-prompts WRITTEN: no prompt left (1 read, all held out or already in the corpus)"),
 ])
 def test_bad_feature_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, args, message):
     """Checked in-process (what the command runs before loading the LLM); one run through the CLI below."""
@@ -316,6 +318,7 @@ def test_bad_feature_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, a
     written = tmp_path / "written.jsonl"  # WRITTEN: a prompts file of one prompt
     written.write_text(json.dumps({"prompt": "Plan a picnic for six."}) + "\n")
     args = [str(written) if a == "WRITTEN" else a for a in args]
+    message = message.replace("WRITTEN", str(written))
     parsed = build_parser().parse_args(["feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"),
                                         "--out", str(tmp_path / "o"), "--draft-vocab", "64", *args])
     with pytest.raises(InputError) as err:
@@ -341,6 +344,12 @@ def test_feature_tune_training_flags_reach_the_training_config(tiny_llama_dir, t
                                         "--out", str(tmp_path / "o"), "--draft-vocab", "64",
                                         "--written-prompts", str(written), "--written-prompts", str(written)])
     assert check_args(parsed)[0].written == (str(written), str(written))  # the corpus plan's written parts
+    more = tmp_path / "more.txt"
+    more.write_text("Name a river in Peru.\n")
+    parsed = build_parser().parse_args(["feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"),
+                                        "--out", str(tmp_path / "o"), "--draft-vocab", "64",
+                                        "--written-prompts", str(written), "--more-written-prompts", str(more)])
+    assert check_args(parsed)[0].more_written == (str(more),)
 
 
 def test_feature_tune_refuses_bad_flags_with_exit_2(tiny_llama_dir, tmp_path):

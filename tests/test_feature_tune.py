@@ -96,37 +96,47 @@ def test_a_second_request_round_answers_only_requests_not_already_in_the_corpus(
 
 def test_written_prompts_are_read_deduplicated_split_and_continued_in_parts_of_their_own(tmp_path):
     """Prompts written for training: read from their files in order, duplicates and prompts another part
-    holds (or held out) dropped, a seeded sampled_fraction continued at temperature 1 with the part's
-    own seeds, the manifests naming the prompts by hash; none left is refused by name."""
-    from specjax.boost.feature_corpus import WRITTEN_SEED_OFFSET, _written_parts, split_written, written_prompts
+    holds (or held out) dropped, a seeded sampled_fraction continued at temperature 1 with the round's
+    own seeds, the manifests naming the prompts by hash; a second round drops the first round's prompts
+    and has other parts and seeds; none left is refused by name."""
+    from specjax.boost.feature_corpus import WRITTEN_ROUNDS, _written_parts, split_written, written_prompts
 
-    first, second = tmp_path / "a.jsonl", tmp_path / "b.txt"
+    first, second, third = tmp_path / "a.jsonl", tmp_path / "b.txt", tmp_path / "c.txt"
     first.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(10)))
     second.write_text("prompt 3\nanother one\nheld\n")
+    third.write_text("prompt 1\nnew one\n")
     prompts = written_prompts([str(first), str(second)], taken={"held", "prompt 0"})
     assert prompts == [f"prompt {i}" for i in range(1, 10)] + ["another one"]
-    plan = CorpusPlan(written=(str(first), str(second)), sampled_fraction=0.3, seed=4)
-    greedy, sampled = split_written(prompts, plan)
+    plan = CorpusPlan(written=(str(first), str(second)), more_written=(str(third),), sampled_fraction=0.3, seed=4)
+    one, two = WRITTEN_ROUNDS["written"], WRITTEN_ROUNDS["written-b"]
+    greedy, sampled = split_written(prompts, plan, one.seed_offset)
     assert (len(greedy), len(sampled)) == (7, 3) and sorted(greedy + sampled) == sorted(prompts)
-    assert split_written(prompts, plan) == (greedy, sampled)  # seeded
-    assert split_written(prompts, dataclasses.replace(plan, seed=5)) != (greedy, sampled)
-    assert split_written(prompts, dataclasses.replace(plan, sampled_fraction=0.0)) == (prompts, [])
+    assert split_written(prompts, plan, one.seed_offset) == (greedy, sampled)  # seeded
+    assert split_written(prompts, dataclasses.replace(plan, seed=5), one.seed_offset) != (greedy, sampled)
+    assert split_written(prompts, dataclasses.replace(plan, sampled_fraction=0.0), one.seed_offset) == (prompts, [])
     calls, shards = [], {}
 
     def run(name, part, temperature, max_new, recipe=None, seed=0, source=None):
         calls.append((name, part, temperature, recipe, seed, source))
         return [f"{name}.npz"]
 
-    _written_parts(run, shards, plan, {"held", "prompt 0"}, lambda *a: None)
+    taken = {"held", "prompt 0"}
+    assert _written_parts(run, shards, plan, one, taken, lambda *a: None) == prompts
     assert shards == {"written-greedy": ["written-greedy.npz"], "written-sampled": ["written-sampled.npz"]}
     (g_name, g_part, g_temp, g_recipe, g_seed, g_src), (s_name, s_part, s_temp, s_recipe, s_seed, _) = calls
     assert (g_part, g_temp, s_part, s_temp) == (greedy, 0.0, sampled, 1.0)
-    assert g_seed == s_seed == plan.seed + WRITTEN_SEED_OFFSET and "a.jsonl, b.txt" in g_src
+    assert g_seed == s_seed == plan.seed + one.seed_offset and "a.jsonl, b.txt" in g_src
     assert g_recipe == s_recipe and len(g_recipe["written_sha256"]) == 64
+    calls.clear()
+    assert _written_parts(run, shards, plan, two, taken | set(prompts), lambda *a: None) == ["new one"]
+    assert [(c[0], c[1], c[4]) for c in calls] == [("written-b-greedy", ["new one"], plan.seed + two.seed_offset)]
+    assert two.seed_offset != one.seed_offset and calls[0][3] != g_recipe
+    with pytest.raises(InputError, match="--more-written-prompts .*c.txt: no prompt left"):
+        _written_parts(run, {}, plan, two, {"prompt 1", "new one"}, lambda *a: None)
     with pytest.raises(InputError, match="--written-prompts .*b.txt: no prompt left"):
         written_prompts([str(second)], taken={"prompt 3", "another one", "held"})
-    with pytest.raises(InputError, match="written must be a tuple of prompt file paths"):
-        CorpusPlan(written=str(first))
+    with pytest.raises(InputError, match="more_written must be a tuple of prompt file paths"):
+        CorpusPlan(more_written=str(first))
 
 
 @requires_smollm2

@@ -21,7 +21,9 @@ Parts, in generation order (stage 2 quotes the passages part, so it comes first)
   ``sampled_fraction`` of them at temperature 1 (seeded): worded as real requests are, with real
   passages to summarise, quote and translate, which neither templates nor a 135M model's own
   requests give. Prompts another part already holds, or a held-out one, are dropped; the part is
-  split on its own, so the earlier parts (and a drafter trained on them) stay as they were.
+  split on its own, so the earlier parts (and a drafter trained on them) stay as they were;
+* with ``more_written`` prompt files, a second round of the same (``written-b-greedy`` /
+  ``written-b-sampled``): its own seeds and split; prompts of the first round are dropped.
 
 Greedy parts match what greedy speculation sees; the sampled parts (temperature 1, seeded) keep
 the drafter useful when requests sample. Prompts are sorted by length inside a part so a batch
@@ -60,6 +62,7 @@ class CorpusPlan:
     request_temperature: float = 0.8
     more_requests: int = 0  # a second round of self-written requests (other meta prompts and seeds)
     written: tuple[str, ...] = ()  # prompt files written for training (``written_prompts``)
+    more_written: tuple[str, ...] = ()  # a second round of them, a part of its own
 
     def __post_init__(self):
         for name in ("passages", "tasks", "grounded", "max_new_tokens", "passage_tokens", "batch_size",
@@ -71,15 +74,15 @@ class CorpusPlan:
                              f"{self.more_requests}")
         if not 0.0 < self.request_temperature <= 2.0:
             raise InputError(f"corpus plan: request_temperature must be in (0, 2], got {self.request_temperature}")
-        if isinstance(self.written, str) or not all(isinstance(p, str) for p in self.written):
-            raise InputError(f"corpus plan: written must be a tuple of prompt file paths, got {self.written!r}")
+        for name in ("written", "more_written"):
+            files = getattr(self, name)
+            if isinstance(files, str) or not all(isinstance(p, str) for p in files):
+                raise InputError(f"corpus plan: {name} must be a tuple of prompt file paths, got {files!r}")
         if not 0.0 <= self.sampled_fraction <= 1.0:
             raise InputError(f"corpus plan: sampled_fraction must be in [0, 1], got {self.sampled_fraction}")
 
 
 PARTS = ("passages", "grounded-greedy", "grounded-sampled", "tasks-greedy", "tasks-sampled")
-WRITTEN_PARTS = ("written-greedy", "written-sampled")
-WRITTEN_SEED_OFFSET = 2_000_003  # the written prompts' sampling seeds and greedy / sampled split
 
 
 class RequestRound(NamedTuple):
@@ -96,6 +99,24 @@ class RequestRound(NamedTuple):
 REQUEST_ROUNDS = {"requests": RequestRound("requests-written", "requests", "requests", 0),
                   "requests-b": RequestRound("requests-b-written", "requests-b", "more_requests", 1_000_003)}
 REQUEST_PARTS = tuple(name for r in REQUEST_ROUNDS.values() for name in (r.written, r.answers))
+
+
+class WrittenRound(NamedTuple):
+    """A round of prompts written for training: its greedy and sampled parts, the plan field naming its
+    files, its command-line flag, and its seed offset (sampling seeds and the greedy / sampled split)."""
+
+    greedy: str
+    sampled: str
+    files_field: str
+    flag: str
+    seed_offset: int
+
+
+WRITTEN_ROUNDS = {"written": WrittenRound("written-greedy", "written-sampled", "written", "--written-prompts",
+                                          2_000_003),
+                  "written-b": WrittenRound("written-b-greedy", "written-b-sampled", "more_written",
+                                            "--more-written-prompts", 3_000_017)}
+WRITTEN_PARTS = tuple(name for r in WRITTEN_ROUNDS.values() for name in (r.greedy, r.sampled))
 
 
 def part_recipe(plan: CorpusPlan, part: str) -> dict:
@@ -150,8 +171,9 @@ def build_feature_corpus(model, out_dir: str, plan: CorpusPlan = CorpusPlan(), e
     for request_round in REQUEST_ROUNDS.values():
         if getattr(plan, request_round.count_field):
             taken |= set(_request_round(run, shards, request_round, plan, tpl, taken, dirs, log))
-    if plan.written:
-        _written_parts(run, shards, plan, taken, log)
+    for written_round in WRITTEN_ROUNDS.values():
+        if getattr(plan, written_round.files_field):
+            taken |= set(_written_parts(run, shards, plan, written_round, taken, log))
     log(f"corpus {out_dir}: {sum(len(v) for v in shards.values())} shards")
     return shards
 
@@ -179,42 +201,45 @@ def _request_round(run, shards: dict, request_round: RequestRound, plan: CorpusP
     return kept
 
 
-def written_prompts(paths, taken=()) -> list[str]:
-    """The distinct prompts of the ``written`` files, in file order, without those in ``taken`` (held out,
+def written_prompts(paths, taken=(), flag: str = "--written-prompts") -> list[str]:
+    """The distinct prompts of written prompt files, in file order, without those in ``taken`` (held out,
     or already another part's: the same greedy sequence in two parts split apart could be held out in one
     and trained on in the other). Refused when none is left."""
     from specjax.io.prompts import read_prompts_file
 
     taken = set(taken)
-    every = [p for path in paths
-             for p in read_prompts_file(path, flag="--written-prompts", allow_token_ids=False, plain_lines=True)]
+    every = [p for path in paths for p in read_prompts_file(path, flag=flag, allow_token_ids=False, plain_lines=True)]
     kept = [p for p in dict.fromkeys(every) if p not in taken]
     if not kept:
-        raise InputError(f"--written-prompts {', '.join(paths)}: no prompt left ({len(every)} read, all held out "
-                         f"or already in the corpus)")
+        raise InputError(f"{flag} {', '.join(paths)}: no prompt left ({len(every)} read, all held out or already "
+                         f"in the corpus)")
     return kept
 
 
-def split_written(prompts: list[str], plan: CorpusPlan) -> tuple[list[str], list[str]]:
-    """(greedy, sampled): a seeded ``sampled_fraction`` of the written prompts is continued at temperature 1."""
-    order = np.random.RandomState(plan.seed + WRITTEN_SEED_OFFSET).permutation(len(prompts))
+def split_written(prompts: list[str], plan: CorpusPlan, seed_offset: int) -> tuple[list[str], list[str]]:
+    """(greedy, sampled): a seeded ``sampled_fraction`` of a round's prompts is continued at temperature 1."""
+    order = np.random.RandomState(plan.seed + seed_offset).permutation(len(prompts))
     cut = round(len(prompts) * (1 - plan.sampled_fraction))
     return [prompts[i] for i in sorted(order[:cut])], [prompts[i] for i in sorted(order[cut:])]
 
 
-def _written_parts(run, shards: dict, plan: CorpusPlan, taken: set, log) -> None:
-    prompts = written_prompts(plan.written, taken)
-    greedy, sampled = split_written(prompts, plan)
-    log(f"written: {len(prompts)} prompts ({len(greedy)} greedy, {len(sampled)} sampled)")
+def _written_parts(run, shards: dict, plan: CorpusPlan, written_round: WrittenRound, taken: set, log) -> list[str]:
+    """One round of written prompts continued into its parts; returns its prompts."""
+    files = getattr(plan, written_round.files_field)
+    prompts = written_prompts(files, taken, flag=written_round.flag)
+    greedy, sampled = split_written(prompts, plan, written_round.seed_offset)
+    log(f"{written_round.greedy.removesuffix('-greedy')}: {len(prompts)} prompts ({len(greedy)} greedy, "
+        f"{len(sampled)} sampled)")
     # the manifests name the prompts by hash: the files' paths may move, their content may not change
     digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
-    source = (f"prompts written for training ({', '.join(os.path.basename(p) for p in plan.written)}: by people or "
+    source = (f"prompts written for training ({', '.join(os.path.basename(p) for p in files)}: by people or "
               f"a stronger model, not by the LLM)")
-    seed = plan.seed + WRITTEN_SEED_OFFSET
-    for name, part, temperature in (("written-greedy", greedy, 0.0), ("written-sampled", sampled, 1.0)):
+    seed = plan.seed + written_round.seed_offset
+    for name, part, temperature in ((written_round.greedy, greedy, 0.0), (written_round.sampled, sampled, 1.0)):
         if part:
             shards[name] = run(name, part, temperature, plan.max_new_tokens, recipe={"written_sha256": digest},
                                seed=seed, source=source)
+    return prompts
 
 
 def _continuations(paths, tokenizer) -> list[str]:

@@ -15,7 +15,14 @@ import numpy as np
 
 from specjax.boost.corpus import generate_corpus
 from specjax.boost.distill import batches_per_epoch
-from specjax.boost.feature_corpus import REQUEST_PARTS, REQUEST_ROUNDS, WRITTEN_PARTS, CorpusPlan, build_feature_corpus
+from specjax.boost.feature_corpus import (
+    REQUEST_PARTS,
+    REQUEST_ROUNDS,
+    WRITTEN_PARTS,
+    WRITTEN_ROUNDS,
+    CorpusPlan,
+    build_feature_corpus,
+)
 from specjax.boost.feature_data import FeatureSet, draft_vocabulary, feature_shards, vocabulary_coverage
 from specjax.boost.feature_loading import load_feature_set, load_split
 from specjax.boost.feature_train import FeatureTrainConfig, depth_agreement, split_params, train_feature
@@ -151,20 +158,21 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
 
 
 def _split(parts: dict, fraction: float, seed: int) -> tuple[FeatureSet, FeatureSet, dict]:
-    """(train, held out, {group: {"train": n, "held_out": n}}). The template parts are split together,
-    each round of requests on its own and the written parts together, so adding requests or written
-    prompts to a corpus leaves the other parts' split as it was: a drafter continued with ``init_from``
-    on the grown corpus is not evaluated on sequences it was trained on (``_check_split``)."""
+    """(train, held out, {group: {"train": n, "held_out": n}}). The template parts are split together and
+    each round of requests or of written prompts on its own, so growing a corpus by a round leaves the
+    other parts' split as it was: a drafter continued with ``init_from`` on the grown corpus is not
+    evaluated on sequences it was trained on (``_check_split``)."""
     base = {name: paths for name, paths in parts.items() if name not in REQUEST_PARTS + WRITTEN_PARTS}
     names, loads = ["templates"], [base]
     for round_name, (_, answers, _, _) in REQUEST_ROUNDS.items():
         if answers in parts:
             names.append(round_name)
             loads.append({answers: parts[answers]})
-    written = {name: parts[name] for name in WRITTEN_PARTS if name in parts}
-    if written:
-        names.append("written")
-        loads.append(written)
+    for round_name, written_round in WRITTEN_ROUNDS.items():
+        written = {name: parts[name] for name in (written_round.greedy, written_round.sampled) if name in parts}
+        if written:
+            names.append(round_name)
+            loads.append(written)
     train, held, counts = load_split(loads, fraction, seed=seed)  # the features copied once (feature_loading)
     groups = {name: {"train": t, "held_out": h} for name, (t, h) in zip(names, counts)}
     return train, held, groups
@@ -235,13 +243,12 @@ def _start_from(name_or_path: str, llm: Model, groups: dict, seed: int):
 def _check_split(name: str, trained: dict | None, groups: dict, seed: int) -> None:
     """Refuse to continue a drafter whose training run split its sequences otherwise than this run does
     (another seed, --held-out or corpus): its training sequences could be held out here and flatter it.
-    Its run covered the template parts, each round of requests its plan had, and the written parts if
-    its plan had written prompts."""
+    Its run covered the template parts, and each round of requests and of written prompts its plan had."""
     if not trained or not {"plan", "train", "sequences"} <= set(trained):
         raise InputError(f"--init-from {name}: its metadata does not record its training run (plan, seed, split), "
                          f"so its held-out split cannot be checked against this run's")
     covered = ["templates"] + [group for group, r in REQUEST_ROUNDS.items() if trained["plan"].get(r.count_field)]
-    covered += ["written"] if trained["plan"].get("written") else []
+    covered += [group for group, r in WRITTEN_ROUNDS.items() if trained["plan"].get(r.files_field)]
     if any(g not in groups for g in covered):
         raise InputError(f"--init-from {name}: it was trained with a requests or written part this corpus plan does "
                          f"not have")

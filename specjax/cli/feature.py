@@ -51,6 +51,10 @@ def add_parser(sub, formatter_class) -> None:
                         "with 'prompt', or text lines), continued into the parts written-greedy / written-sampled "
                         "(a --sampled-fraction at temperature 1), split on their own; prompts held out or already "
                         "in the corpus are dropped; repeatable (default: none)")
+    f.add_argument("--more-written-prompts", action="append", default=[],
+                   help="a second round of written prompt files, continued into parts of their own (written-b-greedy "
+                        "/ written-b-sampled, split on their own; prompts of the first round dropped): grows a corpus "
+                        "without changing its earlier parts; repeatable (default: none)")
     f.add_argument("--sampled-fraction", type=float, default=0.25,
                    help="share of task and grounded prompts continued at temperature 1 (seeded)")
     f.add_argument("--corpus-batch", type=int, default=128, help="prompts per generation batch")
@@ -119,7 +123,7 @@ def check_args(args):
     plan = CorpusPlan(passages=args.passages, tasks=args.tasks, grounded=args.grounded,
                       sampled_fraction=args.sampled_fraction, batch_size=args.corpus_batch, seed=args.seed,
                       requests=args.requests, more_requests=args.more_requests,
-                      written=tuple(args.written_prompts))
+                      written=tuple(args.written_prompts), more_written=tuple(args.more_written_prompts))
     tc = FeatureTrainConfig(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
                             unrolled_steps=args.unrolled_steps, reg_weight=args.reg_weight, seed=args.seed,
                             window=max(plan.max_new_tokens, plan.passage_tokens) + args.unrolled_steps + 8)
@@ -137,10 +141,13 @@ def check_args(args):
             for p in read_prompts_file(path, flag="--exclude-prompts", allow_token_ids=False, plain_lines=True)]
     evaluate = [p for path in args.eval_prompts
                 for p in read_prompts_file(path, flag="--eval-prompts", allow_token_ids=False, plain_lines=True)]
-    if args.written_prompts:  # read (so checked) now; the corpus drops those held out or already in it
-        from specjax.boost.feature_corpus import written_prompts
+    taken = set(held) | set(evaluate)
+    for flag, files in (("--written-prompts", args.written_prompts), ("--more-written-prompts",
+                                                                       args.more_written_prompts)):
+        if files:  # read (so checked) now; the corpus drops those held out or already in it
+            from specjax.boost.feature_corpus import written_prompts
 
-        written_prompts(args.written_prompts, set(held) | set(evaluate))
+            taken |= set(written_prompts(files, taken, flag=flag))
     _writable_dir(args.corpus, "--corpus")
     _writable_dir(args.out, "--out")
     if args.export:

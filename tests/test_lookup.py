@@ -238,6 +238,27 @@ def test_cost_table_is_measured_once_and_cached(llama, tmp_path, monkeypatch):
     jax.clear_caches()
 
 
+@pytest.mark.parametrize("seconds_per_pass,rounds", [(1e-4, 15), (1.0, 5), (0.5, 7)])
+def test_slow_passes_are_timed_in_fewer_rounds(llama, monkeypatch, seconds_per_pass, rounds):
+    """15 round-robin rounds over the sizes, but slow passes stop after the round in which the timed
+    passes passed MEASURE_SECONDS (10 s), and never before 5 rounds: 3 sizes at 1 s a pass pass it in
+    round 4, so 5 rounds; at 0.5 s in round 7 (10.5 s)."""
+    from specjax.speculation import cost
+
+    clock = {"t": 0.0, "calls": 0}
+
+    def fake_clock():  # every pass starts and ends with a reading: one pass = seconds_per_pass
+        clock["calls"] += 1
+        if clock["calls"] % 2 == 0:
+            clock["t"] += seconds_per_pass
+        return clock["t"]
+
+    monkeypatch.setattr(cost, "_clock", fake_clock)
+    costs = cost.measure_pass_costs(llama.params, llama.config, 1, [1, 2, 3], "xla", prefix=8)
+    assert clock["calls"] == 2 * 3 * rounds
+    assert costs == pytest.approx({1: seconds_per_pass, 2: seconds_per_pass, 3: seconds_per_pass})
+
+
 @pytest.mark.parametrize("streaming", [True, False], ids=["host-loop", "one-jit"])
 def test_a_cost_table_read_back_does_not_recompile_the_loop(llama, tmp_path, monkeypatch, streaming):
     """The first call measures the table ("measured now"), the next reads it back ("measured

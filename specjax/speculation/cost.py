@@ -40,6 +40,13 @@ PREFIX = 256  # committed tokens behind the measured tree: a typical short reque
 # out 1.12, 1.18, 1.21, 1.28 and 1.33 in five tables measured within an hour; with 15 it came out
 # 1.23-1.25 three times (about 4 s of passes, once per machine).
 REPEATS = 15
+# ... but slow passes stop sooner: after MIN_REPEATS rounds, once the timed passes have taken
+# MEASURE_SECONDS. A pass of a second or more (a pipelined mesh simulated on two CPU cores: ~1 s) is
+# pinned by fewer samples, since the scheduler's jitter that moved 40 ms passes is small beside it,
+# and 15 rounds over the 9 sizes of the default ladder took ~2 minutes there before the first token.
+MIN_REPEATS = 5
+MEASURE_SECONDS = 10.0
+_clock = time.perf_counter  # the passes' clock (a test's fake one times slow passes without running them)
 
 
 def cache_path() -> str:
@@ -113,7 +120,8 @@ def _chain(batch: int, nodes: int):
 def measure_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: str = "xla", parallel=None,
                        prefix: int = PREFIX, repeats: int = REPEATS, progress=None,
                        head: str = "logits") -> dict[int, float]:
-    """{nodes: seconds per LLM tree pass}, measured warm on this machine (median of ``repeats``);
+    """{nodes: seconds per LLM tree pass}, measured warm on this machine (median of ``repeats`` rounds,
+    or of fewer, at least ``MIN_REPEATS``, once the timed passes took ``MEASURE_SECONDS``);
     ``head``: the pass as that verifier has it (``HEADS``: "greedy" each node's argmax and finiteness,
     "seeded" its seeded sample at temperature 1 and finiteness)."""
     _check_head(head)
@@ -153,12 +161,25 @@ def measure_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: 
     # Round-robin over the sizes: a machine that slows down for a while (a shared CPU does) slows
     # every size alike instead of making one size look cheaper than a smaller one.
     samples = {n: [] for n in counts}
-    for _ in range(repeats):
+    for done in range(1, repeats + 1):
         for n in counts:
-            t0 = time.perf_counter()
+            t0 = _clock()
             jax.block_until_ready(fwd(params, *inputs[n]))
-            samples[n].append(time.perf_counter() - t0)
+            samples[n].append(_clock() - t0)
+        if done >= min(MIN_REPEATS, repeats) and done < repeats \
+                and _process0_says(sum(map(sum, samples.values())) > MEASURE_SECONDS):
+            break
     return {n: float(np.median(s)) for n, s in samples.items()}
+
+
+def _process0_says(flag: bool) -> bool:
+    """Process 0's ``flag`` on every process: its passes run over the whole mesh, so every process
+    must time as many rounds as process 0 does, or the collectives deadlock."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag, np.int32)))
 
 
 def monotone(costs: dict[int, float]) -> dict[int, float]:

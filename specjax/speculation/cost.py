@@ -41,9 +41,9 @@ PREFIX = 256  # committed tokens behind the measured tree: a typical short reque
 # 1.23-1.25 three times (about 4 s of passes, once per machine).
 REPEATS = 15
 # ... but slow passes stop sooner: after MIN_REPEATS rounds, once the timed passes have taken
-# MEASURE_SECONDS. A pass of a second or more (a pipelined mesh simulated on two CPU cores: ~1 s) is
-# pinned by fewer samples, since the scheduler's jitter that moved 40 ms passes is small beside it,
-# and 15 rounds over the 9 sizes of the default ladder took ~2 minutes there before the first token.
+# MEASURE_SECONDS. Passes of half a second (the pp=2 x tp=4 mesh simulated on two CPU cores: 0.36-0.71 s
+# over the default ladder's 10 sizes) are pinned by fewer samples, the scheduler's jitter that moved
+# 40 ms passes being small beside them, and 15 rounds there took ~73 s before the first token.
 MIN_REPEATS = 5
 MEASURE_SECONDS = 10.0
 _clock = time.perf_counter  # the passes' clock (a test's fake one times slow passes without running them)
@@ -166,8 +166,7 @@ def measure_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: 
             t0 = _clock()
             jax.block_until_ready(fwd(params, *inputs[n]))
             samples[n].append(_clock() - t0)
-        if done >= min(MIN_REPEATS, repeats) and done < repeats \
-                and _process0_says(sum(map(sum, samples.values())) > MEASURE_SECONDS):
+        if MIN_REPEATS <= done < repeats and _process0_says(sum(map(sum, samples.values())) > MEASURE_SECONDS):
             break
     return {n: float(np.median(s)) for n, s in samples.items()}
 

@@ -148,9 +148,14 @@ def expected_by_level(drafters, drafter_params, drafter_states, proposals, budge
 def _exists(prop) -> jax.Array:
     """[B, N] the node and its ancestors were drawn (``Proposal.ok`` along the path; parents first)."""
     exists = prop.ok.at[:, 0].set(True)
-    for i in range(1, prop.ok.shape[1]):
-        up = jnp.take_along_axis(exists, jnp.maximum(prop.parent[:, i:i + 1], 0), axis=1)[:, 0]
-        exists = exists.at[:, i].set(exists[:, i] & up & (prop.parent[:, i] >= 0))
+
+    def node(i, exists):  # a loop, not unrolled: one node's ops, compiled once (see merge_proposals)
+        par = jax.lax.dynamic_index_in_dim(prop.parent, i, axis=1, keepdims=False)  # [B]
+        up = jnp.take_along_axis(exists, jnp.maximum(par, 0)[:, None], axis=1)[:, 0]
+        mine = jax.lax.dynamic_index_in_dim(exists, i, axis=1, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(exists, mine & up & (par >= 0), i, axis=1)
+
+    exists = jax.lax.fori_loop(1, prop.ok.shape[1], node, exists)
     return exists
 
 
@@ -164,11 +169,17 @@ def _match_paths(a, b, ea: jax.Array, eb: jax.Array) -> jax.Array:
     """``same_nodes`` with both proposals' ``_exists`` given (computed once per step)."""
     match = jnp.full(b.tokens.shape, -1, jnp.int32).at[:, 0].set(0)
     cols = jnp.arange(a.tokens.shape[1])[None, :]
-    for j in range(1, b.tokens.shape[1]):
-        up = jnp.take_along_axis(match, jnp.maximum(b.parent[:, j:j + 1], 0), axis=1)  # [B, 1]
-        hit = ea & (cols > 0) & (a.parent == up) & (a.tokens == b.tokens[:, j:j + 1]) & (up >= 0)
-        found = jnp.any(hit, axis=1) & eb[:, j]
-        match = match.at[:, j].set(jnp.where(found, jnp.argmax(hit, axis=1), -1))
+
+    def node(j, match):  # a loop, not unrolled (see _exists)
+        par = jax.lax.dynamic_index_in_dim(b.parent, j, axis=1, keepdims=False)
+        up = jnp.take_along_axis(match, jnp.maximum(par, 0)[:, None], axis=1)  # [B, 1]
+        tok = jax.lax.dynamic_index_in_dim(b.tokens, j, axis=1, keepdims=True)  # [B, 1]
+        hit = ea & (cols > 0) & (a.parent == up) & (a.tokens == tok) & (up >= 0)
+        found = jnp.any(hit, axis=1) & jax.lax.dynamic_index_in_dim(eb, j, axis=1, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(match, jnp.where(found, jnp.argmax(hit, axis=1), -1).astype(
+            jnp.int32), j, axis=1)
+
+    match = jax.lax.fori_loop(1, b.tokens.shape[1], node, match)
     return match
 
 

@@ -30,6 +30,7 @@ estimate predicted, measured every step against what the LLM emitted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -202,9 +203,14 @@ class FeatureDrafter(Drafter):
         seen = accepted.num_emitted[:, None]
         on = jnp.ones(tokens.shape, bool)  # node matches the emitted prefix down to it (root: yes)
         truth = jnp.take_along_axis(accepted.emitted, jnp.clip(depth - 1, 0, accepted.emitted.shape[1] - 1), axis=1)
-        for i in range(1, tokens.shape[1]):  # parents come first: one pass settles every node
-            up = jnp.take_along_axis(on, jnp.maximum(parent[:, i:i + 1], 0), axis=1)[:, 0]
-            on = on.at[:, i].set(up & (tokens[:, i] == truth[:, i]) & (depth[:, i] <= seen[:, 0]))
+
+        def node(i, on):  # parents come first: one pass settles every node (a loop: compiled once)
+            col = functools.partial(jax.lax.dynamic_index_in_dim, index=i, axis=1, keepdims=False)
+            up = jnp.take_along_axis(on, jnp.maximum(col(parent), 0)[:, None], axis=1)[:, 0]
+            return jax.lax.dynamic_update_index_in_dim(
+                on, up & (col(tokens) == col(truth)) & (col(depth) <= seen[:, 0]), i, axis=1)
+
+        on = jax.lax.fori_loop(1, tokens.shape[1], node, on)
         matched = jnp.max(jnp.where(on, depth, 0), axis=1).astype(jnp.float32)
         visible = (depth[:, 1:] <= seen) & jnp.isfinite(state["score"])
         predicted = jnp.sum(jnp.where(visible, jnp.exp(state["score"]), 0.0), axis=1)
@@ -231,11 +237,12 @@ def _step_layers(params: dict) -> tuple:
 
 def node_depths(parent: jax.Array) -> jax.Array:
     """[B, N] depth of every node from parents stored before children (root 0)."""
-    depth = jnp.zeros(parent.shape, jnp.int32)
-    for i in range(1, parent.shape[1]):
-        up = jnp.take_along_axis(depth, jnp.maximum(parent[:, i:i + 1], 0), axis=1)[:, 0]
-        depth = depth.at[:, i].set(jnp.where(parent[:, i] >= 0, up + 1, 0))
-    return depth
+    def node(i, depth):  # a loop, not unrolled: one node's ops, compiled once
+        par = jax.lax.dynamic_index_in_dim(parent, i, axis=1, keepdims=False)
+        up = jnp.take_along_axis(depth, jnp.maximum(par, 0)[:, None], axis=1)[:, 0]
+        return jax.lax.dynamic_update_index_in_dim(depth, jnp.where(par >= 0, up + 1, 0), i, axis=1)
+
+    return jax.lax.fori_loop(1, parent.shape[1], node, jnp.zeros(parent.shape, jnp.int32))
 
 
 def _draft_noise(cfg: FeatureConfig, sampling, root_pos, depth: int, shared=None):

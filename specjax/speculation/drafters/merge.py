@@ -45,19 +45,24 @@ def merge_proposals(proposals: list[Proposal], static_parents: list | None = Non
         law_row = jnp.full((max_nodes, max_entries), -1, jnp.int32)
         num_entries = jnp.zeros((max_nodes,), jnp.int32)
         count = jnp.int32(1)
+        merged = (tokens, parent, valid, children, law_row, num_entries, count)
         for s in range(len(proposals)):
             n = tokens_s[s].shape[0]
-            to_merged = jnp.zeros((n,), jnp.int32)  # node 0 -> merged root 0
-            exists_s = jnp.ones((n,), bool)  # the drafted node exists (and so do its ancestors)
-            for i in range(1, n):
-                par = static_parents[s][i] if static_parents[s] is not None else parent_s[s][i]
+            parents = parent_s[s] if static_parents[s] is None else jnp.asarray(static_parents[s], jnp.int32)
+
+            # One node per iteration, in a loop rather than unrolled: unrolled, every node of every
+            # budget level became its own ~15 XLA ops (2,006 instructions in the largest level's branch
+            # of the default SmolLM2 loop; the merges were most of its 28 s XLA compile).
+            def add_node(i, carry, s=s, parents=parents):
+                (tokens, parent, valid, children, law_row, num_entries, count), to_merged, exists_s = carry
+                par = parents[i]
                 tok = tokens_s[s][i]
                 mp = to_merged[par]
                 here = exists_s[par] & ok_s[s][i] & (par >= 0)
                 same = valid & (parent == mp) & (tokens == tok)
                 found = jnp.any(same)
                 new = here & ~found
-                m = jnp.where(found, jnp.argmax(same), count)
+                m = jnp.where(found, jnp.argmax(same), count).astype(jnp.int32)
                 tokens = jnp.where(new, tokens.at[count].set(tok), tokens)
                 parent = jnp.where(new, parent.at[count].set(mp), parent)
                 valid = jnp.where(new, valid.at[count].set(True), valid)
@@ -70,6 +75,12 @@ def merge_proposals(proposals: list[Proposal], static_parents: list | None = Non
                 num_entries = num_entries.at[mp].add(add.astype(jnp.int32))
                 to_merged = to_merged.at[i].set(m)
                 exists_s = exists_s.at[i].set(here)
+                return (tokens, parent, valid, children, law_row, num_entries, count), to_merged, exists_s
+
+            # node 0 -> merged root 0; the drafted node exists (and so do its ancestors)
+            start = (merged, jnp.zeros((n,), jnp.int32), jnp.ones((n,), bool))
+            merged = jax.lax.fori_loop(1, n, add_node, start)[0] if n > 1 else merged
+        tokens, parent, valid, children, law_row, _, _ = merged
         return tokens, parent, valid, children, law_row
 
     tokens, parent, valid, children, law_row = jax.vmap(merge_one)(

@@ -132,3 +132,53 @@ def test_first_argmax_is_jnp_argmax_on_ties_nan_and_infinities(jit):
     assert got.dtype == np.int32
     chex.assert_shape(got, x.shape[:-1])
     np.testing.assert_array_equal(got, want)
+
+
+def _reference_filter(x: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """The filter's definition in float64 over the sorted row: [V] bool, the tokens kept."""
+    order = np.argsort(-x, kind="stable")
+    s = x[order].astype(np.float64)
+    kth = s[min(top_k, x.size) - 1] if top_k > 0 else -np.inf
+    kept = x >= kth
+    s = np.where(s >= kth, s, -np.inf)
+    p = np.exp(s - s.max())
+    p /= p.sum()
+    before = np.cumsum(p) - p
+    if top_p < 1.0:
+        last = np.sum(before < top_p) - 1
+        kept &= x >= s[last]
+    return kept
+
+
+@pytest.mark.parametrize("case", ["peaked top-p", "flat top-p (sorts)", "top-k then top-p", "top-k past the candidates",
+                                  "mixed batch"])
+def test_filter_from_candidates_keeps_what_the_sorted_row_keeps(case):
+    """The top-k/top-p filter reads the largest FILTER_CANDIDATES values and sorts a row in full only where
+    its kept tokens may lie past them; it keeps exactly the tokens the float64 definition over the sorted
+    row keeps (rows whose cumulative mass at the boundary is within float32 rounding of top_p excepted),
+    and exactly what the full sort's path (``_filter_sorted``) keeps."""
+    from specjax.decoding.sampling import FILTER_CANDIDATES, _filter_sorted, _filter_top_k_top_p
+
+    vocab = 4 * FILTER_CANDIDATES + 77
+    rng = np.random.RandomState(["peaked top-p", "flat top-p (sorts)", "top-k then top-p", "top-k past the candidates",
+                                 "mixed batch"].index(case))
+    settings = {"peaked top-p": [(3.0, 0, 0.9)] * 4, "flat top-p (sorts)": [(0.05, 0, 0.95)] * 3,
+                "top-k then top-p": [(2.0, 50, 0.8), (2.0, 7, 0.99), (2.0, FILTER_CANDIDATES, 0.999)],
+                "top-k past the candidates": [(2.0, FILTER_CANDIDATES + 5, 0.9)],
+                "mixed batch": [(3.0, 0, 1.0), (3.0, 0, 0.5), (2.0, 40, 1.0), (3.0, 0, 0.97)]}[case]
+    scale = np.asarray([s for s, _, _ in settings], np.float32)[:, None]
+    x = (rng.standard_normal((len(settings), vocab)) * scale).astype(np.float32)
+    top_k = jnp.asarray([k for _, k, _ in settings], jnp.int32)
+    top_p = jnp.asarray([p for _, _, p in settings], jnp.float32)
+    got = np.asarray(jax.jit(_filter_top_k_top_p)(jnp.asarray(x), top_k, top_p))
+    sorted_path = np.asarray(jax.jit(lambda x, k, p: _filter_sorted(x, -jnp.sort(-x, axis=-1), k, p))(
+        jnp.asarray(x), top_k, top_p))
+    for b, (_, k, p) in enumerate(settings):
+        want = _reference_filter(x[b], k, p)
+        np.testing.assert_array_equal(np.isfinite(got[b]), want, err_msg=f"row {b}: {case}")
+        np.testing.assert_array_equal(got[b][want], x[b][want])  # kept values unchanged
+        np.testing.assert_array_equal(np.isfinite(sorted_path[b]), want)
+    if case == "peaked top-p":  # the candidates settle these rows: fewer tokens kept than candidates
+        assert all(np.isfinite(got[b]).sum() < FILTER_CANDIDATES for b in range(len(settings)))
+    if case == "flat top-p (sorts)":  # these rows keep more tokens than there are candidates
+        assert all(np.isfinite(got[b]).sum() > FILTER_CANDIDATES for b in range(len(settings)))

@@ -82,9 +82,49 @@ class SamplingArrays:
                    seed=jnp.asarray([p.seed for p in params], jnp.int32))
 
 
+# The candidates a filter reads without sorting the vocabulary. XLA:CPU sorts a 49152-token row in ~10 ms
+# (2 Xeon cores): a 33-node seeded tree pass spent 338 ms sorting its rows for top-p, ten times the pass;
+# from 1024 candidates the same rows took 20-22 ms. A row whose kept tokens may lie past them (a flat
+# law under a high top-p, a top-k above them) is sorted in full, as before.
+FILTER_CANDIDATES = 1024
+
+
 def _filter_top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """x [B, V] -> x with -inf outside each row's top-k, then outside its top-p (the smallest set of
+    most likely tokens, in descending order, whose mass reaches top_p; ties with the last kept value are
+    kept): from the ``FILTER_CANDIDATES`` largest values where the kept tokens are among them, else from
+    the whole row sorted."""
     vocab = x.shape[-1]
-    sorted_x = -jnp.sort(-x, axis=-1)  # descending
+    cand = min(vocab, FILTER_CANDIDATES)
+    if cand == vocab:
+        return _filter_sorted(x, -jnp.sort(-x, axis=-1), top_k, top_p)
+    top = jax.lax.top_k(x, cand)[0]  # [B, C] descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    at_k = jnp.take_along_axis(top, (jnp.minimum(k, cand) - 1)[:, None], axis=-1)
+    kth = jnp.where((k <= cand)[:, None], at_k, -jnp.inf)
+    masked = jnp.where(x < kth, -jnp.inf, x)  # ties with the k-th value are kept
+    head = jnp.where(top < kth, -jnp.inf, top)
+    # the candidates' probabilities under the whole (top-k filtered) row's normaliser
+    probs = jnp.exp(head - jax.nn.logsumexp(masked, axis=-1, keepdims=True))
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    # A row is settled by its candidates unless its top-k reaches past them, or its top-p (with no top-k:
+    # a top-k within the candidates keeps only them and their ties) still keeps the last of them, so the
+    # tokens after it might be kept too.
+    past = (top_k > cand) | ((top_k == 0) & (top_p < 1.0) & keep[:, -1])
+
+    def from_candidates(x):
+        last_kept = jnp.sum(keep, axis=-1) - 1
+        threshold = jnp.where(top_p >= 1.0, -jnp.inf, jnp.take_along_axis(head, last_kept[:, None], axis=-1)[:, 0])
+        return jnp.where(masked < threshold[:, None], -jnp.inf, masked)
+
+    return jax.lax.cond(jnp.any(past), lambda x: _filter_sorted(x, -jnp.sort(-x, axis=-1), top_k, top_p),
+                        from_candidates, x)
+
+
+def _filter_sorted(x: jax.Array, sorted_x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """``_filter_top_k_top_p`` from the whole row sorted in descending order (``sorted_x``)."""
+    vocab = x.shape[-1]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth = jnp.take_along_axis(sorted_x, (k - 1)[:, None], axis=-1)  # [B, 1]
     x = jnp.where(x < kth, -jnp.inf, x)  # ties with the k-th value are kept

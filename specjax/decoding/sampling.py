@@ -83,8 +83,8 @@ class SamplingArrays:
 
 
 # The candidates a filter reads without sorting the vocabulary. XLA:CPU sorts a 49152-token row in ~10 ms
-# (2 Xeon cores): a 33-node seeded tree pass spent 338 ms sorting its rows for top-p, ten times the pass;
-# from 1024 candidates the same rows took 20-22 ms. A row whose kept tokens may lie past them (a flat
+# (2 Xeon cores): the filter of a 33-node tree's rows took 338 ms with the sort, more than the tree pass
+# itself, and 20-22 ms from 1024 candidates. A row whose kept tokens may lie past them (a flat
 # law under a high top-p, a top-k above them) is sorted in full, as before.
 FILTER_CANDIDATES = 1024
 
@@ -97,7 +97,7 @@ def _filter_top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax
     vocab = x.shape[-1]
     cand = min(vocab, FILTER_CANDIDATES)
     if cand == vocab:
-        return _filter_sorted(x, -jnp.sort(-x, axis=-1), top_k, top_p)
+        return _filter_sorted(x, top_k, top_p)
     top = jax.lax.top_k(x, cand)[0]  # [B, C] descending
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     at_k = jnp.take_along_axis(top, (jnp.minimum(k, cand) - 1)[:, None], axis=-1)
@@ -118,13 +118,13 @@ def _filter_top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax
         threshold = jnp.where(top_p >= 1.0, -jnp.inf, jnp.take_along_axis(head, last_kept[:, None], axis=-1)[:, 0])
         return jnp.where(masked < threshold[:, None], -jnp.inf, masked)
 
-    return jax.lax.cond(jnp.any(past), lambda x: _filter_sorted(x, -jnp.sort(-x, axis=-1), top_k, top_p),
-                        from_candidates, x)
+    return jax.lax.cond(jnp.any(past), lambda x: _filter_sorted(x, top_k, top_p), from_candidates, x)
 
 
-def _filter_sorted(x: jax.Array, sorted_x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """``_filter_top_k_top_p`` from the whole row sorted in descending order (``sorted_x``)."""
+def _filter_sorted(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """``_filter_top_k_top_p`` from the whole row sorted in descending order."""
     vocab = x.shape[-1]
+    sorted_x = -jnp.sort(-x, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth = jnp.take_along_axis(sorted_x, (k - 1)[:, None], axis=-1)  # [B, 1]
     x = jnp.where(x < kth, -jnp.inf, x)  # ties with the k-th value are kept

@@ -150,13 +150,11 @@ def _exists(prop) -> jax.Array:
     exists = prop.ok.at[:, 0].set(True)
 
     def node(i, exists):  # a loop, not unrolled: one node's ops, compiled once (see merge_proposals)
-        par = jax.lax.dynamic_index_in_dim(prop.parent, i, axis=1, keepdims=False)  # [B]
+        par = prop.parent[:, i]
         up = jnp.take_along_axis(exists, jnp.maximum(par, 0)[:, None], axis=1)[:, 0]
-        mine = jax.lax.dynamic_index_in_dim(exists, i, axis=1, keepdims=False)
-        return jax.lax.dynamic_update_index_in_dim(exists, mine & up & (par >= 0), i, axis=1)
+        return exists.at[:, i].set(exists[:, i] & up & (par >= 0))
 
-    exists = jax.lax.fori_loop(1, prop.ok.shape[1], node, exists)
-    return exists
+    return jax.lax.fori_loop(1, prop.ok.shape[1], node, exists)
 
 
 def same_nodes(a, b) -> jax.Array:
@@ -171,16 +169,12 @@ def _match_paths(a, b, ea: jax.Array, eb: jax.Array) -> jax.Array:
     cols = jnp.arange(a.tokens.shape[1])[None, :]
 
     def node(j, match):  # a loop, not unrolled (see _exists)
-        par = jax.lax.dynamic_index_in_dim(b.parent, j, axis=1, keepdims=False)
-        up = jnp.take_along_axis(match, jnp.maximum(par, 0)[:, None], axis=1)  # [B, 1]
-        tok = jax.lax.dynamic_index_in_dim(b.tokens, j, axis=1, keepdims=True)  # [B, 1]
-        hit = ea & (cols > 0) & (a.parent == up) & (a.tokens == tok) & (up >= 0)
-        found = jnp.any(hit, axis=1) & jax.lax.dynamic_index_in_dim(eb, j, axis=1, keepdims=False)
-        return jax.lax.dynamic_update_index_in_dim(match, jnp.where(found, jnp.argmax(hit, axis=1), -1).astype(
-            jnp.int32), j, axis=1)
+        up = jnp.take_along_axis(match, jnp.maximum(b.parent[:, j], 0)[:, None], axis=1)  # [B, 1]
+        hit = ea & (cols > 0) & (a.parent == up) & (a.tokens == b.tokens[:, j][:, None]) & (up >= 0)
+        found = jnp.any(hit, axis=1) & eb[:, j]
+        return match.at[:, j].set(jnp.where(found, jnp.argmax(hit, axis=1), -1))
 
-    match = jax.lax.fori_loop(1, b.tokens.shape[1], node, match)
-    return match
+    return jax.lax.fori_loop(1, b.tokens.shape[1], node, match)
 
 
 def choose_level(budget: Budget, expected: jax.Array, active: jax.Array, remaining: jax.Array) -> jax.Array:

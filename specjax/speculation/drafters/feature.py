@@ -30,7 +30,6 @@ estimate predicted, measured every step against what the LLM emitted.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +44,7 @@ from specjax.models.cache import KVCache
 from specjax.models.feature import FeatureConfig, feature_forward, init_feature_cache, llm_features, logits_of
 from specjax.models.params import fuse_layer
 from specjax.speculation.drafters.base import Accepted, Bound, DraftContext, Drafter, Proposal
+from specjax.speculation.drafters.merge import depths
 from specjax.types import Model
 
 DECAY = 0.9  # per step: the calibration follows the request's recent agreement
@@ -205,10 +205,8 @@ class FeatureDrafter(Drafter):
         truth = jnp.take_along_axis(accepted.emitted, jnp.clip(depth - 1, 0, accepted.emitted.shape[1] - 1), axis=1)
 
         def node(i, on):  # parents come first: one pass settles every node (a loop: compiled once)
-            col = functools.partial(jax.lax.dynamic_index_in_dim, index=i, axis=1, keepdims=False)
-            up = jnp.take_along_axis(on, jnp.maximum(col(parent), 0)[:, None], axis=1)[:, 0]
-            return jax.lax.dynamic_update_index_in_dim(
-                on, up & (col(tokens) == col(truth)) & (col(depth) <= seen[:, 0]), i, axis=1)
+            up = jnp.take_along_axis(on, jnp.maximum(parent[:, i], 0)[:, None], axis=1)[:, 0]
+            return on.at[:, i].set(up & (tokens[:, i] == truth[:, i]) & (depth[:, i] <= seen[:, 0]))
 
         on = jax.lax.fori_loop(1, tokens.shape[1], node, on)
         matched = jnp.max(jnp.where(on, depth, 0), axis=1).astype(jnp.float32)
@@ -235,14 +233,7 @@ def _step_layers(params: dict) -> tuple:
     return programs.while_alive(_PLAIN, tuple(jax.tree.leaves(params["layers"])), make)
 
 
-def node_depths(parent: jax.Array) -> jax.Array:
-    """[B, N] depth of every node from parents stored before children (root 0)."""
-    def node(i, depth):  # a loop, not unrolled: one node's ops, compiled once
-        par = jax.lax.dynamic_index_in_dim(parent, i, axis=1, keepdims=False)
-        up = jnp.take_along_axis(depth, jnp.maximum(par, 0)[:, None], axis=1)[:, 0]
-        return jax.lax.dynamic_update_index_in_dim(depth, jnp.where(par >= 0, up + 1, 0), i, axis=1)
-
-    return jax.lax.fori_loop(1, parent.shape[1], node, jnp.zeros(parent.shape, jnp.int32))
+node_depths = depths  # [B, N] depth of every node from parents stored before children (root 0)
 
 
 def _draft_noise(cfg: FeatureConfig, sampling, root_pos, depth: int, shared=None):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.attention import resolve_impl
-from specjax.decoding.buckets import _next_pow2, cache_bucket
+from specjax.decoding.buckets import _next_pow2, cache_bucket, output_bucket
 from specjax.decoding.host_step import MAX_CHUNK_STEPS, run_host_loop, run_two_programs
 from specjax.decoding.incremental import decode_host_step, decode_init_jit, finish_incremental, full_logits
 from specjax.decoding.programs import step_drafter_params, step_matmuls, step_program
@@ -137,10 +137,12 @@ def plan_generation(model: Model, prompts, max_new_tokens: int = 128, sampling=N
             raise InputError(f"prompt {i}: {len(p)} prompt tokens + max_new_tokens={max_new_tokens} = "
                              f"{len(p) + max_new_tokens} exceeds the context window of {limit}")
     lens = np.array([len(p) for p in ids], np.int32)
-    max_out = _next_pow2(max_new_tokens)
+    max_out = output_bucket(max_new_tokens)
     # The cache length comes from a few buckets, and prompts are padded to the cache's width: prefill
     # reads only the chunks a prompt needs, so every prompt that fits a bucket runs the same programs.
-    cache_len = cache_bucket(int(lens.max()) + max_out + extra_slots, len(ids))
+    # (It needs the new tokens' power of two, not the output buffer's floor: a 900-token prompt with
+    # 16 new tokens stays in the first bucket.)
+    cache_len = cache_bucket(int(lens.max()) + _next_pow2(max_new_tokens) + extra_slots, len(ids))
     padded = np.zeros((len(ids), cache_len), np.int32)
     for i, p in enumerate(ids):
         padded[i, :len(p)] = p

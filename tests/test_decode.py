@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.decoding.buckets import MIN_CACHE, cache_bucket
+from specjax.api import plan_generation
+from specjax.decoding.buckets import MIN_CACHE, MIN_OUTPUT, cache_bucket, output_bucket
 from specjax.decoding.incremental import full_logits, generate_incremental_jit
 from specjax.decoding.sampling import SamplingArrays, SamplingParams, warp_logits
 from tests.conftest import random_ids
@@ -71,6 +72,24 @@ def test_prompt_lengths_in_one_bucket_do_not_recompile(model):
         res = specjax.generate(model, [random_ids(rng, model.config.vocab_size, n)], max_new_tokens=8)
         assert res.stats["cache_len"] == MIN_CACHE
     assert generate_incremental_jit._cache_size() == before
+
+
+def test_output_lengths_up_to_the_floor_do_not_recompile(model):
+    """Asking for 6, 16, 64 or 128 new tokens runs one program: the output buffer has a floor
+    (MIN_OUTPUT), and the stop is the traced max_new_tokens, so each request still stops where asked.
+    The cache keeps the new tokens' own power of two (a 900-token prompt + 16 tokens fits 1024)."""
+    rng = np.random.RandomState(7)
+    prompt = random_ids(rng, model.config.vocab_size, 9)
+    specjax.generate(model, [prompt], max_new_tokens=5, ignore_eos=True)
+    before = generate_incremental_jit._cache_size()
+    for n in (6, 16, 64, MIN_OUTPUT):
+        res = specjax.generate(model, [prompt], max_new_tokens=n, ignore_eos=True)
+        assert len(res.token_ids[0]) == n
+    assert generate_incremental_jit._cache_size() == before
+    assert output_bucket(MIN_OUTPUT + 1) == 2 * MIN_OUTPUT
+    plan = plan_generation(model, [random_ids(rng, model.config.vocab_size, 900)], max_new_tokens=16,
+                           chat_template=False)
+    assert (plan.max_out, plan.cache_len) == (MIN_OUTPUT, MIN_CACHE)
 
 
 def test_cache_buckets_are_few_and_shrink_for_wide_batches():

@@ -127,6 +127,28 @@ class TestGreedyHead(chex.TestCase):
         assert (gap <= bound).all()
         assert gap.max() > bound.max() / 1000  # float16 rounding is what it bounds
 
+    def test_bounds_computed_in_row_blocks_equal_the_whole_head_formula(self):
+        """``column_errors`` works in blocks of rows (whole-head float64 temporaries cost seconds of page
+        faults); each row's bound is the whole-head formula's, bit for bit, across block edges and for
+        rows that are not finite or past float16's range."""
+        rng = np.random.default_rng(5)
+        n, k = 2 * greedy_head._ROW_BLOCK + 37, 96
+        rows = (rng.standard_normal((n, k)) / 10).astype(np.float32)
+        edge = greedy_head._ROW_BLOCK
+        rows[edge - 1, 3], rows[edge, 0], rows[2 * edge, 5], rows[n - 1, 1] = np.nan, np.inf, 7e4, -np.inf
+        w = rows.astype(np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            half = rows.astype(np.float16).astype(np.float64)
+            gamma = k * 2.0 ** -24 / (1 - k * 2.0 ** -24)
+            bound = (np.linalg.norm(w - half, axis=1) + gamma * (np.linalg.norm(w, axis=1)
+                                                                 + np.linalg.norm(half, axis=1))) * greedy_head._SLACK
+        want = np.nextafter(bound.astype(np.float32), np.float32(np.inf))
+        got = greedy_head.column_errors(rows)
+        chex.assert_shape(got, (n,))
+        np.testing.assert_array_equal(got, want)
+        assert not np.isfinite(got[[edge - 1, edge, n - 1]]).any() and np.isinf(got[2 * edge])  # NaN, inf - inf
+        assert np.isfinite(got[[0, edge + 1, n - 2]]).all()
+
     def test_refuses_a_head_that_is_not_float32(self):
         with pytest.raises(TypeError, match="float32 head"):
             greedy_head.pack_head(jnp.zeros((4, 8), jnp.float16))

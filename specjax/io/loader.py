@@ -10,7 +10,7 @@ import numpy as np
 
 from specjax.config import config_from_hf_file
 from specjax.errors import CheckpointError, InputError
-from specjax.io import checkpoint, registry
+from specjax.io import checkpoint, params_cache, registry
 from specjax.io import tokenizer as tok_lib
 from specjax.io.gguf import gguf_config, load_gguf, read_gguf_metadata
 from specjax.io.hf import load_hf_dir
@@ -93,21 +93,39 @@ def _load(name_or_path: str, dtype: str, shardings, progress: bool, parallel, sp
         cfg, np_params = load_hf_dir(path, progress=progress)
         tokenizer = tok_lib.load_dir_tokenizer(path)
     elif path.endswith(".gguf"):
-        cfg, np_params = load_gguf(path, progress=progress)
+        cfg, np_params = gguf_params(path, split, progress)
         tokenizer = tok_lib.load_gguf_tokenizer(path)
     else:
         raise CheckpointError(f"{path}: unsupported model file (expected an HF directory, a .gguf file "
                               f"or a specjax checkpoint directory)")
-    if split:  # numpy views: each layer reaches the device as its own buffer
+    if split:  # numpy views: each layer reaches the device as its own buffer (a no-op when already split)
         np_params = params_lib.split_layers(np_params)
     if parallel is not None:
-        params = parallel.put_params(jax.tree.map(lambda a: np.asarray(a).astype(_DTYPES[dtype]), np_params), cfg)
+        params = parallel.put_params(
+            jax.tree.map(lambda a: np.asarray(a).astype(_DTYPES[dtype], copy=False), np_params), cfg)
     elif shardings is None:
         params = jax.tree.map(lambda a: _to_device(a, _DTYPES[dtype]), np_params)
     else:
         shardings = shardings(cfg) if callable(shardings) else shardings
         params = jax.tree.map(lambda a, s: _to_device(a, _DTYPES[dtype], s), np_params, shardings)
     return Model(cfg, params, tokenizer)
+
+
+def gguf_params(path: str, split: bool, progress: bool = True) -> tuple:
+    """(config, float32 numpy params in the layout asked for) of a GGUF file: from the weights cache
+    (``specjax.io.params_cache``: read-only memory maps) when it holds them, else converted and cached."""
+    if not params_cache.enabled():
+        cfg, np_params = load_gguf(path, progress=progress)
+        return cfg, params_lib.split_layers(np_params) if split else np_params
+    entry = params_cache.entry_dir(path, "split" if split else "stacked")
+    cached = params_cache.read(entry)
+    if cached is not None:
+        return gguf_config(*read_gguf_metadata(path)), cached
+    cfg, np_params = load_gguf(path, progress=progress)
+    if split:
+        np_params = params_lib.split_layers(np_params)
+    params_cache.write(entry, np_params)
+    return cfg, np_params
 
 
 def _to_device(a, dtype, sharding=None) -> jax.Array:

@@ -5,6 +5,7 @@ is a new entry; the cache can be turned off and then writes nothing."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import chex
 import jax
@@ -14,6 +15,14 @@ import pytest
 from specjax.errors import InputError
 from specjax.io import loader, params_cache
 from tests.conftest import requires_smollm2
+
+
+@pytest.fixture(autouse=True)
+def _drop_entries(tmp_path):
+    """Each SmolLM2 entry is 622 MB: removed after the test rather than left in pytest's temporary
+    directories for the rest of the run."""
+    yield
+    shutil.rmtree(tmp_path / "params", ignore_errors=True)
 
 
 def _assert_same(got, want):

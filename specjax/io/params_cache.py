@@ -13,6 +13,7 @@ directory and renamed into place, so a reader never sees half an entry, and an e
 changed after it is written (a mapped file must not change under its readers). A damaged entry (a
 missing or truncated file, shapes that disagree with the manifest) is reported, removed and
 rebuilt. ``SPECJAX_PARAMS_CACHE=0`` turns the cache off (each load converts again, nothing is written).
+Entries of files that changed or moved are not removed: deleting ``cache_root()/params`` reclaims them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import warnings
 import numpy as np
 
 from specjax.config import cache_root
+from specjax.errors import InputError
 
 # Bump when the conversion's output changes (key maps, layouts, fused groups): old entries are ignored.
 FORMAT = 1
@@ -37,8 +39,6 @@ _MANIFEST = "manifest.json"
 def enabled() -> bool:
     value = os.environ.get(ENV, "1").strip().lower()
     if value not in ("0", "1", "off", "on", "false", "true", "no", "yes", ""):
-        from specjax.errors import InputError
-
         raise InputError(f"{ENV}={os.environ[ENV]!r}: expected 1/on or 0/off")
     return value not in ("0", "off", "false", "no")
 

@@ -113,18 +113,17 @@ def _load(name_or_path: str, dtype: str, shardings, progress: bool, parallel, sp
 
 def gguf_params(path: str, split: bool, progress: bool = True) -> tuple:
     """(config, float32 numpy params in the layout asked for) of a GGUF file: from the weights cache
-    (``specjax.io.params_cache``: read-only memory maps) when it holds them, else converted and cached."""
-    if not params_cache.enabled():
-        cfg, np_params = load_gguf(path, progress=progress)
-        return cfg, params_lib.split_layers(np_params) if split else np_params
-    entry = params_cache.entry_dir(path, "split" if split else "stacked")
-    cached = params_cache.read(entry)
+    (``specjax.io.params_cache``: read-only memory maps) when it holds them, else converted (and cached
+    unless the cache is off)."""
+    entry = params_cache.entry_dir(path, "split" if split else "stacked") if params_cache.enabled() else None
+    cached = params_cache.read(entry) if entry is not None else None
     if cached is not None:
         return gguf_config(*read_gguf_metadata(path)), cached
     cfg, np_params = load_gguf(path, progress=progress)
     if split:
         np_params = params_lib.split_layers(np_params)
-    params_cache.write(entry, np_params)
+    if entry is not None:
+        params_cache.write(entry, np_params)
     return cfg, np_params
 
 

@@ -102,8 +102,7 @@ def write(path: str, params) -> bool:
         for i, a in enumerate(leaves):
             np.save(os.path.join(tmp, f"{i}.npy"), np.ascontiguousarray(a), allow_pickle=False)
         with open(os.path.join(tmp, _MANIFEST), "w") as f:  # last: an entry with a manifest is complete
-            json.dump({"format": FORMAT, "structure": structure,
-                       "leaves": [[list(a.shape), a.dtype.name] for a in leaves]}, f)
+            json.dump({"structure": structure, "leaves": [[list(a.shape), a.dtype.name] for a in leaves]}, f)
         try:
             os.rename(tmp, path)
         except OSError:

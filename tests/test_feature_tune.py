@@ -133,10 +133,24 @@ def test_written_prompts_are_read_deduplicated_split_and_continued_in_parts_of_t
     assert two.seed_offset != one.seed_offset and calls[0][3] != g_recipe
     with pytest.raises(InputError, match="--more-written-prompts .*c.txt: no prompt left"):
         _written_parts(run, {}, plan, two, {"prompt 1", "new one"}, lambda *a: None)
+    # a third round: its own parts and seeds, the earlier rounds' prompts dropped
+    fourth = tmp_path / "d.txt"
+    fourth.write_text("new one\nprompt 2\na third\n")
+    three = WRITTEN_ROUNDS["written-c"]
+    plan = dataclasses.replace(plan, written_c=(str(fourth),))
+    calls.clear()
+    assert _written_parts(run, shards, plan, three, taken | set(prompts) | {"new one"}, lambda *a: None) == ["a third"]
+    assert [(c[0], c[1], c[4]) for c in calls] == [("written-c-greedy", ["a third"], plan.seed + three.seed_offset)]
+    assert len({one.seed_offset, two.seed_offset, three.seed_offset}) == 3
+    assert len({(r.greedy, r.sampled, r.files_field, r.flag) for r in WRITTEN_ROUNDS.values()}) == len(WRITTEN_ROUNDS)
+    with pytest.raises(InputError, match="--written-c-prompts .*d.txt: no prompt left"):
+        _written_parts(run, {}, plan, three, {"new one", "prompt 2", "a third"}, lambda *a: None)
     with pytest.raises(InputError, match="--written-prompts .*b.txt: no prompt left"):
         written_prompts([str(second)], taken={"prompt 3", "another one", "held"})
     with pytest.raises(InputError, match="more_written must be a tuple of prompt file paths"):
         CorpusPlan(more_written=str(first))
+    with pytest.raises(InputError, match="written_c must be a tuple of prompt file paths"):
+        CorpusPlan(written_c=str(first))
 
 
 @requires_smollm2

@@ -23,7 +23,9 @@ Parts, in generation order (stage 2 quotes the passages part, so it comes first)
   requests give. Prompts another part already holds, or a held-out one, are dropped; the part is
   split on its own, so the earlier parts (and a drafter trained on them) stay as they were;
 * with ``more_written`` prompt files, a second round of the same (``written-b-greedy`` /
-  ``written-b-sampled``): its own seeds and split; prompts of the first round are dropped.
+  ``written-b-sampled``): its own seeds and split; prompts of the first round are dropped;
+* with ``written_c`` prompt files, a third round (``written-c-greedy`` / ``written-c-sampled``), likewise:
+  prompts of the earlier rounds are dropped.
 
 Greedy parts match what greedy speculation sees; the sampled parts (temperature 1, seeded) keep
 the drafter useful when requests sample. Prompts are sorted by length inside a part so a batch
@@ -63,6 +65,7 @@ class CorpusPlan:
     more_requests: int = 0  # a second round of self-written requests (other meta prompts and seeds)
     written: tuple[str, ...] = ()  # prompt files written for training (``written_prompts``)
     more_written: tuple[str, ...] = ()  # a second round of them, a part of its own
+    written_c: tuple[str, ...] = ()  # a third round, parts of their own again
 
     def __post_init__(self):
         for name in ("passages", "tasks", "grounded", "max_new_tokens", "passage_tokens", "batch_size",
@@ -74,7 +77,7 @@ class CorpusPlan:
                              f"{self.more_requests}")
         if not 0.0 < self.request_temperature <= 2.0:
             raise InputError(f"corpus plan: request_temperature must be in (0, 2], got {self.request_temperature}")
-        for name in ("written", "more_written"):
+        for name in ("written", "more_written", "written_c"):
             files = getattr(self, name)
             if isinstance(files, str) or not all(isinstance(p, str) for p in files):
                 raise InputError(f"corpus plan: {name} must be a tuple of prompt file paths, got {files!r}")
@@ -115,7 +118,9 @@ class WrittenRound(NamedTuple):
 WRITTEN_ROUNDS = {"written": WrittenRound("written-greedy", "written-sampled", "written", "--written-prompts",
                                           2_000_003),
                   "written-b": WrittenRound("written-b-greedy", "written-b-sampled", "more_written",
-                                            "--more-written-prompts", 3_000_017)}
+                                            "--more-written-prompts", 3_000_017),
+                  "written-c": WrittenRound("written-c-greedy", "written-c-sampled", "written_c",
+                                            "--written-c-prompts", 4_000_037)}
 WRITTEN_PARTS = tuple(name for r in WRITTEN_ROUNDS.values() for name in (r.greedy, r.sampled))
 
 

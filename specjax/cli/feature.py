@@ -55,6 +55,9 @@ def add_parser(sub, formatter_class) -> None:
                    help="a second round of written prompt files, continued into parts of their own (written-b-greedy "
                         "/ written-b-sampled, split on their own; prompts of the first round dropped): grows a corpus "
                         "without changing its earlier parts; repeatable (default: none)")
+    f.add_argument("--written-c-prompts", action="append", default=[],
+                   help="a third round of written prompt files, continued into parts of their own (written-c-greedy / "
+                        "written-c-sampled; prompts of the earlier rounds dropped); repeatable (default: none)")
     f.add_argument("--sampled-fraction", type=float, default=0.25,
                    help="share of task and grounded prompts continued at temperature 1 (seeded)")
     f.add_argument("--corpus-batch", type=int, default=128, help="prompts per generation batch")
@@ -97,7 +100,7 @@ def add_parser(sub, formatter_class) -> None:
 def check_args(args):
     """Everything checked before any work: (corpus plan, training config, drafting settings, held-out prompts,
     evaluation prompts: ``feature_tune`` holds these out of training too)."""
-    from specjax.boost.feature_corpus import CorpusPlan
+    from specjax.boost.feature_corpus import WRITTEN_ROUNDS, CorpusPlan, written_prompts
     from specjax.boost.feature_train import FeatureTrainConfig
     from specjax.boost.feature_tune import resolve_fusion
     from specjax.cli.boost import _writable_dir
@@ -123,7 +126,8 @@ def check_args(args):
     plan = CorpusPlan(passages=args.passages, tasks=args.tasks, grounded=args.grounded,
                       sampled_fraction=args.sampled_fraction, batch_size=args.corpus_batch, seed=args.seed,
                       requests=args.requests, more_requests=args.more_requests,
-                      written=tuple(args.written_prompts), more_written=tuple(args.more_written_prompts))
+                      written=tuple(args.written_prompts), more_written=tuple(args.more_written_prompts),
+                      written_c=tuple(args.written_c_prompts))
     tc = FeatureTrainConfig(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
                             unrolled_steps=args.unrolled_steps, reg_weight=args.reg_weight, seed=args.seed,
                             window=max(plan.max_new_tokens, plan.passage_tokens) + args.unrolled_steps + 8)
@@ -142,12 +146,10 @@ def check_args(args):
     evaluate = [p for path in args.eval_prompts
                 for p in read_prompts_file(path, flag="--eval-prompts", allow_token_ids=False, plain_lines=True)]
     taken = set(held) | set(evaluate)
-    for flag, files in (("--written-prompts", args.written_prompts), ("--more-written-prompts",
-                                                                       args.more_written_prompts)):
+    for written_round in WRITTEN_ROUNDS.values():
+        files = getattr(plan, written_round.files_field)
         if files:  # read (so checked) now; the corpus drops those held out or already in it
-            from specjax.boost.feature_corpus import written_prompts
-
-            taken |= set(written_prompts(files, taken, flag=flag))
+            taken |= set(written_prompts(files, taken, flag=written_round.flag))
     _writable_dir(args.corpus, "--corpus")
     _writable_dir(args.out, "--out")
     if args.export:

@@ -19,6 +19,10 @@
 #
 #   WHEELS=/root/stash CORPUS=feature-out/feature-corpus DEV_PROMPTS=.carry2/dev_prompts.jsonl \
 #     STEP_SECONDS=0.05 TOTAL_SECONDS=540 OUT=gpu_out scripts/gpu_feature_tune.sh
+#
+# A corpus with written rounds names their files in $PLAN (tracked files: they travel with the tree), e.g.
+#   PLAN="--tasks 6400 --requests 4000 --more-requests 2000 $(for f in scripts/data/written/*.jsonl; do
+#     printf -- ' --written-prompts %s' $f; done) ..."  (and --more-written-prompts, --written-c-prompts alike)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 STEP_SECONDS=${STEP_SECONDS:?the seconds of one training step, from scripts/gpu_feature_check.py}

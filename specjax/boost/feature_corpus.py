@@ -77,7 +77,7 @@ class CorpusPlan:
                              f"{self.more_requests}")
         if not 0.0 < self.request_temperature <= 2.0:
             raise InputError(f"corpus plan: request_temperature must be in (0, 2], got {self.request_temperature}")
-        for name in ("written", "more_written", "written_c"):
+        for name in (r.files_field for r in WRITTEN_ROUNDS.values()):  # defined below; read at call time
             files = getattr(self, name)
             if isinstance(files, str) or not all(isinstance(p, str) for p in files):
                 raise InputError(f"corpus plan: {name} must be a tuple of prompt file paths, got {files!r}")

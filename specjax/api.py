@@ -222,8 +222,12 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
         stop_ids = stop_rows(plan.eos_ids, len(plan.lens) + (parallel.padding_for(n) if parallel else 0))
         if parallel is not None:
             stop_ids = parallel.put_batch(stop_ids)
-        init = functools.partial(init_state_jit, params, drafter_params, *inputs, stop_ids, spec=plan.spec, **sizes)
-        per_step = dict(cfg=cfg, spec=plan.spec, parallel=parallel)
+        # The budget's pass costs go in as an array, not compiled in: a remeasured table reuses the programs.
+        loop_spec, pass_costs = plan.spec.costs_apart()
+        init = functools.partial(init_state_jit, params, drafter_params, *inputs, stop_ids, spec=loop_spec, **sizes)
+        per_step = dict(cfg=cfg, spec=loop_spec, parallel=parallel)
+        if pass_costs is not None:
+            per_step["pass_costs"] = pass_costs if parallel is None else parallel.put(pass_costs, parallel.replicated())
         statics = ("cfg", "spec", "parallel")
         finish_all = step_program(finish_speculative, batch, statics).bind(params, drafter_params, **per_step)
         step = step_program(host_step, batch, statics, ("state",)).bind(params, drafter_params, **per_step)

@@ -21,7 +21,7 @@ from specjax.speculation.budget import Budget, choose_level, default_levels
 from specjax.speculation.drafters.lookup import LookupDrafter, find_chains, parse_arg
 from specjax.speculation.drafters.ssm import SSMDrafter
 from specjax.speculation.expansion import Expansion
-from specjax.speculation.loop import SpecConfig, generate_speculative_jit
+from specjax.speculation.loop import SpecConfig, generate_speculative, generate_speculative_jit
 from tests.conftest import random_ids
 from tests.toy import assert_drafter_samples_the_exact_law, toy_model
 
@@ -174,6 +174,75 @@ def test_lookup_speculation_equals_incremental_greedy_and_seeded(llama, budget):
     spec = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, sampling=seeded, drafters=lookup,
                             budget=b, verifier="seeded")
     assert spec.token_ids == inc.token_ids
+
+
+def test_pass_costs_are_an_argument_of_the_compiled_loop(llama):
+    """The budget's pass costs reach the loop as an array (``SpecConfig.costs_apart``): two cost tables run
+    one compiled program, and each steers the levels it should (never past level 0 where drafted nodes
+    cost 100x, drafting where they cost nothing), the tokens incremental decoding's either way."""
+    d = LookupDrafter()
+    levels = default_levels((d,))
+    spec, costs = SpecConfig((d,), budget=Budget(levels, costs=_COSTS)).costs_apart()
+    assert spec.budget.costs is None and costs.dtype == np.float32 and costs.tolist() == pytest.approx(_COSTS)
+    other = SpecConfig((d,), budget=Budget(levels, costs=tuple(2.0 * c for c in _COSTS))).costs_apart()[0]
+    assert other == spec and hash(other) == hash(spec)  # one static spec, so one compiled loop
+    prompts = _prompts(llama.config.vocab_size)
+    want = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True).token_ids
+    padded = np.zeros((len(prompts), 32), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, :len(p)] = p
+    traced = []
+
+    def run(*args, **kw):
+        traced.append(1)  # once per compilation
+        return generate_speculative(*args, **kw)
+
+    loop = jax.jit(run, static_argnames=("cfg", "spec", "cache_len", "max_out"))
+    args = (llama.params, ((),), jnp.asarray(padded), jnp.asarray([len(p) for p in prompts]), jnp.full((3,), 24))
+    sizes = dict(cfg=llama.config, spec=spec, cache_len=96, max_out=32)
+    dear = np.asarray([1.0] + [100.0] * (len(levels) - 1), np.float32)
+    free = np.ones(len(levels), np.float32)
+    at_level = []
+    for pass_costs in (dear, free):
+        out = loop(*args, pass_costs=pass_costs, **sizes)
+        assert [np.asarray(out.tokens[i, :24]).tolist() for i in range(3)] == want
+        at_level.append(np.asarray(out.level_passes).sum(0))
+    assert len(traced) == 1, "new pass costs compiled the loop again"
+    assert at_level[0][1:].sum() == 0 and at_level[0][0] > 0, at_level[0]
+    assert at_level[1][1:].sum() > 0, at_level[1]
+    with pytest.raises(InputError, match="the tree budget has no pass costs"):
+        loop(*args, **sizes)
+    with pytest.raises(InputError, match=rf"pass_costs has shape \(2,\); the tree budget has {len(levels)} levels"):
+        loop(*args, pass_costs=free[:2], **sizes)
+
+
+def test_generate_with_remeasured_costs_compiles_nothing(llama):
+    """``specjax.generate`` hands the budget's costs to its programs as an array: a second cost table (a
+    remeasured one) runs the programs the first compiled, and each call's stats report its own costs."""
+    from jax._src.dispatch import BACKEND_COMPILE_EVENT
+
+    prompts = _prompts(llama.config.vocab_size)
+    lookup = [specjax.Bound(LookupDrafter())]
+    levels = default_levels((LookupDrafter(),))
+    first = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, drafters=lookup,
+                             budget=Budget(levels, costs=_COSTS))
+    compiled = []
+
+    def listen(event, seconds, **kwargs):
+        if event == BACKEND_COMPILE_EVENT:
+            compiled.append(seconds)
+
+    remeasured = tuple(1.5 * c for c in _COSTS)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        second = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, drafters=lookup,
+                                  budget=Budget(levels, costs=remeasured))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiled == [], f"{len(compiled)} programs compiled again for new pass costs"
+    assert second.token_ids == first.token_ids
+    assert first.stats["budget"]["seconds_per_pass"] == list(_COSTS)
+    assert second.stats["budget"]["seconds_per_pass"] == list(remeasured)
 
 
 def test_lookup_merged_with_an_ssm_equals_incremental(llama):

@@ -94,10 +94,13 @@ class Engine:
         # compiled prefill serves every prompt length.
         self.prompt_width = _next_pow2(max_prompt_tokens)
         self.cache_len = self.prompt_width + self.max_out + self.spec.num_nodes
-        self._sizes = dict(cfg=model.config, spec=self.spec, cache_len=self.cache_len, max_out=self.max_out)
+        # The budget's pass costs go to the step as an array (``SpecConfig.costs_apart``), not compiled in.
+        loop_spec, pass_costs = self.spec.costs_apart()
+        costs = {} if pass_costs is None else {"pass_costs": pass_costs}
+        self._sizes = dict(cfg=model.config, spec=loop_spec, cache_len=self.cache_len, max_out=self.max_out)
         # Compiled with the matmul library for this many slots (``specjax.decoding.programs``).
         self._step = step_program(spec_step, slots, ("cfg", "spec", "parallel"), ("state",)).bind(
-            model.params, self.drafter_params, cfg=model.config, spec=self.spec)
+            model.params, self.drafter_params, cfg=model.config, spec=loop_spec, **costs)
 
     # -- device work --------------------------------------------------------------------------
 

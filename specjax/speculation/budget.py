@@ -29,6 +29,12 @@ shape is the batch's, so its nodes then cost nothing extra either.
 
 The choice reads only committed tokens and past statistics, never the current pass's logits, so
 every verifier stays exact whatever level runs.
+
+The seconds per pass reach the loop as an array argument (``pass_costs``; ``SpecConfig.costs_apart``
+takes them out of the static spec), not as constants of the compiled program: a remeasured table
+(``specjax tree-cost --remeasure``, a new machine reading the same persistent XLA cache) then reuses the
+compiled loop instead of compiling it again. A ``Budget`` that carries its costs still works where the
+loop is called without the array (they are then compiled in).
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ GOALS = ("finish", "rate")
 class Budget:
     """levels[l][s]: nodes below the root kept of drafter s's proposal at level l (level 0 should be
     all zeros: no speculation). costs[l]: seconds per LLM pass at level l (None: measure before use,
-    ``specjax.speculation.cost.with_costs``). source: where the costs come from (shown in stats).
+    ``specjax.speculation.cost.with_costs``, or give them to the loop as its ``pass_costs`` array).
+    source: where the costs come from (shown in stats).
     goal: "finish" (a batch that runs until its last request ends) or "rate" (slots refilled as
     requests end); see the module docstring."""
 
@@ -177,12 +184,28 @@ def _match_paths(a, b, ea: jax.Array, eb: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(1, b.tokens.shape[1], node, match)
 
 
-def choose_level(budget: Budget, expected: jax.Array, active: jax.Array, remaining: jax.Array) -> jax.Array:
+def choose_level(budget: Budget, expected: jax.Array, active: jax.Array, remaining: jax.Array,
+                 costs: jax.Array | None = None) -> jax.Array:
     """The level serving the budget's goal best (int32). expected [B, L]: expected accepted tokens per
-    request and level; active [B]: unfinished requests; remaining [B]: tokens each may still emit."""
-    costs = jnp.asarray(budget.costs, jnp.float32)
+    request and level; active [B]: unfinished requests; remaining [B]: tokens each may still emit;
+    costs [L]: seconds per pass at each level (default: the budget's own)."""
+    costs = jnp.asarray(level_costs(budget, costs), jnp.float32)
     if budget.goal == "rate":
         tokens = jnp.sum(jnp.where(active[:, None], 1.0 + expected, 0.0), axis=0)  # [L]
         return jnp.argmax(tokens / costs).astype(jnp.int32)
     steps = jnp.where(active[:, None], remaining.astype(jnp.float32)[:, None] / (1.0 + expected), 0.0)  # [B, L]
     return jnp.argmin(costs * jnp.max(steps, axis=0)).astype(jnp.int32)
+
+
+def level_costs(budget: Budget, costs=None):
+    """The seconds per pass the budget decides with: ``costs`` (an array argument of the loop, [L]) or the
+    budget's own; refused, naming the problem, when there are neither or the array has another length."""
+    if costs is None:
+        if budget.costs is None:
+            raise InputError("the tree budget has no pass costs: give the loop pass_costs=[seconds per level] or a "
+                             "Budget with costs (specjax.speculation.cost.with_costs measures them)")
+        return budget.costs
+    if jnp.shape(costs) != (len(budget.levels),):
+        raise InputError(f"pass_costs has shape {jnp.shape(costs)}; the tree budget has {len(budget.levels)} levels, "
+                         f"so it needs shape ({len(budget.levels)},): seconds per pass at each level")
+    return costs

@@ -201,8 +201,8 @@ def cached_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: s
     Several processes (one mesh across hosts) each read their own host's table, and the tables can
     differ (a fresh node, another run writing meanwhile); but measuring runs passes over the whole
     mesh, so every process must measure the same sizes or the collectives deadlock. Process 0's table
-    decides what is measured, and its costs are everyone's: they are constants of the compiled loop
-    and decide every step's branch, so all processes must hold the same ones."""
+    decides what is measured, and its costs are everyone's: they decide every step's branch (the
+    loop's ``pass_costs`` argument), so all processes must hold the same ones."""
     path = cache_path()
     dtype = jax.tree.leaves(params)[0].dtype
     key = table_key(cfg, dtype, batch, impl, parallel, layers_split(params), head)

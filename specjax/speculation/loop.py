@@ -140,10 +140,12 @@ def _scored_pass(llm_params, proposals, root, state: SpecState, cfg, spec: SpecC
 
 
 def spec_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelConfig, spec: SpecConfig,
-              parallel=None) -> SpecState:
+              parallel=None, pass_costs=None) -> SpecState:
     """One speculative step for every slot; finished and free slots are carried along unchanged.
     Each request's sampling settings, budget and stop tokens are its own rows of the state. With a
-    tree budget, the level (how much of each proposal is verified) is chosen per step for the batch."""
+    tree budget, the level (how much of each proposal is verified) is chosen per step for the batch,
+    with ``pass_costs`` [L] (seconds per pass at each level, an array argument, so new costs reuse the
+    compiled step) or, without it, the budget's own costs (``SpecConfig.costs_apart``)."""
     active = ~state.done
     left = state.max_new_tokens - state.num_generated  # tokens each request may still emit
     depth = spec.max_depth
@@ -161,7 +163,7 @@ def spec_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelCon
         verdict, path_kv, finite_on_path, hidden = branches[0]()
     else:
         expected = expected_by_level(spec.drafters, drafter_params, drafter_states, proposals, spec.budget)
-        level = choose_level(spec.budget, expected, active, left)
+        level = choose_level(spec.budget, expected, active, left, pass_costs)
         verdict, path_kv, finite_on_path, hidden = jax.lax.switch(level, branches)
     # Accepted token d + 1 was decided by the LLM's logits at path node d (the root is node 0); the bonus
     # by the last accepted node. If path node j has non-finite logits (NaN weights, overflow), the tokens
@@ -271,7 +273,7 @@ def init_state(llm_params, drafter_params: tuple, prompt_tokens, prompt_lens, ma
 def generate_speculative(llm_params, drafter_params: tuple, prompt_tokens: jax.Array, prompt_lens: jax.Array,
                          max_new_tokens: jax.Array, sampling: SamplingArrays | None = None,
                          stop_ids: jax.Array | None = None, *, cfg: ModelConfig, spec: SpecConfig, cache_len: int,
-                         max_out: int, eos_ids: tuple[int, ...] = (), parallel=None) -> SpecOutput:
+                         max_out: int, eos_ids: tuple[int, ...] = (), parallel=None, pass_costs=None) -> SpecOutput:
     """Tree-speculative generation of right-padded prompts [B, T]. Pure and jittable.
 
     drafter_params: one params pytree per ``spec.drafters`` entry (an SSM's weights; () for a
@@ -282,18 +284,20 @@ def generate_speculative(llm_params, drafter_params: tuple, prompt_tokens: jax.A
     spec.num_nodes (tree scratch). parallel: a ``specjax.sharding.Parallel`` (static): the LLM runs
     under its rules (pp > 1 = pipelined layers), SSM drafters under its ssm_rules; the whole loop
     stays one jitted program (warned against on a pipelined mesh of several CPU devices in one
-    process: ``Parallel.one_pass_per_call``).
+    process: ``Parallel.one_pass_per_call``). pass_costs [L]: the tree budget's seconds per pass at each
+    level, traced (``spec_step``); None: the budget's own costs, compiled in.
     """
     batch = prompt_tokens.shape[0]
     sampling = greedy_sampling(batch) if sampling is None else sampling
     stop_ids = stop_rows(eos_ids, batch) if stop_ids is None else stop_ids
     state = init_state(llm_params, drafter_params, prompt_tokens, prompt_lens, max_new_tokens, sampling, stop_ids,
                        cfg=cfg, spec=spec, cache_len=cache_len, max_out=max_out, parallel=parallel)
-    return finish_speculative(llm_params, drafter_params, state, cfg=cfg, spec=spec, parallel=parallel)
+    return finish_speculative(llm_params, drafter_params, state, cfg=cfg, spec=spec, parallel=parallel,
+                              pass_costs=pass_costs)
 
 
 def finish_speculative(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelConfig, spec: SpecConfig,
-                       parallel=None) -> SpecOutput:
+                       parallel=None, pass_costs=None) -> SpecOutput:
     """The loop of ``generate_speculative`` after ``init_state``: steps until every request is done.
     Its own program in ``specjax.generate``, so the prefill and the steps can be compiled with
     different options (``specjax.decoding.programs``)."""
@@ -303,7 +307,8 @@ def finish_speculative(llm_params, drafter_params: tuple, state: SpecState, cfg:
     def cond(state: SpecState):
         return jnp.any(~state.done)  # some request still needs tokens
 
-    step = functools.partial(spec_step, llm_params, drafter_params, cfg=cfg, spec=spec, parallel=parallel)
+    step = functools.partial(spec_step, llm_params, drafter_params, cfg=cfg, spec=spec, parallel=parallel,
+                             pass_costs=pass_costs)
     state = jax.lax.while_loop(cond, step, state)
     return SpecOutput(tokens=state.tokens, num_generated=state.num_generated, llm_passes=state.llm_passes,
                       tokens_per_pass=state.tokens_per_pass, accepted_at_depth=state.accepted_at_depth,
@@ -318,10 +323,11 @@ step_jit = jax.jit(spec_step, static_argnames=("cfg", "spec", "parallel"), donat
 
 
 def host_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelConfig, spec: SpecConfig,
-              parallel=None, steps=1):
+              parallel=None, steps=1, pass_costs=None):
     """``spec_step`` as the streaming host loop calls it: up to ``steps`` (int32 operand) passes while
     some request is not done, returning (state, ``ChunkReport``) (``specjax.decoding.host_step``)."""
-    step = functools.partial(spec_step, llm_params, drafter_params, cfg=cfg, spec=spec, parallel=parallel)
+    step = functools.partial(spec_step, llm_params, drafter_params, cfg=cfg, spec=spec, parallel=parallel,
+                             pass_costs=pass_costs)
     return steps_while_active(step, state, steps)
 
 
@@ -330,7 +336,8 @@ host_step_jit = jax.jit(host_step, static_argnames=("cfg", "spec", "parallel"), 
 
 def generate_stream(llm_params, drafter_params: tuple, prompt_tokens, prompt_lens, max_new_tokens,
                     sampling: SamplingArrays | None = None, stop_ids: jax.Array | None = None, *, cfg: ModelConfig,
-                    spec: SpecConfig, cache_len: int, max_out: int, eos_ids: tuple[int, ...] = (), parallel=None):
+                    spec: SpecConfig, cache_len: int, max_out: int, eos_ids: tuple[int, ...] = (), parallel=None,
+                    pass_costs=None):
     """Host-loop twin of ``generate_speculative``: the same jitted step, one call per LLM pass,
     yielding each request's newly emitted tokens after every pass (for streaming and debugging)."""
     batch = prompt_tokens.shape[0]
@@ -347,4 +354,5 @@ def generate_stream(llm_params, drafter_params: tuple, prompt_tokens, prompt_len
         shown = counts
         if bool(np.all(host(state.done))):
             return
-        state = step_jit(llm_params, drafter_params, state, cfg=cfg, spec=spec, parallel=parallel)
+        state = step_jit(llm_params, drafter_params, state, cfg=cfg, spec=spec, parallel=parallel,
+                         pass_costs=pass_costs)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from specjax.errors import InputError
 from specjax.speculation.budget import Budget
 from specjax.speculation.drafters.base import VERIFIER_LAWS, Drafter, check_pairing
@@ -36,6 +38,16 @@ class SpecConfig:
             if not self.drafters:
                 raise InputError("a tree budget needs at least one drafter")
             self.budget.check(self.drafters)
+
+    def costs_apart(self) -> tuple["SpecConfig", np.ndarray | None]:
+        """(this spec with its budget's pass costs taken out, the costs as a float32 [L] array; None without a
+        budget or costs). The loop takes the array as its ``pass_costs`` argument: the spec is static (part
+        of the compiled program's key), so costs left in it are compiled in and every remeasured table
+        compiled the loop again."""
+        if self.budget is None or self.budget.costs is None:
+            return self, None
+        costs = np.asarray(self.budget.costs, np.float32)
+        return dataclasses.replace(self, budget=dataclasses.replace(self.budget, costs=None)), costs
 
     @property
     def levels(self) -> tuple[tuple[int, ...], ...]:

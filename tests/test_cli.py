@@ -361,6 +361,35 @@ def test_feature_tune_training_flags_reach_the_training_config(tiny_llama_dir, t
     assert (plan.more_written, plan.written_c) == ((str(more),), (str(third),))
 
 
+def test_feature_tune_reports_step_0_and_the_end_on_the_same_sequences(tiny_llama_dir, tmp_path, monkeypatch):
+    """The closing line puts the final drafter on the sequences the history evaluated beside its first
+    evaluation of them (stop 74 compared a 400-sequence step 0 with a 464-sequence end)."""
+    import io
+
+    import specjax.boost.feature_tune as tune
+    from specjax.cli.feature import _cmd_feature_tune
+
+    def agreement(d1, positions):
+        return {"all": [d1] + [0.1] * 5, "positions": positions}
+
+    summary = {"sequences": {"train": 90, "held_out": 464}, "held_out_agreement": agreement(0.573, 50000),
+               "history_set_agreement": {"sequences": 400, **agreement(0.591, 43000)},
+               "history": [{"step": 0, "loss": None, "held_out": agreement(0.583, 43000)}],
+               "eval_prompts_agreement": None}
+    monkeypatch.setattr(tune, "feature_tune", lambda *a, **k: summary)
+    args = build_parser().parse_args(["feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"),
+                                      "--out", str(tmp_path / "o"), "--draft-vocab", "64", "--no-progress"])
+    out = io.StringIO()
+    assert _cmd_feature_tune(args, out) == 0
+    line = out.getvalue().splitlines()[0]
+    assert "0.573, 0.100" in line and "(464 sequences; on the 400 evaluated during training 0.591, " in line
+    assert "at the history's first evaluation 0.583, " in line
+    summary["history"][0]["held_out"]["positions"] = 41000  # a history of another set (an older run resumed)
+    out = io.StringIO()
+    assert _cmd_feature_tune(args, out) == 0
+    assert "first evaluation" not in out.getvalue()
+
+
 def test_feature_tune_refuses_bad_flags_with_exit_2(tiny_llama_dir, tmp_path):
     r = cli("feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "o"),
             "--held-out", "0.7")

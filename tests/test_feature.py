@@ -16,7 +16,15 @@ import pytest
 import specjax
 from specjax.attention.meta import AttentionMeta, causal_meta
 from specjax.boost.feature_data import FeatureSet, draft_vocabulary, split_held_out, teacher_features
-from specjax.boost.feature_train import FeatureTrainConfig, depth_agreement, make_batch, train_feature, unrolled
+from specjax.boost.feature_train import (
+    FeatureTrainConfig,
+    depth_agreement,
+    make_batch,
+    sequence_agreement,
+    summarise_agreement,
+    train_feature,
+    unrolled,
+)
 from specjax.boost.feature_tune import _steps_done
 from specjax.decoding import programs
 from specjax.decoding.incremental import prefill
@@ -207,6 +215,23 @@ def test_training_raises_agreement_at_every_trained_depth(trained, corpus):
     assert history[-1]["held_out"]["all"][0] > history[0]["held_out"]["all"][0]  # the evaluation was recorded
     for d in range(3):  # the trained steps: the drafter fed its own features (measured: +0.15 to +0.24)
         assert after[d] > before[d] + 0.1, (before, after)
+
+
+def test_one_pass_gives_the_agreement_of_every_subset(trained, corpus):
+    """feature-tune's summary reports the final drafter on the held-out sequences the history evaluated,
+    from the one pass over all of them: per-sequence counts summed over a subset equal evaluating it."""
+    cfg, _, params, _ = trained
+    hits, counts = sequence_agreement(params, corpus, cfg, steps=3, window=TC.window, batch_size=5)
+    assert hits.shape == counts.shape == (len(corpus), 3) and (hits <= counts).all()
+    whole = depth_agreement(params, corpus, cfg, steps=3, window=TC.window, batch_size=5)
+    assert summarise_agreement(hits, counts, corpus.parts, corpus.part_names) == whole
+    index = np.array([1, 4, 5, 9, 16, 23])
+    direct = depth_agreement(params, corpus.subset(index), cfg, steps=3, window=TC.window, batch_size=5)
+    summed = summarise_agreement(hits[index], counts[index], corpus.parts[index], corpus.part_names)
+    assert summed["positions"] == direct["positions"] < whole["positions"]
+    # other batch companions pad to other widths: at most a rounding-level tie may flip
+    np.testing.assert_allclose(summed["all"], direct["all"], atol=1.0 / direct["positions"])
+    assert summed["all"] != whole["all"]  # the subset is its own measurement, not the whole set's
 
 
 def test_training_resumes_bit_exactly(llama, corpus, tmp_path, monkeypatch):

@@ -153,6 +153,19 @@ def test_written_prompts_are_read_deduplicated_split_and_continued_in_parts_of_t
         CorpusPlan(written_c=str(first))
 
 
+def test_the_sequences_evaluated_in_training_keep_every_parts_share():
+    from specjax.boost.feature_tune import evaluation_indices
+
+    # stop 74's held-out set: the newest round loaded last, 64 of 464 sequences, and 400 evaluated
+    parts = np.repeat(np.arange(4), [300, 60, 40, 64])
+    index = evaluation_indices(len(parts), 400)
+    assert len(index) == 400 and (np.diff(index) > 0).all() and (index[0], index[-1]) == (0, 463)
+    share, whole = np.bincount(parts[index], minlength=4), np.bincount(parts) * 400 / 464
+    assert np.abs(share - whole).max() <= 1.0, (share, whole)  # the last part too (the first 400: none of it)
+    assert (evaluation_indices(10, 400) == np.arange(10)).all()  # fewer than max_eval: all of them
+    assert list(evaluation_indices(5, 1)) == [0] and list(evaluation_indices(7, 2)) == [0, 6]
+
+
 @requires_smollm2
 @pytest.mark.slow
 def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_path, monkeypatch):
@@ -185,6 +198,12 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
     stamps = {p: os.path.getmtime(p) for p in _files(corpus) if not p.endswith("provenance.json")}
     done = feature_tune(smollm2, corpus, run, plan, tc, drafting, export=str(tmp_path / "final"), **kw)
     assert done["steps"] == {"done": done["steps"]["planned"], "planned": partial["steps"]["planned"]}
+    # the history's last evaluation (the final step, the final weights) is the summary's on the same set
+    last = done["history"][-1]
+    assert last["step"] == done["steps"]["planned"] and done["history_set_agreement"]["sequences"] <= 4
+    assert last["held_out"]["positions"] == done["history_set_agreement"]["positions"]
+    np.testing.assert_allclose(last["held_out"]["all"], done["history_set_agreement"]["all"],
+                               atol=1.0 / last["held_out"]["positions"])
     assert {p: os.path.getmtime(p) for p in stamps} == stamps  # shards and features reused, not redone
     with open(os.path.join(corpus, "provenance.json")) as f:
         again = json.load(f)

@@ -228,21 +228,39 @@ def depth_agreement(params: dict, data: FeatureSet, cfg: FeatureConfig, steps: i
     {"all": [steps], part: [steps], "positions": n}. ``width_multiple`` as in ``make_batch``; with
     ``full_batches`` the last batch is padded to ``batch_size`` rows (repeats, not counted): one shape fewer
     to compile, where compiles cost more than the padding (a GPU)."""
+    hits, counts = sequence_agreement(params, data, cfg, steps, window, batch_size, width_multiple, full_batches)
+    return summarise_agreement(hits, counts, data.parts, data.part_names)
+
+
+def sequence_agreement(params: dict, data: FeatureSet, cfg: FeatureConfig, steps: int = 6, window: int = 176,
+                       batch_size: int = 8, width_multiple: int = WIDTH_MULTIPLE,
+                       full_batches: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(hits, counts) [sequences, steps] of ``depth_agreement``, per sequence: one pass over a set gives
+    the agreement of any subset of it (``summarise_agreement``)."""
     fn = _agreement_fn(cfg, steps, window)
-    hits = np.zeros((len(data.part_names), steps))
-    counts = np.zeros((len(data.part_names), steps))
+    hits = np.zeros((len(data), steps))
+    counts = np.zeros((len(data), steps))
     order = np.argsort(data.lengths, kind="stable")
     for start in range(0, len(order), batch_size):
         index = order[start:start + batch_size]
         rows = np.pad(index, (0, batch_size - len(index)), mode="edge") if full_batches else index
         batch = make_batch(data, rows, window, width_multiple)
         h, c = (np.asarray(a)[:len(index)] for a in fn(params, {k: jnp.asarray(v) for k, v in batch.items()}))
-        np.add.at(hits, data.parts[index], h)
-        np.add.at(counts, data.parts[index], c)
-    out = {"all": (hits.sum(0) / np.maximum(counts.sum(0), 1)).tolist(), "positions": int(counts[:, 0].sum())}
-    for i, name in enumerate(data.part_names):
-        if counts[i, 0]:
-            out[name] = (hits[i] / counts[i]).tolist()
+        hits[index], counts[index] = h, c
+    return hits, counts
+
+
+def summarise_agreement(hits: np.ndarray, counts: np.ndarray, parts: np.ndarray, part_names) -> dict:
+    """``depth_agreement``'s summary of per-sequence (hits, counts) whose corpus parts are ``parts``."""
+    by_part_hits = np.zeros((len(part_names), hits.shape[1]))
+    by_part_counts = np.zeros((len(part_names), hits.shape[1]))
+    np.add.at(by_part_hits, parts, hits)
+    np.add.at(by_part_counts, parts, counts)
+    out = {"all": (by_part_hits.sum(0) / np.maximum(by_part_counts.sum(0), 1)).tolist(),
+           "positions": int(by_part_counts[:, 0].sum())}
+    for i, name in enumerate(part_names):
+        if by_part_counts[i, 0]:
+            out[name] = (by_part_hits[i] / by_part_counts[i]).tolist()
     return out
 
 

@@ -25,7 +25,14 @@ from specjax.boost.feature_corpus import (
 )
 from specjax.boost.feature_data import FeatureSet, draft_vocabulary, feature_shards, vocabulary_coverage
 from specjax.boost.feature_loading import load_feature_set, load_split
-from specjax.boost.feature_train import FeatureTrainConfig, depth_agreement, split_params, train_feature
+from specjax.boost.feature_train import (
+    FeatureTrainConfig,
+    depth_agreement,
+    sequence_agreement,
+    split_params,
+    summarise_agreement,
+    train_feature,
+)
 from specjax.errors import InputError
 from specjax.models.feature import FeatureConfig, bind, init_trained, widen_fusion, with_fusion
 from specjax.types import Model
@@ -113,7 +120,8 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
             params = bind(widen_fusion(split_params(params, narrow)[0], narrow, cfg), llm.params, cfg)
         start = weights_digest(split_params(params, cfg)[0])
         coverage = vocabulary_coverage(train, cfg.draft_vocab)
-    evaluation = held.subset(np.arange(min(max_eval, len(held))))
+    evaluated = evaluation_indices(len(held), max_eval)
+    evaluation = held.subset(evaluated)
     prompt_set = (eval_prompt_set(llm, corpus_dir, list(eval_prompts), plan, progress, log, shapes=shapes,
                                   layers=layers) if eval_prompts else None)
     started = time.perf_counter()
@@ -122,8 +130,13 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
                                     stop_after=stop_after, deadline=deadline,
                                     width_multiple=shapes.width_multiple, full_batches=shapes.full_batches)
     timing["train_s_this_run"] = time.perf_counter() - started
-    final = depth_agreement(params, held, cfg, steps=EVAL_DEPTHS, window=tc.window, batch_size=tc.batch_size,
-                            width_multiple=shapes.width_multiple, full_batches=shapes.full_batches)
+    hits, counts = sequence_agreement(params, held, cfg, steps=EVAL_DEPTHS, window=tc.window,
+                                      batch_size=tc.batch_size, width_multiple=shapes.width_multiple,
+                                      full_batches=shapes.full_batches)
+    final = summarise_agreement(hits, counts, held.parts, held.part_names)
+    # the final weights on the sequences every history row evaluated, so step 0 and the end compare
+    # ("all" over every held-out sequence may weigh parts the history's subset has fewer of)
+    as_history = summarise_agreement(hits[evaluated], counts[evaluated], held.parts[evaluated], held.part_names)
     on_prompts = None if prompt_set is None else depth_agreement(params, prompt_set, cfg, steps=EVAL_DEPTHS,
                                                                  window=tc.window, batch_size=tc.batch_size,
                                                                  width_multiple=shapes.width_multiple,
@@ -139,6 +152,7 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
                "steps": {"done": _steps_done(run_dir),
                          "planned": math.ceil(tc.epochs * batches_per_epoch(len(train), tc.batch_size))},
                "held_out_agreement": final,
+               "history_set_agreement": {"sequences": len(evaluated), **as_history},
                "eval_prompts_agreement": None if on_prompts is None else {"prompts": len(eval_prompts), **on_prompts},
                "timing": timing, "history": history}
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
@@ -155,6 +169,16 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
                                                                         "eval_prompts_agreement")}})
         log(f"exported the drafter to {export}")
     return summary
+
+
+def evaluation_indices(count: int, max_eval: int) -> np.ndarray:
+    """The held-out sequences evaluated during training: ``max_eval`` of ``count`` evenly spaced, so every
+    corpus part (the held-out set is ordered part by part) keeps its share; the first ``max_eval`` would
+    leave out the parts loaded last (stop 74: the newest written round, the drafter's weakest part)."""
+    if count <= max_eval:
+        return np.arange(count)
+    # spacing (count - 1) / (max_eval - 1) >= 1, so the rounded positions are distinct
+    return np.linspace(0, count - 1, max_eval).round().astype(np.int64)
 
 
 def _split(parts: dict, fraction: float, seed: int) -> tuple[FeatureSet, FeatureSet, dict]:

@@ -63,7 +63,9 @@ def add_parser(sub, formatter_class) -> None:
     f.add_argument("--corpus-batch", type=int, default=128, help="prompts per generation batch")
     f.add_argument("--draft-vocab", type=int, default=8192, help="tokens the drafter can name (most frequent)")
     f.add_argument("--held-out", type=float, default=0.02, help="share of sequences held out for evaluation")
-    f.add_argument("--max-eval", type=int, default=400, help="held-out sequences evaluated during training")
+    f.add_argument("--max-eval", type=int, default=400,
+                   help="held-out sequences evaluated during training (evenly spaced, so every corpus part keeps its "
+                        "share; the summary's history_set_agreement is the final drafter on the same sequences)")
     f.add_argument("--fused", default=None,
                    help="comma-separated LLM layers whose hidden states an EAGLE-3-style drafter reads, fused into "
                         "one feature; the LLM's layer count (30 for SmolLM2) names its final feature, which lets a "
@@ -176,8 +178,13 @@ def _cmd_feature_tune(args, out) -> int:
                            shapes=BatchShapes.gpu() if gpu else BatchShapes(), fused=args.fused_layers)
     depth = summary["held_out_agreement"]["all"]
     on_prompts = summary["eval_prompts_agreement"]
+    history = summary["history_set_agreement"]
+    first = next((row["held_out"] for row in summary["history"] if "held_out" in row), None)
     out.write(f"feature-tune done in {time.perf_counter() - started:.0f} s (this run): held-out agreement by depth "
-              f"{', '.join(f'{a:.3f}' for a in depth)}"
+              f"{', '.join(f'{a:.3f}' for a in depth)} ({summary['sequences']['held_out']} sequences; on the "
+              f"{history['sequences']} evaluated during training {', '.join(f'{a:.3f}' for a in history['all'])}"
+              + (f", at the history's first evaluation {', '.join(f'{a:.3f}' for a in first['all'])}"
+                 if first and first["positions"] == history["positions"] else "") + ")"
               + (f"; on the --eval-prompts {', '.join(f'{a:.3f}' for a in on_prompts['all'])}" if on_prompts else "")
               + (f"; drafter in {args.export}" if args.export else "") + "\n")
     out.write(json.dumps({k: v for k, v in summary.items() if k != "history"}, default=_plain) + "\n")

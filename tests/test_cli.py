@@ -312,6 +312,8 @@ def test_bad_boost_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, arg
      "--more-written-prompts WRITTEN: no prompt left (1 read, all held out or already in the corpus)"),
     (["--written-prompts", "WRITTEN", "--written-c-prompts", "WRITTEN"],
      "--written-c-prompts WRITTEN: no prompt left (1 read, all held out or already in the corpus)"),
+    (["--written-c-prompts", "WRITTEN", "--written-d-prompts", "WRITTEN"],
+     "--written-d-prompts WRITTEN: no prompt left (1 read, all held out or already in the corpus)"),
 ])
 def test_bad_feature_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, args, message):
     """Checked in-process (what the command runs before loading the LLM); one run through the CLI below."""
@@ -358,7 +360,14 @@ def test_feature_tune_training_flags_reach_the_training_config(tiny_llama_dir, t
                                         "--out", str(tmp_path / "o"), "--draft-vocab", "64",
                                         "--more-written-prompts", str(more), "--written-c-prompts", str(third)])
     plan = check_args(parsed)[0]
-    assert (plan.more_written, plan.written_c) == ((str(more),), (str(third),))
+    assert (plan.more_written, plan.written_c, plan.written_d) == ((str(more),), (str(third),), ())
+    fourth = tmp_path / "fourth.txt"
+    fourth.write_text("Name a glacier in Norway.\n")
+    parsed = build_parser().parse_args(["feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"),
+                                        "--out", str(tmp_path / "o"), "--draft-vocab", "64",
+                                        "--written-c-prompts", str(third), "--written-d-prompts", str(fourth)])
+    plan = check_args(parsed)[0]
+    assert (plan.written_c, plan.written_d) == ((str(third),), (str(fourth),))
 
 
 def test_feature_tune_reports_step_0_and_the_end_on_the_same_sequences(tiny_llama_dir, tmp_path, monkeypatch):

@@ -141,10 +141,19 @@ def test_written_prompts_are_read_deduplicated_split_and_continued_in_parts_of_t
     calls.clear()
     assert _written_parts(run, shards, plan, three, taken | set(prompts) | {"new one"}, lambda *a: None) == ["a third"]
     assert [(c[0], c[1], c[4]) for c in calls] == [("written-c-greedy", ["a third"], plan.seed + three.seed_offset)]
-    assert len({one.seed_offset, two.seed_offset, three.seed_offset}) == 3
     assert len({(r.greedy, r.sampled, r.files_field, r.flag) for r in WRITTEN_ROUNDS.values()}) == len(WRITTEN_ROUNDS)
     with pytest.raises(InputError, match="--written-c-prompts .*d.txt: no prompt left"):
         _written_parts(run, {}, plan, three, {"new one", "prompt 2", "a third"}, lambda *a: None)
+    # a fourth round likewise: the third round's prompt dropped, its own parts and seed
+    fifth = tmp_path / "e.txt"
+    fifth.write_text("a third\na fourth\n")
+    four = WRITTEN_ROUNDS["written-d"]
+    plan = dataclasses.replace(plan, written_d=(str(fifth),))
+    calls.clear()
+    assert _written_parts(run, shards, plan, four, {"a third"}, lambda *a: None) == ["a fourth"]
+    assert [(c[0], c[1], c[4]) for c in calls] == [("written-d-greedy", ["a fourth"], plan.seed + four.seed_offset)]
+    assert shards["written-d-greedy"] == ["written-d-greedy.npz"] and "written-d-sampled" not in shards
+    assert len({r.seed_offset for r in WRITTEN_ROUNDS.values()}) == len(WRITTEN_ROUNDS)
     with pytest.raises(InputError, match="--written-prompts .*b.txt: no prompt left"):
         written_prompts([str(second)], taken={"prompt 3", "another one", "held"})
     with pytest.raises(InputError, match="more_written must be a tuple of prompt file paths"):

@@ -25,7 +25,8 @@ Parts, in generation order (stage 2 quotes the passages part, so it comes first)
 * with ``more_written`` prompt files, a second round of the same (``written-b-greedy`` /
   ``written-b-sampled``): its own seeds and split; prompts of the first round are dropped;
 * with ``written_c`` prompt files, a third round (``written-c-greedy`` / ``written-c-sampled``), likewise:
-  prompts of the earlier rounds are dropped.
+  prompts of the earlier rounds are dropped; ``written_d`` a fourth (``written-d-greedy`` /
+  ``written-d-sampled``).
 
 Greedy parts match what greedy speculation sees; the sampled parts (temperature 1, seeded) keep
 the drafter useful when requests sample. Prompts are sorted by length inside a part so a batch
@@ -66,6 +67,7 @@ class CorpusPlan:
     written: tuple[str, ...] = ()  # prompt files written for training (``written_prompts``)
     more_written: tuple[str, ...] = ()  # a second round of them, a part of its own
     written_c: tuple[str, ...] = ()  # a third round, parts of their own again
+    written_d: tuple[str, ...] = ()  # a fourth round
 
     def __post_init__(self):
         for name in ("passages", "tasks", "grounded", "max_new_tokens", "passage_tokens", "batch_size",
@@ -120,7 +122,9 @@ WRITTEN_ROUNDS = {"written": WrittenRound("written-greedy", "written-sampled", "
                   "written-b": WrittenRound("written-b-greedy", "written-b-sampled", "more_written",
                                             "--more-written-prompts", 3_000_017),
                   "written-c": WrittenRound("written-c-greedy", "written-c-sampled", "written_c",
-                                            "--written-c-prompts", 4_000_037)}
+                                            "--written-c-prompts", 4_000_037),
+                  "written-d": WrittenRound("written-d-greedy", "written-d-sampled", "written_d",
+                                            "--written-d-prompts", 5_000_011)}
 WRITTEN_PARTS = tuple(name for r in WRITTEN_ROUNDS.values() for name in (r.greedy, r.sampled))
 
 

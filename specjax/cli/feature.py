@@ -58,6 +58,9 @@ def add_parser(sub, formatter_class) -> None:
     f.add_argument("--written-c-prompts", action="append", default=[],
                    help="a third round of written prompt files, continued into parts of their own (written-c-greedy / "
                         "written-c-sampled; prompts of the earlier rounds dropped); repeatable (default: none)")
+    f.add_argument("--written-d-prompts", action="append", default=[],
+                   help="a fourth round of written prompt files, continued into parts of their own (written-d-greedy / "
+                        "written-d-sampled; prompts of the earlier rounds dropped); repeatable (default: none)")
     f.add_argument("--sampled-fraction", type=float, default=0.25,
                    help="share of task and grounded prompts continued at temperature 1 (seeded)")
     f.add_argument("--corpus-batch", type=int, default=128, help="prompts per generation batch")
@@ -129,7 +132,7 @@ def check_args(args):
                       sampled_fraction=args.sampled_fraction, batch_size=args.corpus_batch, seed=args.seed,
                       requests=args.requests, more_requests=args.more_requests,
                       written=tuple(args.written_prompts), more_written=tuple(args.more_written_prompts),
-                      written_c=tuple(args.written_c_prompts))
+                      written_c=tuple(args.written_c_prompts), written_d=tuple(args.written_d_prompts))
     tc = FeatureTrainConfig(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
                             unrolled_steps=args.unrolled_steps, reg_weight=args.reg_weight, seed=args.seed,
                             window=max(plan.max_new_tokens, plan.passage_tokens) + args.unrolled_steps + 8)

@@ -334,39 +334,28 @@ def test_bad_feature_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, a
 def test_feature_tune_training_flags_reach_the_training_config(tiny_llama_dir, tmp_path):
     from specjax.cli.feature import check_args
 
-    parsed = build_parser().parse_args(["feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"),
-                                        "--out", str(tmp_path / "o"), "--draft-vocab", "64"])
-    assert check_args(parsed)[1].reg_weight == 0.5  # the recipe every shipped drafter was trained with
-    parsed = build_parser().parse_args(["feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"),
-                                        "--out", str(tmp_path / "o"), "--draft-vocab", "64", "--reg-weight", "0",
-                                        "--unrolled-steps", "3"])
-    tc = check_args(parsed)[1]
+    def checked(*flags):  # (corpus plan, training config, ...) of feature-tune with these flags
+        return check_args(build_parser().parse_args(["feature-tune", "--model", tiny_llama_dir, "--corpus",
+                                                     str(tmp_path / "c"), "--out", str(tmp_path / "o"),
+                                                     "--draft-vocab", "64", *map(str, flags)]))
+
+    assert checked()[1].reg_weight == 0.5  # the recipe every shipped drafter was trained with
+    tc = checked("--reg-weight", "0", "--unrolled-steps", "3")[1]
     assert tc.reg_weight == 0.0 and tc.unrolled_steps == 3
     written = tmp_path / "written.jsonl"
     written.write_text(json.dumps({"prompt": "Plan a picnic for six."}) + "\n")
-    parsed = build_parser().parse_args(["feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"),
-                                        "--out", str(tmp_path / "o"), "--draft-vocab", "64",
-                                        "--written-prompts", str(written), "--written-prompts", str(written)])
-    assert check_args(parsed)[0].written == (str(written), str(written))  # the corpus plan's written parts
+    plan = checked("--written-prompts", written, "--written-prompts", written)[0]
+    assert plan.written == (str(written), str(written))  # the corpus plan's written parts
     more = tmp_path / "more.txt"
     more.write_text("Name a river in Peru.\n")
-    parsed = build_parser().parse_args(["feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"),
-                                        "--out", str(tmp_path / "o"), "--draft-vocab", "64",
-                                        "--written-prompts", str(written), "--more-written-prompts", str(more)])
-    assert check_args(parsed)[0].more_written == (str(more),)
+    assert checked("--written-prompts", written, "--more-written-prompts", more)[0].more_written == (str(more),)
     third = tmp_path / "third.txt"
     third.write_text("Name a lake in Chile.\n")
-    parsed = build_parser().parse_args(["feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"),
-                                        "--out", str(tmp_path / "o"), "--draft-vocab", "64",
-                                        "--more-written-prompts", str(more), "--written-c-prompts", str(third)])
-    plan = check_args(parsed)[0]
+    plan = checked("--more-written-prompts", more, "--written-c-prompts", third)[0]
     assert (plan.more_written, plan.written_c, plan.written_d) == ((str(more),), (str(third),), ())
     fourth = tmp_path / "fourth.txt"
     fourth.write_text("Name a glacier in Norway.\n")
-    parsed = build_parser().parse_args(["feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"),
-                                        "--out", str(tmp_path / "o"), "--draft-vocab", "64",
-                                        "--written-c-prompts", str(third), "--written-d-prompts", str(fourth)])
-    plan = check_args(parsed)[0]
+    plan = checked("--written-c-prompts", third, "--written-d-prompts", fourth)[0]
     assert (plan.written_c, plan.written_d) == ((str(third),), (str(fourth),))
 
 

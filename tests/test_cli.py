@@ -314,6 +314,8 @@ def test_bad_boost_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, arg
      "--written-c-prompts WRITTEN: no prompt left (1 read, all held out or already in the corpus)"),
     (["--written-c-prompts", "WRITTEN", "--written-d-prompts", "WRITTEN"],
      "--written-d-prompts WRITTEN: no prompt left (1 read, all held out or already in the corpus)"),
+    (["--written-d-prompts", "WRITTEN", "--written-e-prompts", "WRITTEN"],
+     "--written-e-prompts WRITTEN: no prompt left (1 read, all held out or already in the corpus)"),
 ])
 def test_bad_feature_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, args, message):
     """Checked in-process (what the command runs before loading the LLM); one run through the CLI below."""
@@ -332,6 +334,7 @@ def test_bad_feature_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, a
 
 
 def test_feature_tune_training_flags_reach_the_training_config(tiny_llama_dir, tmp_path):
+    from specjax.boost.feature_corpus import WRITTEN_ROUNDS
     from specjax.cli.feature import check_args
 
     def checked(*flags):  # (corpus plan, training config, ...) of feature-tune with these flags
@@ -346,17 +349,14 @@ def test_feature_tune_training_flags_reach_the_training_config(tiny_llama_dir, t
     written.write_text(json.dumps({"prompt": "Plan a picnic for six."}) + "\n")
     plan = checked("--written-prompts", written, "--written-prompts", written)[0]
     assert plan.written == (str(written), str(written))  # the corpus plan's written parts
-    more = tmp_path / "more.txt"
-    more.write_text("Name a river in Peru.\n")
-    assert checked("--written-prompts", written, "--more-written-prompts", more)[0].more_written == (str(more),)
-    third = tmp_path / "third.txt"
-    third.write_text("Name a lake in Chile.\n")
-    plan = checked("--more-written-prompts", more, "--written-c-prompts", third)[0]
-    assert (plan.more_written, plan.written_c, plan.written_d) == ((str(more),), (str(third),), ())
-    fourth = tmp_path / "fourth.txt"
-    fourth.write_text("Name a glacier in Norway.\n")
-    plan = checked("--written-c-prompts", third, "--written-d-prompts", fourth)[0]
-    assert (plan.written_c, plan.written_d) == ((str(third),), (str(fourth),))
+    # every round's flag fills its own plan field and no other (the flags come from WRITTEN_ROUNDS)
+    for n, written_round in enumerate(WRITTEN_ROUNDS.values()):
+        mine = tmp_path / f"round{n}.txt"
+        mine.write_text(f"Name a lake in country number {n}.\n")
+        plan = checked(written_round.flag, mine)[0]
+        assert {r.files_field: getattr(plan, r.files_field) for r in WRITTEN_ROUNDS.values()} == {
+            r.files_field: (str(mine),) if r is written_round else () for r in WRITTEN_ROUNDS.values()}
+    assert "--written-e-prompts" in [r.flag for r in WRITTEN_ROUNDS.values()]
 
 
 def test_feature_tune_reports_step_0_and_the_end_on_the_same_sequences(tiny_llama_dir, tmp_path, monkeypatch):

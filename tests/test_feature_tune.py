@@ -160,6 +160,8 @@ def test_written_prompts_are_read_deduplicated_split_and_continued_in_parts_of_t
         CorpusPlan(more_written=str(first))
     with pytest.raises(InputError, match="written_c must be a tuple of prompt file paths"):
         CorpusPlan(written_c=str(first))
+    with pytest.raises(InputError, match="written_e must be a tuple of prompt file paths"):  # the fifth round
+        CorpusPlan(written_e=str(first))
 
 
 def test_the_sequences_evaluated_in_training_keep_every_parts_share():

@@ -26,7 +26,8 @@ Parts, in generation order (stage 2 quotes the passages part, so it comes first)
   ``written-b-sampled``): its own seeds and split; prompts of the first round are dropped;
 * with ``written_c`` prompt files, a third round (``written-c-greedy`` / ``written-c-sampled``), likewise:
   prompts of the earlier rounds are dropped; ``written_d`` a fourth (``written-d-greedy`` /
-  ``written-d-sampled``).
+  ``written-d-sampled``) and ``written_e`` a fifth (``written-e-greedy`` / ``written-e-sampled``). A later
+  round is one more ``WRITTEN_ROUNDS`` entry and plan field: its flag comes from the table.
 
 Greedy parts match what greedy speculation sees; the sampled parts (temperature 1, seeded) keep
 the drafter useful when requests sample. Prompts are sorted by length inside a part so a batch
@@ -68,6 +69,7 @@ class CorpusPlan:
     more_written: tuple[str, ...] = ()  # a second round of them, a part of its own
     written_c: tuple[str, ...] = ()  # a third round, parts of their own again
     written_d: tuple[str, ...] = ()  # a fourth round
+    written_e: tuple[str, ...] = ()  # a fifth round
 
     def __post_init__(self):
         for name in ("passages", "tasks", "grounded", "max_new_tokens", "passage_tokens", "batch_size",
@@ -108,23 +110,27 @@ REQUEST_PARTS = tuple(name for r in REQUEST_ROUNDS.values() for name in (r.writt
 
 class WrittenRound(NamedTuple):
     """A round of prompts written for training: its greedy and sampled parts, the plan field naming its
-    files, its command-line flag, and its seed offset (sampling seeds and the greedy / sampled split)."""
+    files, its command-line flag, its seed offset (sampling seeds and the greedy / sampled split) and its
+    ordinal (the flag's help)."""
 
     greedy: str
     sampled: str
     files_field: str
     flag: str
     seed_offset: int
+    ordinal: str
 
 
 WRITTEN_ROUNDS = {"written": WrittenRound("written-greedy", "written-sampled", "written", "--written-prompts",
-                                          2_000_003),
+                                          2_000_003, "first"),
                   "written-b": WrittenRound("written-b-greedy", "written-b-sampled", "more_written",
-                                            "--more-written-prompts", 3_000_017),
+                                            "--more-written-prompts", 3_000_017, "second"),
                   "written-c": WrittenRound("written-c-greedy", "written-c-sampled", "written_c",
-                                            "--written-c-prompts", 4_000_037),
+                                            "--written-c-prompts", 4_000_037, "third"),
                   "written-d": WrittenRound("written-d-greedy", "written-d-sampled", "written_d",
-                                            "--written-d-prompts", 5_000_011)}
+                                            "--written-d-prompts", 5_000_011, "fourth"),
+                  "written-e": WrittenRound("written-e-greedy", "written-e-sampled", "written_e",
+                                            "--written-e-prompts", 6_000_011, "fifth")}
 WRITTEN_PARTS = tuple(name for r in WRITTEN_ROUNDS.values() for name in (r.greedy, r.sampled))
 
 

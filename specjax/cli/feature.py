@@ -46,21 +46,11 @@ def add_parser(sub, formatter_class) -> None:
                         "already in the corpus dropped), answered into a part of its own: grows a corpus without "
                         "changing its earlier parts; it depends on the first round, so keep --requests as it was "
                         "made with (default: 0, none)")
-    f.add_argument("--written-prompts", action="append", default=[],
-                   help="prompt file written for training outside the LLM (by people or a stronger model; .jsonl "
-                        "with 'prompt', or text lines), continued into the parts written-greedy / written-sampled "
-                        "(a --sampled-fraction at temperature 1), split on their own; prompts held out or already "
-                        "in the corpus are dropped; repeatable (default: none)")
-    f.add_argument("--more-written-prompts", action="append", default=[],
-                   help="a second round of written prompt files, continued into parts of their own (written-b-greedy "
-                        "/ written-b-sampled, split on their own; prompts of the first round dropped): grows a corpus "
-                        "without changing its earlier parts; repeatable (default: none)")
-    f.add_argument("--written-c-prompts", action="append", default=[],
-                   help="a third round of written prompt files, continued into parts of their own (written-c-greedy / "
-                        "written-c-sampled; prompts of the earlier rounds dropped); repeatable (default: none)")
-    f.add_argument("--written-d-prompts", action="append", default=[],
-                   help="a fourth round of written prompt files, continued into parts of their own (written-d-greedy / "
-                        "written-d-sampled; prompts of the earlier rounds dropped); repeatable (default: none)")
+    from specjax.boost.feature_corpus import WRITTEN_ROUNDS
+
+    for written_round in WRITTEN_ROUNDS.values():  # one flag per round, in the plan field it fills
+        f.add_argument(written_round.flag, action="append", default=[], dest=written_round.files_field, metavar="FILE",
+                       help=_written_help(written_round))
     f.add_argument("--sampled-fraction", type=float, default=0.25,
                    help="share of task and grounded prompts continued at temperature 1 (seeded)")
     f.add_argument("--corpus-batch", type=int, default=128, help="prompts per generation batch")
@@ -102,6 +92,17 @@ def add_parser(sub, formatter_class) -> None:
     f.set_defaults(func=_cmd_feature_tune)
 
 
+def _written_help(written_round) -> str:
+    if written_round.files_field == "written":
+        return ("prompt file written for training outside the LLM (by people or a stronger model; .jsonl with "
+                "'prompt', or text lines), continued into the parts written-greedy / written-sampled (a "
+                "--sampled-fraction at temperature 1), split on their own; prompts held out or already in the "
+                "corpus are dropped; repeatable (default: none)")
+    return (f"a {written_round.ordinal} round of written prompt files, continued into parts of their own "
+            f"({written_round.greedy} / {written_round.sampled}, split on their own; prompts of the earlier rounds "
+            f"dropped): grows a corpus without changing its earlier parts; repeatable (default: none)")
+
+
 def check_args(args):
     """Everything checked before any work: (corpus plan, training config, drafting settings, held-out prompts,
     evaluation prompts: ``feature_tune`` holds these out of training too)."""
@@ -131,8 +132,7 @@ def check_args(args):
     plan = CorpusPlan(passages=args.passages, tasks=args.tasks, grounded=args.grounded,
                       sampled_fraction=args.sampled_fraction, batch_size=args.corpus_batch, seed=args.seed,
                       requests=args.requests, more_requests=args.more_requests,
-                      written=tuple(args.written_prompts), more_written=tuple(args.more_written_prompts),
-                      written_c=tuple(args.written_c_prompts), written_d=tuple(args.written_d_prompts))
+                      **{r.files_field: tuple(getattr(args, r.files_field)) for r in WRITTEN_ROUNDS.values()})
     tc = FeatureTrainConfig(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
                             unrolled_steps=args.unrolled_steps, reg_weight=args.reg_weight, seed=args.seed,
                             window=max(plan.max_new_tokens, plan.passage_tokens) + args.unrolled_steps + 8)

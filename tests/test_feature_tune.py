@@ -397,6 +397,57 @@ def test_the_shipped_drafter_loads_by_name_drafts_accepted_tokens_and_is_lossles
         specjax.generate(smollm2, prompts, max_new_tokens=16, sampling=seeded).token_ids
 
 
+def _whole_parts_tokens(out, parts, vocab_size: int) -> int:
+    """Every part under ``out`` has the shards and sequences its manifest promises (continuations within
+    max_new_tokens, ids within the vocabulary); returns their tokens."""
+    from specjax.boost.corpus import read_shard
+
+    total = 0
+    for part in parts:
+        manifest = json.load(open(out / part / "manifest.json"))
+        assert manifest.get("part", part) == part  # (v2's manifests do not name their part)
+        shards = sorted((out / part).glob("shard-*.npz"))
+        assert len(shards) == -(-manifest["num_prompts"] // manifest["batch_size"]), part
+        seqs = [s for path in shards for s in read_shard(str(path))]
+        assert len(seqs) == manifest["num_prompts"], part
+        for ids, prompt_len in seqs:
+            assert 0 < len(ids) - prompt_len <= manifest["max_new_tokens"] and prompt_len > 0, part
+            assert 0 <= min(ids) and max(ids) < vocab_size, part
+        total += sum(len(ids) for ids, _ in seqs)
+    return total
+
+
+@requires_smollm2
+@pytest.mark.parametrize("name, rounds", [("v4_requests_b", ["requests-b"]), ("v5_written", ["written", "written-b"]),
+                                          ("v6_written_c", ["written-c"]), ("v7_written_d", ["written-d"]),
+                                          ("v8_written_e", ["written-e"])])
+def test_the_committed_corpus_growths_are_whole_and_named_by_their_rounds(smollm2, tmp_path, name, rounds):
+    """The later committed corpus parts (scripts/data/feature_corpus_v4..v8): each tarball holds exactly its
+    rounds' parts, whole, made with their round's seed, and the combined provenance.json records every part."""
+    import tarfile
+
+    from specjax.boost.feature_corpus import REQUEST_ROUNDS, WRITTEN_ROUNDS
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tarfile.open(os.path.join(root, "scripts", "data", f"feature_corpus_{name}.tar.xz")) as tar:
+        tar.extractall(tmp_path, filter="data")
+    out = tmp_path / "feature-corpus"
+
+    def round_parts(r):  # (its parts, its seed offset)
+        if r in WRITTEN_ROUNDS:
+            return (WRITTEN_ROUNDS[r].greedy, WRITTEN_ROUNDS[r].sampled), WRITTEN_ROUNDS[r].seed_offset
+        return (REQUEST_ROUNDS[r].written, REQUEST_ROUNDS[r].answers), REQUEST_ROUNDS[r].seed_offset
+
+    parts = [p for r in rounds for p in round_parts(r)[0]]
+    assert sorted(os.listdir(out)) == sorted(parts + ["provenance.json"])
+    assert _whole_parts_tokens(out, parts, smollm2.config.vocab_size) > 100_000 * len(rounds)
+    assert set(parts) <= set(json.load(open(out / "provenance.json")))
+    for r in rounds:
+        names, offset = round_parts(r)
+        for part in names:  # the plan's seed 0 plus the round's offset: its sampling seeds and split
+            assert json.load(open(out / part / "manifest.json"))["seed"] == offset, part
+
+
 @requires_smollm2
 def test_the_committed_corpus_v2_is_whole_and_the_readme_command_resumes_it(smollm2, tmp_path, monkeypatch):
     """scripts/data/feature_corpus_v2.tar.xz: every part has the shards and sequences its manifest
@@ -414,18 +465,7 @@ def test_the_committed_corpus_v2_is_whole_and_the_readme_command_resumes_it(smol
     with tarfile.open(os.path.join(root, "scripts", "data", "feature_corpus_v2.tar.xz")) as tar:
         tar.extractall(tmp_path, filter="data")
     out = tmp_path / "feature-corpus"
-    total = 0
-    for part in PARTS:
-        manifest = json.load(open(out / part / "manifest.json"))
-        shards = sorted((out / part).glob("shard-*.npz"))
-        assert len(shards) == -(-manifest["num_prompts"] // manifest["batch_size"]), part
-        seqs = [s for path in shards for s in read_shard(str(path))]
-        assert len(seqs) == manifest["num_prompts"], part
-        for ids, prompt_len in seqs:
-            assert 0 < len(ids) - prompt_len <= manifest["max_new_tokens"] and prompt_len > 0, part
-            assert 0 <= min(ids) and max(ids) < smollm2.config.vocab_size, part
-        total += sum(len(ids) for ids, _ in seqs)
-    assert total > 1_500_000
+    assert _whole_parts_tokens(out, PARTS, smollm2.config.vocab_size) > 1_500_000
 
     def no_generation(*args, **kwargs):
         raise AssertionError("the committed corpus should be complete: nothing to generate")

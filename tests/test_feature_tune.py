@@ -405,7 +405,7 @@ def _whole_parts_tokens(out, parts, vocab_size: int) -> int:
     total = 0
     for part in parts:
         manifest = json.load(open(out / part / "manifest.json"))
-        assert manifest.get("part", part) == part  # (v2's manifests do not name their part)
+        assert manifest["part"] == part, part
         shards = sorted((out / part).glob("shard-*.npz"))
         assert len(shards) == -(-manifest["num_prompts"] // manifest["batch_size"]), part
         seqs = [s for path in shards for s in read_shard(str(path))]

@@ -316,6 +316,8 @@ def test_bad_boost_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, arg
      "--written-d-prompts WRITTEN: no prompt left (1 read, all held out or already in the corpus)"),
     (["--written-d-prompts", "WRITTEN", "--written-e-prompts", "WRITTEN"],
      "--written-e-prompts WRITTEN: no prompt left (1 read, all held out or already in the corpus)"),
+    (["--written-e-prompts", "WRITTEN", "--written-f-prompts", "WRITTEN"],
+     "--written-f-prompts WRITTEN: no prompt left (1 read, all held out or already in the corpus)"),
 ])
 def test_bad_feature_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, args, message):
     """Checked in-process (what the command runs before loading the LLM); one run through the CLI below."""
@@ -356,7 +358,7 @@ def test_feature_tune_training_flags_reach_the_training_config(tiny_llama_dir, t
         plan = checked(written_round.flag, mine)[0]
         assert {r.files_field: getattr(plan, r.files_field) for r in WRITTEN_ROUNDS.values()} == {
             r.files_field: (str(mine),) if r is written_round else () for r in WRITTEN_ROUNDS.values()}
-    assert "--written-e-prompts" in [r.flag for r in WRITTEN_ROUNDS.values()]
+    assert {"--written-e-prompts", "--written-f-prompts"} <= {r.flag for r in WRITTEN_ROUNDS.values()}
 
 
 def test_feature_tune_reports_step_0_and_the_end_on_the_same_sequences(tiny_llama_dir, tmp_path, monkeypatch):

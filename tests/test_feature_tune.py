@@ -156,12 +156,10 @@ def test_written_prompts_are_read_deduplicated_split_and_continued_in_parts_of_t
     assert len({r.seed_offset for r in WRITTEN_ROUNDS.values()}) == len(WRITTEN_ROUNDS)
     with pytest.raises(InputError, match="--written-prompts .*b.txt: no prompt left"):
         written_prompts([str(second)], taken={"prompt 3", "another one", "held"})
-    with pytest.raises(InputError, match="more_written must be a tuple of prompt file paths"):
-        CorpusPlan(more_written=str(first))
-    with pytest.raises(InputError, match="written_c must be a tuple of prompt file paths"):
-        CorpusPlan(written_c=str(first))
-    with pytest.raises(InputError, match="written_e must be a tuple of prompt file paths"):  # the fifth round
-        CorpusPlan(written_e=str(first))
+    for written_round in WRITTEN_ROUNDS.values():  # every round's plan field, the sixth's included
+        with pytest.raises(InputError, match=f"{written_round.files_field} must be a tuple of prompt file paths"):
+            CorpusPlan(**{written_round.files_field: str(first)})
+    assert "written_f" in {r.files_field for r in WRITTEN_ROUNDS.values()}
 
 
 def test_the_sequences_evaluated_in_training_keep_every_parts_share():

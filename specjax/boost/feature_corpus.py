@@ -26,7 +26,8 @@ Parts, in generation order (stage 2 quotes the passages part, so it comes first)
   ``written-b-sampled``): its own seeds and split; prompts of the first round are dropped;
 * with ``written_c`` prompt files, a third round (``written-c-greedy`` / ``written-c-sampled``), likewise:
   prompts of the earlier rounds are dropped; ``written_d`` a fourth (``written-d-greedy`` /
-  ``written-d-sampled``) and ``written_e`` a fifth (``written-e-greedy`` / ``written-e-sampled``). A later
+  ``written-d-sampled``), ``written_e`` a fifth (``written-e-greedy`` / ``written-e-sampled``) and
+  ``written_f`` a sixth (``written-f-greedy`` / ``written-f-sampled``). A later
   round is one more ``WRITTEN_ROUNDS`` entry and plan field: its flag comes from the table.
 
 Greedy parts match what greedy speculation sees; the sampled parts (temperature 1, seeded) keep
@@ -70,6 +71,7 @@ class CorpusPlan:
     written_c: tuple[str, ...] = ()  # a third round, parts of their own again
     written_d: tuple[str, ...] = ()  # a fourth round
     written_e: tuple[str, ...] = ()  # a fifth round
+    written_f: tuple[str, ...] = ()  # a sixth round
 
     def __post_init__(self):
         for name in ("passages", "tasks", "grounded", "max_new_tokens", "passage_tokens", "batch_size",
@@ -130,7 +132,9 @@ WRITTEN_ROUNDS = {"written": WrittenRound("written-greedy", "written-sampled", "
                   "written-d": WrittenRound("written-d-greedy", "written-d-sampled", "written_d",
                                             "--written-d-prompts", 5_000_011, "fourth"),
                   "written-e": WrittenRound("written-e-greedy", "written-e-sampled", "written_e",
-                                            "--written-e-prompts", 6_000_011, "fifth")}
+                                            "--written-e-prompts", 6_000_011, "fifth"),
+                  "written-f": WrittenRound("written-f-greedy", "written-f-sampled", "written_f",
+                                            "--written-f-prompts", 7_000_003, "sixth")}
 WRITTEN_PARTS = tuple(name for r in WRITTEN_ROUNDS.values() for name in (r.greedy, r.sampled))
 
 

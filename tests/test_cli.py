@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from specjax.boost.feature_corpus import WRITTEN_ROUNDS
 from specjax.cli import build_parser, main
 from specjax.errors import InputError
 
@@ -308,16 +309,12 @@ def test_bad_boost_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, arg
     (["--reg-weight", "inf"], "a finite reg_weight >= 0"),
     (["--written-prompts", "/nonexistent.jsonl"], "--written-prompts /nonexistent.jsonl: prompts file not found"),
     (["--written-prompts", "WRITTEN", "--eval-prompts", "WRITTEN"], "no prompt left (1 read, all held out"),
-    (["--written-prompts", "WRITTEN", "--more-written-prompts", "WRITTEN"],
-     "--more-written-prompts WRITTEN: no prompt left (1 read, all held out or already in the corpus)"),
-    (["--written-prompts", "WRITTEN", "--written-c-prompts", "WRITTEN"],
+    (["--written-prompts", "WRITTEN", "--written-c-prompts", "WRITTEN"],  # a round skipped between them
      "--written-c-prompts WRITTEN: no prompt left (1 read, all held out or already in the corpus)"),
-    (["--written-c-prompts", "WRITTEN", "--written-d-prompts", "WRITTEN"],
-     "--written-d-prompts WRITTEN: no prompt left (1 read, all held out or already in the corpus)"),
-    (["--written-d-prompts", "WRITTEN", "--written-e-prompts", "WRITTEN"],
-     "--written-e-prompts WRITTEN: no prompt left (1 read, all held out or already in the corpus)"),
-    (["--written-e-prompts", "WRITTEN", "--written-f-prompts", "WRITTEN"],
-     "--written-f-prompts WRITTEN: no prompt left (1 read, all held out or already in the corpus)"),
+    # every later round refuses the prompts its previous round holds (one case per WRITTEN_ROUNDS entry)
+    *[([earlier.flag, "WRITTEN", later.flag, "WRITTEN"],
+       f"{later.flag} WRITTEN: no prompt left (1 read, all held out or already in the corpus)")
+      for earlier, later in zip(list(WRITTEN_ROUNDS.values()), list(WRITTEN_ROUNDS.values())[1:])],
 ])
 def test_bad_feature_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, args, message):
     """Checked in-process (what the command runs before loading the LLM); one run through the CLI below."""
@@ -336,7 +333,6 @@ def test_bad_feature_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, a
 
 
 def test_feature_tune_training_flags_reach_the_training_config(tiny_llama_dir, tmp_path):
-    from specjax.boost.feature_corpus import WRITTEN_ROUNDS
     from specjax.cli.feature import check_args
 
     def checked(*flags):  # (corpus plan, training config, ...) of feature-tune with these flags

@@ -395,6 +395,15 @@ def test_the_shipped_drafter_loads_by_name_drafts_accepted_tokens_and_is_lossles
         specjax.generate(smollm2, prompts, max_new_tokens=16, sampling=seeded).token_ids
 
 
+def _extract_committed_corpus(name: str, into) -> None:
+    """scripts/data/feature_corpus_{name}.tar.xz into ``into`` (its parts land in into/feature-corpus)."""
+    import tarfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tarfile.open(os.path.join(root, "scripts", "data", f"feature_corpus_{name}.tar.xz")) as tar:
+        tar.extractall(into, filter="data")
+
+
 def _whole_parts_tokens(out, parts, vocab_size: int) -> int:
     """Every part under ``out`` has the shards and sequences its manifest promises (continuations within
     max_new_tokens, ids within the vocabulary); returns their tokens."""
@@ -422,28 +431,21 @@ def _whole_parts_tokens(out, parts, vocab_size: int) -> int:
 def test_the_committed_corpus_growths_are_whole_and_named_by_their_rounds(smollm2, tmp_path, name, rounds):
     """The later committed corpus parts (scripts/data/feature_corpus_v4..v9): each tarball holds exactly its
     rounds' parts, whole, made with their round's seed, and the combined provenance.json records every part."""
-    import tarfile
-
     from specjax.boost.feature_corpus import REQUEST_ROUNDS, WRITTEN_ROUNDS
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with tarfile.open(os.path.join(root, "scripts", "data", f"feature_corpus_{name}.tar.xz")) as tar:
-        tar.extractall(tmp_path, filter="data")
+    _extract_committed_corpus(name, tmp_path)
     out = tmp_path / "feature-corpus"
-
-    def round_parts(r):  # (its parts, its seed offset)
-        if r in WRITTEN_ROUNDS:
-            return (WRITTEN_ROUNDS[r].greedy, WRITTEN_ROUNDS[r].sampled), WRITTEN_ROUNDS[r].seed_offset
-        return (REQUEST_ROUNDS[r].written, REQUEST_ROUNDS[r].answers), REQUEST_ROUNDS[r].seed_offset
-
-    parts = [p for r in rounds for p in round_parts(r)[0]]
+    seed_of = {}  # each part of these rounds -> its round's seed offset
+    for r in rounds:
+        w = WRITTEN_ROUNDS.get(r)
+        names = (w.greedy, w.sampled) if w else (REQUEST_ROUNDS[r].written, REQUEST_ROUNDS[r].answers)
+        seed_of.update(dict.fromkeys(names, (w or REQUEST_ROUNDS[r]).seed_offset))
+    parts = list(seed_of)
     assert sorted(os.listdir(out)) == sorted(parts + ["provenance.json"])
     assert _whole_parts_tokens(out, parts, smollm2.config.vocab_size) > 100_000 * len(rounds)
     assert set(parts) <= set(json.load(open(out / "provenance.json")))
-    for r in rounds:
-        names, offset = round_parts(r)
-        for part in names:  # the plan's seed 0 plus the round's offset: its sampling seeds and split
-            assert json.load(open(out / part / "manifest.json"))["seed"] == offset, part
+    for part, offset in seed_of.items():  # the plan's seed 0 plus the round's offset: its sampling seeds and split
+        assert json.load(open(out / part / "manifest.json"))["seed"] == offset, part
 
 
 @requires_smollm2
@@ -452,16 +454,13 @@ def test_the_committed_corpus_v2_is_whole_and_the_readme_command_resumes_it(smol
     promises (continuations within max_new_tokens, ids within the vocabulary), and the corpus stage of
     the README's command (--tasks 6400, the three held-out prompt files) finds all of it: nothing is
     generated; the same for v3's command with the requests parts extracted on top."""
-    import tarfile
-
     import specjax.boost.corpus as corpus
     from specjax.boost.corpus import read_shard
     from specjax.boost.feature_corpus import PARTS, build_feature_corpus
     from specjax.io.prompts import read_prompts_file
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with tarfile.open(os.path.join(root, "scripts", "data", "feature_corpus_v2.tar.xz")) as tar:
-        tar.extractall(tmp_path, filter="data")
+    _extract_committed_corpus("v2", tmp_path)
     out = tmp_path / "feature-corpus"
     assert _whole_parts_tokens(out, PARTS, smollm2.config.vocab_size) > 1_500_000
 
@@ -479,8 +478,7 @@ def test_the_committed_corpus_v2_is_whole_and_the_readme_command_resumes_it(smol
 
     # v3's requests parts (scripts/data/feature_corpus_v3_requests.tar.xz) on top: the README's v3 command
     # (--requests 4000) finds them whole, the kept requests the same as its manifest names (sha256)
-    with tarfile.open(os.path.join(root, "scripts", "data", "feature_corpus_v3_requests.tar.xz")) as tar:
-        tar.extractall(tmp_path, filter="data")
+    _extract_committed_corpus("v3_requests", tmp_path)
     shards = build_feature_corpus(smollm2, str(out), CorpusPlan(tasks=6400, requests=4000), exclude=held,
                                   progress=False, log=lambda *_: None)
     assert sum(len(v) for v in shards.values()) == 81 + 22 and "requests-written" not in shards

@@ -22,13 +22,11 @@ Parts, in generation order (stage 2 quotes the passages part, so it comes first)
   passages to summarise, quote and translate, which neither templates nor a 135M model's own
   requests give. Prompts another part already holds, or a held-out one, are dropped; the part is
   split on its own, so the earlier parts (and a drafter trained on them) stay as they were;
-* with ``more_written`` prompt files, a second round of the same (``written-b-greedy`` /
-  ``written-b-sampled``): its own seeds and split; prompts of the first round are dropped;
-* with ``written_c`` prompt files, a third round (``written-c-greedy`` / ``written-c-sampled``), likewise:
-  prompts of the earlier rounds are dropped; ``written_d`` a fourth (``written-d-greedy`` /
-  ``written-d-sampled``), ``written_e`` a fifth (``written-e-greedy`` / ``written-e-sampled``) and
-  ``written_f`` a sixth (``written-f-greedy`` / ``written-f-sampled``). A later
-  round is one more ``WRITTEN_ROUNDS`` entry and plan field: its flag comes from the table.
+* with ``more_written``, ``written_c``, ``written_d``, ... prompt files, later rounds of the same, each
+  in parts of its own (``written-b-greedy`` / ``written-b-sampled``, ``written-c-greedy`` / ...: the
+  parts, plan field, flag and seed offset of each round are its ``WRITTEN_ROUNDS`` entry): its own seeds
+  and split; prompts of the earlier rounds are dropped. A later round is one more ``WRITTEN_ROUNDS``
+  entry and plan field: its flag comes from the table.
 
 Greedy parts match what greedy speculation sees; the sampled parts (temperature 1, seeded) keep
 the drafter useful when requests sample. Prompts are sorted by length inside a part so a batch

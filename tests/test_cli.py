@@ -308,6 +308,11 @@ def test_bad_boost_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, arg
     (["--reg-weight", "-0.5"], "a finite reg_weight >= 0"),
     (["--reg-weight", "inf"], "a finite reg_weight >= 0"),
     (["--written-prompts", "/nonexistent.jsonl"], "--written-prompts /nonexistent.jsonl: prompts file not found"),
+    (["--train-groups", "written"],  # a round is a group once its flag is given
+     "--train-groups written: 'written' is not a split group of this corpus plan (its groups: templates;"),
+    (["--requests", "8", "--train-groups", "templates,bogus"],
+     "'bogus' is not a split group of this corpus plan (its groups: templates, requests;"),
+    (["--train-groups", "templates,templates"], "--train-groups templates,templates: a group is named twice"),
     (["--written-prompts", "WRITTEN", "--eval-prompts", "WRITTEN"], "no prompt left (1 read, all held out"),
     (["--written-prompts", "WRITTEN", "--written-c-prompts", "WRITTEN"],  # a round skipped between them
      "--written-c-prompts WRITTEN: no prompt left (1 read, all held out or already in the corpus)"),
@@ -354,7 +359,16 @@ def test_feature_tune_training_flags_reach_the_training_config(tiny_llama_dir, t
         plan = checked(written_round.flag, mine)[0]
         assert {r.files_field: getattr(plan, r.files_field) for r in WRITTEN_ROUNDS.values()} == {
             r.files_field: (str(mine),) if r is written_round else () for r in WRITTEN_ROUNDS.values()}
-    assert {"--written-e-prompts", "--written-f-prompts"} <= {r.flag for r in WRITTEN_ROUNDS.values()}
+    assert {"--written-f-prompts", "--written-g-prompts"} <= {r.flag for r in WRITTEN_ROUNDS.values()}
+    parsed = build_parser().parse_args(["feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"),
+                                        "--out", str(tmp_path / "o"), "--draft-vocab", "64", "--written-f-prompts",
+                                        str(written), "--train-groups", "written-f,templates"])
+    check_args(parsed)
+    assert parsed.train_group_names == ("written-f", "templates")  # what feature_tune is given
+    parsed = build_parser().parse_args(["feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"),
+                                        "--out", str(tmp_path / "o"), "--draft-vocab", "64"])
+    check_args(parsed)
+    assert parsed.train_group_names == ()  # every group
 
 
 def test_feature_tune_reports_step_0_and_the_end_on_the_same_sequences(tiny_llama_dir, tmp_path, monkeypatch):

@@ -156,10 +156,10 @@ def test_written_prompts_are_read_deduplicated_split_and_continued_in_parts_of_t
     assert len({r.seed_offset for r in WRITTEN_ROUNDS.values()}) == len(WRITTEN_ROUNDS)
     with pytest.raises(InputError, match="--written-prompts .*b.txt: no prompt left"):
         written_prompts([str(second)], taken={"prompt 3", "another one", "held"})
-    for written_round in WRITTEN_ROUNDS.values():  # every round's plan field, the sixth's included
+    for written_round in WRITTEN_ROUNDS.values():  # every round's plan field, the seventh's included
         with pytest.raises(InputError, match=f"{written_round.files_field} must be a tuple of prompt file paths"):
             CorpusPlan(**{written_round.files_field: str(first)})
-    assert "written_f" in {r.files_field for r in WRITTEN_ROUNDS.values()}
+    assert {"written_f", "written_g"} <= {r.files_field for r in WRITTEN_ROUNDS.values()}
 
 
 def test_the_sequences_evaluated_in_training_keep_every_parts_share():
@@ -179,7 +179,7 @@ def test_the_sequences_evaluated_in_training_keep_every_parts_share():
 @pytest.mark.slow
 def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_path, monkeypatch):
     import specjax.boost.feature_tune as tune
-    from specjax.boost.feature_data import split_held_out
+    from specjax.boost.feature_data import held_out_indices, split_held_out
     from specjax.boost.feature_loading import load_feature_set
     from specjax.boost.feature_tune import _split, feature_tune
     from specjax.speculation.drafters.feature import from_arg
@@ -356,6 +356,43 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
     with pytest.raises(InputError, match="trained with a requests or written part this corpus plan does not have"):
         feature_tune(smollm2, corpus, str(tmp_path / "run-w-gone"), grown_b, tc, drafting, stop_after=0,
                      init_from=str(tmp_path / "with-written"), eval_prompts=hand_written, **kw)
+
+    # one group trained alone (--train-groups): the LLM's features are computed for its parts only, the other
+    # groups are counted from their shards, so the split and the check of the drafter it continues are the
+    # whole corpus's; a drafter so trained is continued on every group again
+    computed = []  # where LLM features were asked for
+    real_features = tune.BatchShapes.features
+
+    def features(self, llm, paths, out_dir, *args, **kwargs):
+        computed.append(os.path.relpath(out_dir, corpus))
+        return real_features(self, llm, paths, out_dir, *args, **kwargs)
+
+    monkeypatch.setattr(tune.BatchShapes, "features", features)
+    with pytest.raises(InputError, match="'written-b' is not a split group of this corpus plan"):
+        feature_tune(smollm2, corpus, str(tmp_path / "run-no-group"), grown_w, tc, drafting, stop_after=0,
+                     init_from=str(tmp_path / "with-written"), train_groups=("written-b",), **kw)
+    assert not computed and not os.path.exists(tmp_path / "run-no-group")  # refused before any work
+    alone = feature_tune(smollm2, corpus, str(tmp_path / "run-alone"), grown_w, tc, drafting, stop_after=0,
+                         init_from=str(tmp_path / "with-written"), eval_prompts=hand_written,
+                         train_groups=("requests",), export=str(tmp_path / "alone"), **kw)
+    assert sorted(d for d in computed if not d.startswith("eval-")) == ["features/requests"]
+    kept, out = held_out_indices(len(answered), 0.2, 0)
+    assert alone["train_groups"] == ["requests"] and alone["sequences"] == {"train": len(kept), "held_out": len(out)}
+    assert set(alone["held_out_agreement"]) - {"all", "positions"} <= {"requests"}
+    names = [*parts, "requests-b", "written-greedy", "written-sampled"]
+    every = {name: (sorted(glob.glob(os.path.join(corpus, name, "shard-*.npz"))),
+                    sorted(glob.glob(os.path.join(corpus, "features", name, "features-*.npz")))) for name in names}
+    whole = _split(every, 0.2, 0)
+    featureless = {name: (shards, found if name == "requests" else []) for name, (shards, found) in every.items()}
+    part = _split(featureless, 0.2, 0, ("requests",))
+    assert part[2] == whole[2] and list(part[2]) == ["templates", "requests", "requests-b", "written"]
+    for mine, all_of_them, side in zip(part[:2], whole[:2], ("train", "held_out")):
+        first = whole[2]["templates"][side]  # the requests group follows the template parts in the whole split
+        rows = slice(all_of_them.offsets[first], all_of_them.offsets[first + len(mine)])
+        assert len(mine) == whole[2]["requests"][side] and (all_of_them.tokens[rows] == mine.tokens).all()
+    again = feature_tune(smollm2, corpus, str(tmp_path / "run-after-alone"), grown_w, tc, drafting, stop_after=0,
+                         init_from=str(tmp_path / "alone"), eval_prompts=hand_written, **kw)
+    assert again["train_groups"] is None and again["sequences"] == more_w["sequences"]
 
 
 def _files(root):

@@ -70,6 +70,7 @@ class CorpusPlan:
     written_d: tuple[str, ...] = ()  # a fourth round
     written_e: tuple[str, ...] = ()  # a fifth round
     written_f: tuple[str, ...] = ()  # a sixth round
+    written_g: tuple[str, ...] = ()  # a seventh round
 
     def __post_init__(self):
         for name in ("passages", "tasks", "grounded", "max_new_tokens", "passage_tokens", "batch_size",
@@ -132,7 +133,9 @@ WRITTEN_ROUNDS = {"written": WrittenRound("written-greedy", "written-sampled", "
                   "written-e": WrittenRound("written-e-greedy", "written-e-sampled", "written_e",
                                             "--written-e-prompts", 6_000_011, "fifth"),
                   "written-f": WrittenRound("written-f-greedy", "written-f-sampled", "written_f",
-                                            "--written-f-prompts", 7_000_003, "sixth")}
+                                            "--written-f-prompts", 7_000_003, "sixth"),
+                  "written-g": WrittenRound("written-g-greedy", "written-g-sampled", "written_g",
+                                            "--written-g-prompts", 8_000_009, "seventh")}
 WRITTEN_PARTS = tuple(name for r in WRITTEN_ROUNDS.values() for name in (r.greedy, r.sampled))
 
 

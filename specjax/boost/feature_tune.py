@@ -13,7 +13,7 @@ import time
 import jax
 import numpy as np
 
-from specjax.boost.corpus import generate_corpus
+from specjax.boost.corpus import generate_corpus, read_shard
 from specjax.boost.distill import batches_per_epoch
 from specjax.boost.feature_corpus import (
     REQUEST_PARTS,
@@ -23,7 +23,13 @@ from specjax.boost.feature_corpus import (
     CorpusPlan,
     build_feature_corpus,
 )
-from specjax.boost.feature_data import FeatureSet, draft_vocabulary, feature_shards, vocabulary_coverage
+from specjax.boost.feature_data import (
+    FeatureSet,
+    draft_vocabulary,
+    feature_shards,
+    held_out_indices,
+    vocabulary_coverage,
+)
 from specjax.boost.feature_loading import load_feature_set, load_split
 from specjax.boost.feature_train import (
     FeatureTrainConfig,
@@ -74,7 +80,8 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
                  *, draft_vocab: int, held_out: float, max_eval: int, exclude=(), export: str | None = None,
                  model_name: str = "", stop_after: int | None = None, init_from: str | None = None,
                  eval_prompts=(), progress: bool = True, log=print, time_budget: float | None = None,
-                 shapes: BatchShapes | None = None, fused: tuple[int, ...] = ()) -> dict:
+                 shapes: BatchShapes | None = None, fused: tuple[int, ...] = (),
+                 train_groups: tuple[str, ...] = ()) -> dict:
     """Run (or resume) every stage; returns the summary also written to ``run_dir/summary.json``.
     ``stop_after``: train at most this many steps in this run, then evaluate and export what there is
     (the summary says how many of the planned steps are done; running again resumes the training).
@@ -89,22 +96,28 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
     drafter reads (``FeatureConfig.fused``; the LLM's layer count names the final feature); a final-feature
     ``init_from`` then starts the fusion passing g through (``with_fusion``), so training starts from its
     drafts exactly. A fused ``init_from`` keeps its own layers (``fused`` () or the same) or adds layers
-    (``widen_fusion``: the added ones' rows start at zero, so training starts from its features, to rounding)."""
+    (``widen_fusion``: the added ones' rows start at zero, so training starts from its features, to rounding).
+    ``train_groups``: train on (and evaluate the held-out sequences of) these split groups only (``plan_groups``;
+    default: all): the LLM's features are computed for their parts alone, so continuing a drafter on a new
+    round costs that round's features, not the whole corpus's (6M tokens: 1-3 hours on 2 CPU cores)."""
     deadline = None if time_budget is None else time.monotonic() + time_budget
     shapes = shapes or BatchShapes()
     timing = {}
     started = time.perf_counter()
     exclude = list(dict.fromkeys([*exclude, *eval_prompts]))  # evaluation prompts are never training prompts
     fused = resolve_fusion(llm, init_from, tuple(fused))  # checked before the corpus: a bad request costs nothing
+    train_groups = check_train_groups(plan, train_groups)
     layers = FeatureConfig(llm.config, (0,), fused).raw_layers
     shards = build_feature_corpus(llm, corpus_dir, plan, exclude=exclude, progress=progress, log=log)
     timing["corpus_s"] = time.perf_counter() - started
     started = time.perf_counter()
+    trained_parts = {name for group, names in split_groups(list(shards)).items()
+                     if not train_groups or group in train_groups for name in names}
     parts = {name: (paths, shapes.features(llm, paths, os.path.join(corpus_dir, features_dir(layers), name), progress,
-                                           log, layers))
+                                           log, layers) if name in trained_parts else [])
              for name, paths in shards.items()}
     timing["features_s"] = time.perf_counter() - started
-    train, held, groups = _split(parts, held_out, tc.seed)
+    train, held, groups = _split(parts, held_out, tc.seed, train_groups)
     start = None  # a fresh start is named by the recipe's seed; a continued one by its weights
     if init_from is None:
         vocab, coverage = draft_vocabulary(train, draft_vocab, llm.config.vocab_size)
@@ -148,7 +161,7 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
                "tokens": {"train": int(train.lengths.sum()), "train_continuation": train.continuation_tokens(),
                           "held_out": int(held.lengths.sum())},
                "draft_vocab": {"size": len(cfg.draft_vocab), "continuation_coverage": coverage},
-               "init_from": init_from, "fused": list(cfg.fused),
+               "init_from": init_from, "fused": list(cfg.fused), "train_groups": list(train_groups) or None,
                "steps": {"done": _steps_done(run_dir),
                          "planned": math.ceil(tc.epochs * batches_per_epoch(len(train), tc.batch_size))},
                "held_out_agreement": final,
@@ -164,7 +177,7 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
         save_feature_drafter(export, cfg, trained, drafting,
                              extra={"trained": {k: summary[k] for k in ("model", "plan", "train", "sequences",
                                                                         "tokens", "draft_vocab", "init_from", "fused",
-                                                                        "steps",
+                                                                        "train_groups", "steps",
                                                                         "held_out_agreement",
                                                                         "eval_prompts_agreement")}})
         log(f"exported the drafter to {export}")
@@ -181,25 +194,55 @@ def evaluation_indices(count: int, max_eval: int) -> np.ndarray:
     return np.linspace(0, count - 1, max_eval).round().astype(np.int64)
 
 
-def _split(parts: dict, fraction: float, seed: int) -> tuple[FeatureSet, FeatureSet, dict]:
+def plan_groups(plan: CorpusPlan | dict) -> list[str]:
+    """The split groups a corpus plan makes (``_split``): the template parts together, then each round of
+    requests and of written prompts it has. ``plan``: a CorpusPlan, or one as a trained drafter records it."""
+    field = plan.get if isinstance(plan, dict) else lambda name: getattr(plan, name)
+    return (["templates"] + [name for name, r in REQUEST_ROUNDS.items() if field(r.count_field)]
+            + [name for name, r in WRITTEN_ROUNDS.items() if field(r.files_field)])
+
+
+def check_train_groups(plan: CorpusPlan, train_groups) -> tuple[str, ...]:
+    """``train_groups`` as a tuple, refused unless each names a distinct group of this plan (``plan_groups``)."""
+    train_groups, known = tuple(train_groups), plan_groups(plan)
+    unknown = [g for g in train_groups if g not in known]
+    if unknown or len(set(train_groups)) != len(train_groups):
+        raise InputError(f"--train-groups {','.join(train_groups)}: "
+                         + (f"{', '.join(map(repr, unknown))} is not a split group of this corpus plan" if unknown else
+                            "a group is named twice")
+                         + f" (its groups: {', '.join(known)}; a round is a group once its flag is given)")
+    return train_groups
+
+
+def split_groups(names) -> dict[str, list[str]]:
+    """Corpus part names by split group (``_split``), in order: the template parts together (``templates``),
+    each round of requests and of written prompts on its own; only the groups with a part among ``names``."""
+    groups = {"templates": [n for n in names if n not in REQUEST_PARTS + WRITTEN_PARTS]}
+    for round_name, request_round in REQUEST_ROUNDS.items():
+        groups[round_name] = [n for n in names if n == request_round.answers]
+    for round_name, written_round in WRITTEN_ROUNDS.items():
+        groups[round_name] = [n for n in (written_round.greedy, written_round.sampled) if n in names]
+    return {group: parts for group, parts in groups.items() if parts}
+
+
+def _split(parts: dict, fraction: float, seed: int, train_groups=()) -> tuple[FeatureSet, FeatureSet, dict]:
     """(train, held out, {group: {"train": n, "held_out": n}}). The template parts are split together and
     each round of requests or of written prompts on its own, so growing a corpus by a round leaves the
     other parts' split as it was: a drafter continued with ``init_from`` on the grown corpus is not
-    evaluated on sequences it was trained on (``_check_split``)."""
-    base = {name: paths for name, paths in parts.items() if name not in REQUEST_PARTS + WRITTEN_PARTS}
-    names, loads = ["templates"], [base]
-    for round_name, (_, answers, _, _) in REQUEST_ROUNDS.items():
-        if answers in parts:
-            names.append(round_name)
-            loads.append({answers: parts[answers]})
-    for round_name, written_round in WRITTEN_ROUNDS.items():
-        written = {name: parts[name] for name in (written_round.greedy, written_round.sampled) if name in parts}
-        if written:
-            names.append(round_name)
-            loads.append(written)
-    train, held, counts = load_split(loads, fraction, seed=seed)  # the features copied once (feature_loading)
-    groups = {name: {"train": t, "held_out": h} for name, (t, h) in zip(names, counts)}
-    return train, held, groups
+    evaluated on sequences it was trained on (``_check_split``). ``train_groups`` (default: all): the
+    groups loaded, whose parts need features; the others are only counted, from their shards, and split
+    by the same rule, so every group's counts are the whole corpus's."""
+    grouped = split_groups(list(parts))
+    loaded = [group for group in grouped if not train_groups or group in train_groups]
+    # the features copied once (feature_loading)
+    train, held, counts = load_split([{name: parts[name] for name in grouped[g]} for g in loaded], fraction, seed=seed)
+    split = {group: {"train": t, "held_out": h} for group, (t, h) in zip(loaded, counts)}
+    for group in grouped:
+        if group not in split:
+            count = sum(len(read_shard(path)) for name in grouped[group] for path in parts[name][0])
+            t, h = held_out_indices(count, fraction, seed)
+            split[group] = {"train": len(t), "held_out": len(h)}
+    return train, held, {group: split[group] for group in grouped}
 
 
 def eval_prompt_set(llm: Model, corpus_dir: str, prompts: list[str], plan: CorpusPlan, progress: bool = True,
@@ -267,12 +310,12 @@ def _start_from(name_or_path: str, llm: Model, groups: dict, seed: int):
 def _check_split(name: str, trained: dict | None, groups: dict, seed: int) -> None:
     """Refuse to continue a drafter whose training run split its sequences otherwise than this run does
     (another seed, --held-out or corpus): its training sequences could be held out here and flatter it.
-    Its run covered the template parts, and each round of requests and of written prompts its plan had."""
+    Its run covered its ``train_groups``, or (without them) the template parts and each round of requests and of
+    written prompts its plan had."""
     if not trained or not {"plan", "train", "sequences"} <= set(trained):
         raise InputError(f"--init-from {name}: its metadata does not record its training run (plan, seed, split), "
                          f"so its held-out split cannot be checked against this run's")
-    covered = ["templates"] + [group for group, r in REQUEST_ROUNDS.items() if trained["plan"].get(r.count_field)]
-    covered += [group for group, r in WRITTEN_ROUNDS.items() if trained["plan"].get(r.files_field)]
+    covered = trained.get("train_groups") or plan_groups(trained["plan"])
     if any(g not in groups for g in covered):
         raise InputError(f"--init-from {name}: it was trained with a requests or written part this corpus plan does "
                          f"not have")

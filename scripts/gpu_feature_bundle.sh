@@ -5,7 +5,7 @@
 # here (.git/info/exclude), so they travel only in the call that carries them. Tracked files travel
 # in every call too: move models/smollm2-ssm-a and -b (34 MB) out of the tree for the two calls, or a
 # call exceeds the limit. The first call stashes .carry1 on the machine; the second, within the 30 s
-# it stays warm, carries .carry2 and runs the README's stop-49 command. Make the dev prompts'
+# it stays warm, carries .carry2 and runs HISTORY.md's stop-49 command. Make the dev prompts'
 # continuations on the CPU first (the corpus's eval-* directory: generating them on the GPU compiles
 # for minutes), e.g. with a feature-tune run of the same plan and --eval-prompts, --stop-after 0.
 #

@@ -104,6 +104,7 @@ def test_using_it_commands_run_as_written(tmp_path):
     """Every command of "Using it", in order, in a scratch directory that sees the repo's scripts/."""
     os.symlink(os.path.join(ROOT, "scripts"), tmp_path / "scripts")
     assert len(USING_IT) >= 8
+    claims = 0
     for command in USING_IT:
         r = _run_shell(command, str(tmp_path))
         assert r.returncode == 0, f"{command}\n{r.stderr[-3000:]}"
@@ -111,14 +112,26 @@ def test_using_it_commands_run_as_written(tmp_path):
             assert r.stdout.strip(), command  # the text
             assert re.search(r"^# \d+ tokens in .* tokens/s \| load .* compile .* LLM passes", r.stderr, re.M), \
                 f"{command}: no stats line\n{r.stderr[-2000:]}"
+        if "same tokens as --mode incremental" in command:  # the README's claim, checked: the default drafters
+            # and verifier on the filtered (temperature 0.8, top-p) sampling path, through the command line
+            claims += 1
+            reference = _run_shell(command.split("  #")[0] + " --mode incremental", str(tmp_path))
+            assert reference.returncode == 0, reference.stderr[-3000:]
+            assert r.stdout == reference.stdout, f"{command}: not incremental sampling's text"
+    assert claims == 1
 
 
 @requires_smollm2
 @pytest.mark.slow
 def test_scale_out_commands_run_or_parse(tmp_path):
-    """The mesh commands run as written; the srun line (needs SLURM) is parsed and its flags checked."""
+    """The mesh commands run as written and print what one device decodes (greedy: the default drafters on a
+    PP=2 x TP=4 mesh, in one process and across two); the srun line (needs SLURM) is parsed and its flags
+    checked."""
     commands = _commands(_section("Scale-out: meshes and multi-host"))
     assert any(c.startswith("srun ") for c in commands)
+    # what one device decodes for the mesh commands' request: each mesh must print the same text
+    one_device = _run_shell('specjax generate --prompt "Hello" --max-new-tokens 32 --mode incremental', str(tmp_path))
+    assert one_device.returncode == 0 and one_device.stdout.strip(), one_device.stderr[-3000:]
     for command in commands:
         if command.startswith("srun "):
             words = shlex.split(command.split("#")[0])
@@ -129,9 +142,10 @@ def test_scale_out_commands_run_or_parse(tmp_path):
             _check_generate_args(args)
             assert args.replicate_attention and args.distributed == "slurm"
             continue
+        assert '--prompt "Hello" --max-new-tokens 32' in command, command
         r = _run_shell(command, str(tmp_path))
         assert r.returncode == 0, f"{command}\n{r.stderr[-3000:]}"
-        assert r.stdout.strip()
+        assert r.stdout == one_device.stdout, f"{command}: not one device's text"
 
 
 def _checked_training_commands(command_name: str, check_args) -> list:

@@ -264,7 +264,8 @@ def test_seeded_speculative_equals_seeded_incremental_on_smollm2(smollm2):
     assert got.token_ids == want, "seeded speculation differs from incremental sampling"
     assert got.stats["verifier"] == "seeded"
     jax.clear_caches()
-    # RRS (MSS runs through the CLI test below): sampled, so only the support can be checked here
+    # RRS (MSS runs through the README's `--verifier mss` command, tests/test_readme.py): sampled, so only
+    # the support can be checked here
     got = specjax.generate(smollm2, prompts[:2], max_new_tokens=16, sampling=sampling[:2], ssms=[derived],
                            verifier="rrs")
     assert got.stats["draft"] == "wor" and all(len(t) == 16 for t in got.token_ids)
@@ -275,34 +276,14 @@ def test_seeded_speculative_equals_seeded_incremental_on_smollm2(smollm2):
     jax.clear_caches()
 
 
-def test_cli_sampling_flags_seeded_tree_equals_incremental(capsys):
-    """`specjax generate --temperature ... --seed ...`: the default (tree, verifier auto = seeded)
-    prints the same tokens as --mode incremental; --verifier mss runs too."""
-    import json
-
-    from specjax.cli import main
-
-    base = ["generate", "--prompt", "Name three rivers.", "--max-new-tokens", "12", "--temperature", "0.9",
-            "--top-p", "0.95", "--seed", "5", "--json"]
-    records = []
-    for extra in ([], ["--mode", "incremental"], ["--verifier", "mss"]):
-        assert main(base + extra) == 0
-        records.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
-    assert records[0]["token_ids"] == records[1]["token_ids"]
-    assert records[0]["mode"] == "tree" and records[1]["mode"] == "incremental"
-    assert len(records[2]["token_ids"]) == 12
-
-
-def test_cli_mesh_pp2_tp4_equals_one_device(smollm2, capsys):
+def test_pp2_tp4_mesh_logits_are_as_close_to_float64_as_one_devices(smollm2):
     """SmolLM2 (9 heads / 3 KV heads: tp never divides them, so attention is replicated and the MLP
-    and vocabulary are split) as PP=2 x TP=4 on 8 simulated devices through ``specjax generate
-    --mesh``: tree-speculative tokens identical to one device; logits as close to the float64
-    reference as one device's (the floor, measured here), with the same argmax everywhere."""
-    import json
-
+    and vocabulary are split) as PP=2 x TP=4 on 8 simulated devices: logits as close to the float64
+    reference as one device's (the floor, measured here), with the same argmax everywhere. (Its
+    tokens: the API test below, and the README's mesh commands through ``specjax generate --mesh``
+    and ``specjax launch``, tests/test_readme.py.)"""
     import jax.numpy as jnp
 
-    from specjax import cli
     from specjax.decoding.incremental import full_logits
     from specjax.models.params import stack_layers
     from specjax.sharding import Parallel, ShardingRules
@@ -310,11 +291,6 @@ def test_cli_mesh_pp2_tp4_equals_one_device(smollm2, capsys):
     every = dev_prompts()  # 78 with ../shared, 4 built-in ones in a bare clone
     prompt = every[5 % len(every)]
     want = specjax.generate(smollm2, [prompt], max_new_tokens=16).token_ids[0]
-    rc = cli.main(["generate", "--prompt", prompt, "--max-new-tokens", "16", "--mode", "tree", "--ssm", "derived:8",
-                   "--expansion", "1,2,1", "--mesh", "pp=2,tp=4", "--replicate-attention", "--json"])
-    assert rc == 0
-    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert record["token_ids"] == want
 
     parallel = Parallel.create("pp=2,tp=4", rules=ShardingRules(heads=None, kv_heads=None))
     ids = jnp.asarray([specjax.api.encode_prompts(smollm2, [prompt])[0] + want] * 2)

@@ -464,9 +464,10 @@ def _whole_parts_tokens(out, parts, vocab_size: int) -> int:
 @requires_smollm2
 @pytest.mark.parametrize("name, rounds", [("v4_requests_b", ["requests-b"]), ("v5_written", ["written", "written-b"]),
                                           ("v6_written_c", ["written-c"]), ("v7_written_d", ["written-d"]),
-                                          ("v8_written_e", ["written-e"]), ("v9_written_f", ["written-f"])])
+                                          ("v8_written_e", ["written-e"]), ("v9_written_f", ["written-f"]),
+                                          ("v10_written_g", ["written-g"])])
 def test_the_committed_corpus_growths_are_whole_and_named_by_their_rounds(smollm2, tmp_path, name, rounds):
-    """The later committed corpus parts (scripts/data/feature_corpus_v4..v9): each tarball holds exactly its
+    """The later committed corpus parts (scripts/data/feature_corpus_v4..v10): each tarball holds exactly its
     rounds' parts, whole, made with their round's seed, and the combined provenance.json records every part."""
     from specjax.boost.feature_corpus import REQUEST_ROUNDS, WRITTEN_ROUNDS
 

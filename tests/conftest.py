@@ -112,15 +112,15 @@ def smollm2():
 
 
 # Modules by measured duration, longest first (a full run with cold caches, --durations=0, on 2 AMD EPYC
-# cores: the sum of each module's test times; stop 80's run, less its cuts to test_readme and test_smollm2).
-# pytest-xdist (--dist loadscope --no-loadscope-reorder) hands whole modules to the two workers in
-# collection order: longest first keeps one worker from starting a 10-minute module while the other
-# runs out of work. Modules not listed follow in their usual order.
-LONGEST_FIRST = ("test_readme.py", "test_sharding.py", "test_smollm2.py", "test_speculative_sampling.py",
-                 "test_feature.py", "test_multihost.py", "test_speculative.py", "test_cli.py", "test_corpus.py",
-                 "test_serve.py", "test_feature_tune.py", "test_lookup.py", "test_default_drafters.py",
-                 "test_boost_tune.py", "test_budget_estimate.py", "test_tree_forward.py", "test_layer_layout.py",
-                 "test_tree_attention.py", "test_nonfinite.py", "test_seeded.py", "test_programs.py",
+# cores: the sum of each module's test times; stop 80's run). pytest-xdist (--dist loadscope
+# --no-loadscope-reorder) hands whole modules to the two workers in collection order: longest first
+# keeps one worker from starting a 10-minute module while the other runs out of work. Modules not
+# listed follow in their usual order.
+LONGEST_FIRST = ("test_readme.py", "test_smollm2.py", "test_sharding.py", "test_speculative_sampling.py",
+                 "test_feature.py", "test_speculative.py", "test_multihost.py", "test_cli.py", "test_serve.py",
+                 "test_corpus.py", "test_default_drafters.py", "test_feature_tune.py", "test_lookup.py",
+                 "test_budget_estimate.py", "test_boost_tune.py", "test_layer_layout.py", "test_tree_forward.py",
+                 "test_tree_attention.py", "test_programs.py", "test_seeded.py", "test_nonfinite.py",
                  "test_decode.py")
 
 

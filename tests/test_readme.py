@@ -115,7 +115,8 @@ def test_using_it_commands_run_as_written(tmp_path):
         if "same tokens as --mode incremental" in command:  # the README's claim, checked: the default drafters
             # and verifier on the filtered (temperature 0.8, top-p) sampling path, through the command line
             claims += 1
-            reference = _run_shell(command.split("  #")[0] + " --mode incremental", str(tmp_path))
+            reference = _run_shell(shlex.join(shlex.split(command, comments=True) + ["--mode", "incremental"]),
+                                   str(tmp_path))
             assert reference.returncode == 0, reference.stderr[-3000:]
             assert r.stdout == reference.stdout, f"{command}: not incremental sampling's text"
     assert claims == 1
@@ -134,7 +135,7 @@ def test_scale_out_commands_run_or_parse(tmp_path):
     assert one_device.returncode == 0 and one_device.stdout.strip(), one_device.stderr[-3000:]
     for command in commands:
         if command.startswith("srun "):
-            words = shlex.split(command.split("#")[0])
+            words = shlex.split(command, comments=True)
             from specjax.cli import build_parser
             from specjax.cli.generate import _check_generate_args
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from specjax.attention import resolve_impl
 from specjax.decoding.buckets import _next_pow2, cache_bucket, output_bucket
-from specjax.decoding.host_step import MAX_CHUNK_STEPS, run_host_loop, run_two_programs
+from specjax.decoding.host_step import MAX_CHUNK_STEPS, AheadCompile, run_host_loop, run_two_programs
 from specjax.decoding.incremental import decode_host_step, decode_init_jit, finish_incremental, full_logits
 from specjax.decoding.programs import step_drafter_params, step_matmuls, step_program
 from specjax.decoding.sampling import SamplingArrays, SamplingParams
@@ -197,53 +197,83 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
 
 
 def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_tokens=None,
-             drafters=()) -> GenerationResult:
+             drafters=(), progress=None) -> GenerationResult:
     """Execute a validated plan (``plan_generation``) with loaded weights (the SSMs' and drafters'
-    params in the plan's drafter order: SSMs first)."""
-
-    cfg = model.config
+    params in the plan's drafter order: SSMs first). ``progress``: called with each tree size the budget
+    measures, if it measures (``measure_pass_costs``)."""
     n = len(plan.ids)
     drafter_params = tuple(s.params for s in ssms) + tuple(_bound(d).params for d in drafters)
     params, drafter_params, inputs, host = _place(parallel, model, plan, drafter_params)
     if plan.spec is not None:  # the drafters' matmul weights packed for the CPU kernel, where it runs
         drafter_params = step_drafter_params(plan.spec.drafters, drafter_params, parallel)
     batch = inputs[0].shape[0]
-    plan = measured_budget(model, plan, params, batch, parallel)
+    # XLA:CPU runs several pipelined passes in one program wrongly on an in-process mesh
+    # (``Parallel.one_pass_per_call``): there the loop goes one pass per call, streamed or not.
+    one_pass = parallel is not None and parallel.one_pass_per_call
+    streamed = on_tokens is not None or one_pass
+    ahead = None
+    if plan.spec is not None and plan.spec.budget is not None and plan.spec.budget.costs is None:
+        # The programs do not depend on the costs (an array argument): they compile beside the budget's
+        # measurement, which times its passes once they are compiled (``AheadCompile``).
+        costs = jax.ShapeDtypeStruct((len(plan.spec.budget.levels),), jnp.float32,
+                                     sharding=None if parallel is None else parallel.replicated())
+        init, finish_all, step = _programs(model, plan, plan.spec, costs, params, drafter_params, inputs, batch,
+                                           parallel)
+        sharded = parallel is not None
+        ahead = (AheadCompile(init, step, sharded, steps=np.int32(1)) if streamed
+                 else AheadCompile(init, finish_all, sharded))
+    try:
+        plan = measured_budget(model, plan, params, batch, parallel, progress,
+                               settle=None if ahead is None else ahead.result)
+    finally:
+        if ahead is not None:
+            ahead.wait()  # a failed measurement leaves no compilation running behind its error
+    loop_spec, pass_costs = (None, None) if plan.spec is None else plan.spec.costs_apart()
+    init, finish_all, step = _programs(model, plan, loop_spec, pass_costs, params, drafter_params, inputs, batch,
+                                       parallel)
+    timing = {"step_matmuls": step_matmuls(params, batch, parallel)}
+    if not streamed:
+        out = run_two_programs(init, finish_all, host, timing, ahead=ahead)
+        tokens = host(out.tokens)
+        finish = None
+    else:  # the loop in chunks of a few passes, each process fetching its reports
+        out, finish = run_host_loop(init, step, host, n, on_tokens or _ignore_tokens, timing,
+                                    1 if one_pass else MAX_CHUNK_STEPS, ahead=ahead)
+        tokens = host(out.tokens)
+    return _result(model, plan, out, tokens, host, n, timing, finish)
+
+
+def _programs(model: Model, plan: GenerationPlan, loop_spec, pass_costs, params, drafter_params, inputs, batch: int,
+              parallel):
+    """(prefill, whole loop, chunk of the loop) as partially applied jitted functions. ``loop_spec``: the
+    plan's spec with its budget's pass costs taken out (``SpecConfig.costs_apart``), ``pass_costs`` the
+    [L] costs (an array; its ``jax.ShapeDtypeStruct`` compiles the same programs before they are measured).
+    The prefill and the steps are separate programs: XLA:CPU's best matmul library differs between them
+    (``specjax.decoding.programs``)."""
+    cfg = model.config
     sizes = dict(cfg=cfg, cache_len=plan.cache_len, max_out=plan.max_out, parallel=parallel)
-    # The prefill and the steps are separate programs: XLA:CPU's best matmul library differs between
-    # them (``specjax.decoding.programs``).
     if plan.spec is None:  # the reference decoder
         init = functools.partial(decode_init_jit, params, *inputs, eos_ids=plan.eos_ids, **sizes)
         per_step = dict(sampling=inputs[3], max_new_tokens=inputs[2], cfg=cfg, eos_ids=plan.eos_ids, parallel=parallel)
         statics = ("cfg", "eos_ids", "parallel")
         finish_all = step_program(finish_incremental, batch, statics).bind(params, **per_step)
         step = step_program(decode_host_step, batch, statics, ("state",)).bind(params, **per_step)
-    else:  # the speculative loop: per-request settings live in its state
-        stop_ids = stop_rows(plan.eos_ids, len(plan.lens) + (parallel.padding_for(n) if parallel else 0))
-        if parallel is not None:
-            stop_ids = parallel.put_batch(stop_ids)
+        return init, finish_all, step
+    # the speculative loop: per-request settings live in its state
+    n = len(plan.ids)
+    stop_ids = stop_rows(plan.eos_ids, len(plan.lens) + (parallel.padding_for(n) if parallel else 0))
+    if parallel is not None:
+        stop_ids = parallel.put_batch(stop_ids)
+    init = functools.partial(init_state_jit, params, drafter_params, *inputs, stop_ids, spec=loop_spec, **sizes)
+    per_step = dict(cfg=cfg, spec=loop_spec, parallel=parallel)
+    if pass_costs is not None:
         # The budget's pass costs go in as an array, not compiled in: a remeasured table reuses the programs.
-        loop_spec, pass_costs = plan.spec.costs_apart()
-        init = functools.partial(init_state_jit, params, drafter_params, *inputs, stop_ids, spec=loop_spec, **sizes)
-        per_step = dict(cfg=cfg, spec=loop_spec, parallel=parallel)
-        if pass_costs is not None:
-            per_step["pass_costs"] = pass_costs if parallel is None else parallel.put(pass_costs, parallel.replicated())
-        statics = ("cfg", "spec", "parallel")
-        finish_all = step_program(finish_speculative, batch, statics).bind(params, drafter_params, **per_step)
-        step = step_program(host_step, batch, statics, ("state",)).bind(params, drafter_params, **per_step)
-    timing = {"step_matmuls": step_matmuls(params, batch, parallel)}
-    # XLA:CPU runs several pipelined passes in one program wrongly on an in-process mesh
-    # (``Parallel.one_pass_per_call``): there the loop goes one pass per call, streamed or not.
-    one_pass = parallel is not None and parallel.one_pass_per_call
-    if on_tokens is None and not one_pass:
-        out = run_two_programs(init, finish_all, host, timing)
-        tokens = host(out.tokens)
-        finish = None
-    else:  # the loop in chunks of a few passes, each process fetching its reports
-        out, finish = run_host_loop(init, step, host, n, on_tokens or _ignore_tokens, timing,
-                                    1 if one_pass else MAX_CHUNK_STEPS)
-        tokens = host(out.tokens)
-    return _result(model, plan, out, tokens, host, n, timing, finish)
+        placed = parallel is None or isinstance(pass_costs, jax.ShapeDtypeStruct)  # a shape carries its sharding
+        per_step["pass_costs"] = pass_costs if placed else parallel.put(pass_costs, parallel.replicated())
+    statics = ("cfg", "spec", "parallel")
+    finish_all = step_program(finish_speculative, batch, statics).bind(params, drafter_params, **per_step)
+    step = step_program(host_step, batch, statics, ("state",)).bind(params, drafter_params, **per_step)
+    return init, finish_all, step
 
 
 def _ignore_tokens(request: int, token_ids: list) -> None:
@@ -251,16 +281,17 @@ def _ignore_tokens(request: int, token_ids: list) -> None:
 
 
 def measured_budget(model: Model, plan: GenerationPlan, params=None, batch: int | None = None, parallel=None,
-                    progress=None) -> GenerationPlan:
+                    progress=None, settle=None) -> GenerationPlan:
     """The plan with its tree budget's pass costs for this machine and batch size (measured once,
-    then read from the cost table on disk). batch: the batch as run (mesh padding included)."""
+    then read from the cost table on disk). batch: the batch as run (mesh padding included);
+    ``settle``: called before measured passes are timed (``measure_pass_costs``)."""
     if plan.spec is None or plan.spec.budget is None or plan.spec.budget.costs is not None:
         return plan
     params = model.params if params is None else params
     batch = len(plan.ids) + (parallel.padding_for(len(plan.ids)) if parallel is not None else 0) \
         if batch is None else batch
     budget = with_costs(plan.spec.budget, params, model.config, batch, plan.spec.impl, parallel, progress,
-                        head=pass_head(plan.spec.verifier))
+                        head=pass_head(plan.spec.verifier), settle=settle)
     return dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, budget=budget))
 
 

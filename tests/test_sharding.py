@@ -122,7 +122,7 @@ def test_streamed_tokens_match_one_device_in_chunks(model, reference, shape, mon
     prompts, spec_kw, incremental, tree_passes = reference
     parallel = Parallel.create(shape)
     most, real = [], api.run_host_loop
-    monkeypatch.setattr(api, "run_host_loop", lambda *args: most.append(args[-1]) or real(*args))
+    monkeypatch.setattr(api, "run_host_loop", lambda *args, **kw: most.append(args[-1]) or real(*args, **kw))
     shown = [[] for _ in prompts]
     tree = specjax.generate(model, prompts, **GEN, **spec_kw, parallel=parallel,
                             on_tokens=lambda i, ids: shown[i].extend(ids))

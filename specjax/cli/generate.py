@@ -242,15 +242,12 @@ def _cmd_generate(args, out) -> int:
     if parallel is not None:  # place once; generation then finds everything where it belongs
         ssms = [s._replace(params=parallel.put_params(s.params, s.config, parallel.ssm_rules)) for s in ssms]
     load_s = time.perf_counter() - t0
-    from specjax.api import measured_budget
     from specjax.speculation.cost import cache_path
 
     def measuring(nodes, batch):
         log(f"# measuring the LLM pass time of a {nodes}-node tree at batch {batch} (once per machine; cached in "
             f"{cache_path()})")
 
-    plans = [measured_budget(model, plan, parallel=parallel,
-                             progress=lambda n, b=len(plan.ids): measuring(n, b)) for plan in plans]
     names = ssm_specs + _drafter_specs(args, model.config)
     description = args.mode + (f", {', '.join(names)}: " + "; ".join(d.describe() for d in plans[0].spec.drafters)
                                if names else "")
@@ -270,7 +267,9 @@ def _cmd_generate(args, out) -> int:
                 out.flush()
 
         try:
-            result = run_plan(model, plan, ssms, parallel=parallel, on_tokens=on_tokens, drafters=drafters)
+            # the budget's costs are measured here, its passes compiling beside the loop's (``run_plan``)
+            result = run_plan(model, plan, ssms, parallel=parallel, on_tokens=on_tokens, drafters=drafters,
+                              progress=lambda n, b=len(plan.ids): measuring(n, b))
             failed = set()
         except GenerationError as e:
             result, failed = e.result, set(e.failed)

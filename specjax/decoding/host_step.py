@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 import time
 from typing import Callable, NamedTuple
 
@@ -78,7 +79,8 @@ def chunk_sizes(most: int = MAX_CHUNK_STEPS):
                            itertools.repeat(most))
 
 
-def run_host_loop(init, chunk, host, n, on_tokens, timing, most: int = MAX_CHUNK_STEPS):
+def run_host_loop(init, chunk, host, n, on_tokens, timing, most: int = MAX_CHUNK_STEPS,
+                  ahead: AheadCompile | None = None):
     """The streaming loop of ``specjax.generate(on_tokens=...)``: ``chunk(state, steps=k)`` (a partially
     applied jitted function built on ``steps_while_active``, its state donated) called with growing
     ``k`` (``chunk_sizes``) until every request is done, ``on_tokens(request, ids)`` called with each
@@ -86,9 +88,12 @@ def run_host_loop(init, chunk, host, n, on_tokens, timing, most: int = MAX_CHUNK
     (every process its part on a mesh); ``timing`` receives compile_seconds, prefill_seconds and
     seconds. Returns (final state, each request's finish time as the host saw it). Compilation is
     timed apart (AOT lower + compile, the prefill waited for first: ``prefill_then_compile``).
-    ``most``: the largest chunk (1 where ``Parallel.one_pass_per_call``, see ``specjax.api.run_plan``)."""
+    ``most``: the largest chunk (1 where ``Parallel.one_pass_per_call``, see ``specjax.api.run_plan``);
+    ``ahead``: ``init`` and ``chunk(state, steps=1)`` compiling already (``AheadCompile``)."""
     sizes = (np.int32(k) for k in chunk_sizes(most))  # numpy: replicated as it is on every process
-    state, compile_s, prefill_s = prefill_then_compile(init, chunk, steps=np.int32(1))
+    if ahead is not None:
+        init, chunk = ahead.calls(init, chunk)
+    state, compile_s, prefill_s = prefill_then_compile(init, chunk, ahead, steps=np.int32(1))
     loop_start = time.perf_counter()
 
     def elapsed():  # generation time: the prefill, then the loop so far (compilation excluded)
@@ -125,12 +130,15 @@ def run_host_loop(init, chunk, host, n, on_tokens, timing, most: int = MAX_CHUNK
     return state, finish
 
 
-def run_two_programs(init, finish, host, timing):
+def run_two_programs(init, finish, host, timing, ahead: AheadCompile | None = None):
     """``specjax.generate`` without ``on_tokens``: the prefill program ``init()``, then the whole loop
     as one program ``finish(state)``, each compiled with its own options
     (``specjax.decoding.programs``). Compilation is timed apart as in ``run_host_loop``: the prefill
-    is waited for before the loop is compiled (``prefill_then_compile``). Returns the loop's output."""
-    state, compile_s, prefill_s = prefill_then_compile(init, finish)
+    is waited for before the loop is compiled (``prefill_then_compile``; ``ahead``: both compiling already,
+    ``AheadCompile``). Returns the loop's output."""
+    if ahead is not None:
+        init, finish = ahead.calls(init, finish)
+    state, compile_s, prefill_s = prefill_then_compile(init, finish, ahead)
     t0 = time.perf_counter()
     out = finish(state)
     host(out.tokens)  # blocks until done
@@ -140,12 +148,74 @@ def run_two_programs(init, finish, host, timing):
     return out
 
 
-def prefill_then_compile(init, then, **kwargs):
+class AheadCompile:
+    """``init`` and ``then`` (as ``prefill_then_compile`` calls them) compiled in a worker thread, ``then``
+    for the state ``init`` will return (its shapes, ``jax.eval_shape``), while the host does other work:
+    the tree budget's first measurement at a batch size, whose passes compile and are timed (~25 s on 2
+    AMD EPYC cores), does not depend on the loop's compilation (~20 s), since the measured costs reach the
+    loop as an array argument. The programs are then called as compiled (``calls``), not through ``jax.jit``'s
+    dispatch: that keys its cache on whether the state's arrays are committed to a device (they are when a
+    drafter's params were placed), which abstract shapes do not say, and would compile the loop again.
+    ``sharded`` (a mesh): ``then`` is compiled for the state's shardings as the compiled prefill outputs
+    them (a call with other shardings raises)."""
+
+    def __init__(self, init, then, sharded: bool = False, **kwargs):
+        self._seconds = None
+        self._error = None
+        self._compiled = None
+        self._thread = threading.Thread(target=self._compile, args=(init, then, sharded, kwargs), daemon=True,
+                                        name="specjax-compile-ahead")
+        self._thread.start()
+
+    def _compile(self, init, then, sharded, kwargs):
+        t0 = time.perf_counter()
+        try:
+            compiled_init = lower_partial(init).compile()
+            state = compiled_init.out_info if sharded else jax.eval_shape(init)
+            self._compiled = compiled_init, lower_partial(then, state, **kwargs).compile()
+        except BaseException as e:  # raised where the result is read, in the caller's thread
+            self._error = e
+        self._seconds = time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Wait for the compilation to end (an error it raised stays for ``result``)."""
+        self._thread.join()
+
+    def result(self) -> float:
+        """The seconds the compilation took (waited for), or what it raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._seconds
+
+    def calls(self, init: functools.partial, then: functools.partial):
+        """``init`` and ``then`` (the programs compiled, with their real arguments: e.g. the pass costs
+        measured meanwhile, where the compilation saw only their shape) calling the compiled executables.
+        A call whose arguments do not match what was compiled raises instead of compiling again."""
+        self.result()
+        return tuple(_call_compiled(compiled, fn) for compiled, fn in zip(self._compiled, (init, then)))
+
+
+def _call_compiled(compiled, fn: functools.partial) -> functools.partial:
+    """``fn`` (a partially applied jitted function) with its compiled executable in place of the function:
+    the same bound arguments but its static ones, which a compiled executable is not given."""
+    _, dynamic = jax.tree.unflatten(compiled.in_tree, [None] * compiled.in_tree.num_leaves)
+    return functools.partial(compiled, *fn.args, **{k: v for k, v in fn.keywords.items() if k in dynamic})
+
+
+def prefill_then_compile(init, then, ahead: AheadCompile | None = None, **kwargs):
     """Compile ``init``, run it, then compile ``then`` for the state it returned: (state, seconds of
     compilation, seconds of prefill). AOT lower + compile, so the calls that follow hit the same cache.
     The prefill is waited for before ``then`` is compiled: it runs asynchronously, and a compilation
     overlapping it had hidden the prefill's time inside ``compile_seconds`` (a cold batch of 16
-    prompts reported 7.9 s of generation for 16.4 s of prefill + decoding)."""
+    prompts reported 7.9 s of generation for 16.4 s of prefill + decoding). ``ahead``: both were
+    compiled already (``AheadCompile``, its seconds reported), so the prefill runs once that ends."""
+    if ahead is not None:
+        compile_s = ahead.result()
+        wait_for_peers("the prefill and the decoding loop compiled")
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(init())
+        return state, compile_s, time.perf_counter() - t0
     t0 = time.perf_counter()
     lower_partial(init).compile()
     wait_for_peers("the prefill compiled")

@@ -1,0 +1,149 @@
+"""The first budgeted run at a batch size: the decoding programs compile in a worker thread beside the tree
+budget's measurement (``specjax.decoding.host_step.AheadCompile``), each exactly once, and no measured pass
+is timed while that thread runs (it would take a core from the passes and skew the costs the budget
+steers by). Also: the CPU kernels' parallel build names a source that does not compile."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+import specjax
+from specjax.decoding import host_step
+from specjax.sharding.parallel import Parallel
+from specjax.speculation import cost
+from specjax.speculation.drafters.lookup import LookupDrafter
+from tests.conftest import random_ids
+from tests.toy import mesh_model
+
+AHEAD = "specjax-compile-ahead"
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    return specjax.load_model(tiny_llama_dir, progress=False)
+
+
+def _prompts(vocab):
+    rng = np.random.RandomState(5)
+    base = random_ids(rng, vocab, 8)
+    return [base + base + base[:3], random_ids(rng, vocab, 6)]
+
+
+def _ahead_alive() -> bool:
+    return any(t.name == AHEAD and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.fixture
+def compile_log(caplog):
+    """The programs jax compiles meanwhile, by name (``jax_log_compiles`` is a global setting here, not a
+    context: a context would not reach the worker thread)."""
+    before = jax.config.jax_log_compiles
+    jax.config.update("jax_log_compiles", True)
+    caplog.set_level(logging.WARNING, logger="jax")
+    try:
+        yield lambda name: sum(r.getMessage().startswith(f"Compiling jit({name})") for r in caplog.records)
+    finally:
+        jax.config.update("jax_log_compiles", before)
+
+
+@pytest.mark.parametrize("streamed,placed", [(False, None), (True, None), (True, "device"), (False, "pp=2,tp=2")])
+def test_the_first_budgeted_run_compiles_each_program_once_beside_the_measurement(llama, tmp_path, monkeypatch,
+                                                                                   compile_log, streamed, placed):
+    """A fresh cost table: the budget measures its sizes while the prefill and the loop compile ahead; every
+    timed pass runs with that compilation over; the prefill and the loop (whole or in chunks) compile
+    once each, the run after the measurement compiling nothing again; the tokens are incremental
+    decoding's. ``placed``: "device", weights put on a device (``jax.device_put``, as a caller's own arrays
+    may be), so the state is committed too, which the compilation ahead (from shapes) cannot know; a mesh
+    (four of the suite's eight CPU devices, pipelined: one pass per call, streamed in any case), the state
+    sharded as the compiled prefill outputs it."""
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    parallel = None
+    if placed == "device":
+        llama = llama._replace(params=jax.device_put(llama.params, jax.devices()[0]))
+    elif placed is not None:
+        llama, parallel = mesh_model("llama"), Parallel.create(placed, jax.devices()[:4])
+        streamed = streamed or parallel.one_pass_per_call
+    jax.clear_caches()
+    timed_beside = []
+    real_clock = cost._clock
+
+    def clock():
+        timed_beside.append(_ahead_alive())
+        return real_clock()
+
+    monkeypatch.setattr(cost, "_clock", clock)
+    prompts = _prompts(llama.config.vocab_size)
+    reference = specjax.generate(llama, prompts, max_new_tokens=12, mode="incremental", chat_template=False,
+                                 parallel=parallel)
+    streamed_ids = [[] for _ in prompts]
+    result = specjax.generate(llama, prompts, max_new_tokens=12, chat_template=False,
+                              drafters=[specjax.Bound(LookupDrafter(depth=3, branches=2, max_ngram=2), None)],
+                              budget="auto", parallel=parallel,
+                              on_tokens=(lambda i, ids: streamed_ids[i].extend(ids)) if streamed else None)
+    assert timed_beside and not any(timed_beside), "a measured pass was timed while the programs compiled"
+    assert "measured now" in result.stats["budget"]["costs_source"]
+    assert compile_log("init_state") == 1
+    assert compile_log("host_step" if streamed else "finish_speculative") == 1
+    assert compile_log("finish_speculative" if streamed else "host_step") == 0
+    assert result.stats["compile_seconds"] > 0
+    assert result.token_ids == reference.token_ids
+    if streamed and placed != "pp=2,tp=2":  # a pipelined mesh streams to no one when not asked to
+        assert streamed_ids == result.token_ids
+    assert not _ahead_alive()
+    jax.clear_caches()
+
+
+def test_settle_comes_after_every_compile_and_before_any_timed_pass(llama, monkeypatch):
+    """``measure_pass_costs(settle=...)``: the sizes compile (``progress`` before each), then ``settle``,
+    then the timed rounds (the clock)."""
+    events = []
+    monkeypatch.setattr(cost, "_clock", lambda: events.append("clock") or 0.0)
+    cost.measure_pass_costs(llama.params, llama.config, 1, [1, 2, 3], "xla", prefix=8, repeats=5,
+                            progress=lambda n: events.append(n), settle=lambda: events.append("settle"))
+    assert events[:4] == [1, 2, 3, "settle"] and set(events[4:]) == {"clock"}
+
+
+def test_a_failed_ahead_compilation_is_raised_by_generate(llama, tmp_path, monkeypatch):
+    """What the worker thread raised reaches the caller, and no compilation is left running."""
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    real = host_step.lower_partial
+
+    def failing(fn, *args, **kwargs):
+        if threading.current_thread().name == AHEAD:
+            raise RuntimeError("the ahead compilation failed on purpose")
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(host_step, "lower_partial", failing)
+    with pytest.raises(RuntimeError, match="failed on purpose"):
+        specjax.generate(llama, _prompts(llama.config.vocab_size), max_new_tokens=6, chat_template=False,
+                         drafters=[specjax.Bound(LookupDrafter(depth=2, branches=1, max_ngram=2), None)],
+                         budget="auto")
+    assert not _ahead_alive()
+
+
+def test_a_kernel_source_that_does_not_compile_is_named_and_nothing_is_left(tmp_path, monkeypatch):
+    """The sources compile side by side (one compiler process each); one that fails is named with its
+    compiler output, the others are stopped, and neither a library nor object files stay in the cache."""
+    from specjax.kernels.cpu import build
+
+    try:
+        build._compiler()
+    except build.KernelUnavailable:
+        pytest.skip("no C++ compiler")
+    sources = tmp_path / "src"
+    shutil.copytree(build.HERE, sources, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    broken = build.AVX2_SOURCES[-1]
+    with open(sources / broken, "a") as f:
+        f.write("\n#error this source is broken on purpose\n")
+    monkeypatch.setattr(build, "HERE", sources)
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(build.KernelUnavailable, match=rf"(?s){broken}.*broken on purpose"):
+        build._build("avx2")
+    assert os.listdir(tmp_path / "cache" / "kernels") == []

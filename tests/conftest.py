@@ -119,9 +119,9 @@ def smollm2():
 LONGEST_FIRST = ("test_readme.py", "test_smollm2.py", "test_sharding.py", "test_speculative_sampling.py",
                  "test_feature.py", "test_speculative.py", "test_multihost.py", "test_cli.py", "test_serve.py",
                  "test_corpus.py", "test_default_drafters.py", "test_feature_tune.py", "test_lookup.py",
-                 "test_budget_estimate.py", "test_boost_tune.py", "test_layer_layout.py", "test_tree_forward.py",
-                 "test_tree_attention.py", "test_programs.py", "test_seeded.py", "test_nonfinite.py",
-                 "test_decode.py")
+                 "test_budget_estimate.py", "test_boost_tune.py", "test_compile_ahead.py", "test_layer_layout.py",
+                 "test_tree_forward.py", "test_tree_attention.py", "test_programs.py", "test_seeded.py",
+                 "test_nonfinite.py", "test_decode.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -211,23 +211,26 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
     # (``Parallel.one_pass_per_call``): there the loop goes one pass per call, streamed or not.
     one_pass = parallel is not None and parallel.one_pass_per_call
     streamed = on_tokens is not None or one_pass
-    ahead = None
-    if plan.spec is not None and plan.spec.budget is not None and plan.spec.budget.costs is None:
-        # The programs do not depend on the costs (an array argument): they compile beside the budget's
-        # measurement, which times its passes once they are compiled (``AheadCompile``).
-        costs = jax.ShapeDtypeStruct((len(plan.spec.budget.levels),), jnp.float32,
-                                     sharding=None if parallel is None else parallel.replicated())
+    started = []
+
+    def beside():
+        # The budget measures its pass costs (none of this batch size, head or mesh in the table yet): the
+        # programs, which do not depend on the costs (an array argument), compile meanwhile (``AheadCompile``).
+        costs = jax.ShapeDtypeStruct((len(plan.spec.budget.levels),), jnp.float32)
         init, finish_all, step = _programs(model, plan, plan.spec, costs, params, drafter_params, inputs, batch,
                                            parallel)
-        sharded = parallel is not None
-        ahead = (AheadCompile(init, step, sharded, steps=np.int32(1)) if streamed
-                 else AheadCompile(init, finish_all, sharded))
-    try:
+        started.append(AheadCompile(init, step, steps=np.int32(1)) if streamed else AheadCompile(init, finish_all))
+        return started[0].result
+
+    try:  # one device only (``AheadCompile``)
         plan = measured_budget(model, plan, params, batch, parallel, progress,
-                               settle=None if ahead is None else ahead.result)
-    finally:
-        if ahead is not None:
-            ahead.wait()  # a failed measurement leaves no compilation running behind its error
+                               beside=beside if parallel is None else None)
+    except BaseException as e:
+        if not isinstance(e, KeyboardInterrupt):  # an interrupt does not wait for XLA
+            for ahead in started:
+                ahead.wait()  # a failed measurement leaves no compilation running behind its error
+        raise
+    ahead = started[0] if started else None
     loop_spec, pass_costs = (None, None) if plan.spec is None else plan.spec.costs_apart()
     init, finish_all, step = _programs(model, plan, loop_spec, pass_costs, params, drafter_params, inputs, batch,
                                        parallel)
@@ -268,8 +271,7 @@ def _programs(model: Model, plan: GenerationPlan, loop_spec, pass_costs, params,
     per_step = dict(cfg=cfg, spec=loop_spec, parallel=parallel)
     if pass_costs is not None:
         # The budget's pass costs go in as an array, not compiled in: a remeasured table reuses the programs.
-        placed = parallel is None or isinstance(pass_costs, jax.ShapeDtypeStruct)  # a shape carries its sharding
-        per_step["pass_costs"] = pass_costs if placed else parallel.put(pass_costs, parallel.replicated())
+        per_step["pass_costs"] = pass_costs if parallel is None else parallel.put(pass_costs, parallel.replicated())
     statics = ("cfg", "spec", "parallel")
     finish_all = step_program(finish_speculative, batch, statics).bind(params, drafter_params, **per_step)
     step = step_program(host_step, batch, statics, ("state",)).bind(params, drafter_params, **per_step)
@@ -281,17 +283,17 @@ def _ignore_tokens(request: int, token_ids: list) -> None:
 
 
 def measured_budget(model: Model, plan: GenerationPlan, params=None, batch: int | None = None, parallel=None,
-                    progress=None, settle=None) -> GenerationPlan:
+                    progress=None, beside=None) -> GenerationPlan:
     """The plan with its tree budget's pass costs for this machine and batch size (measured once,
     then read from the cost table on disk). batch: the batch as run (mesh padding included);
-    ``settle``: called before measured passes are timed (``measure_pass_costs``)."""
+    ``beside``: as in ``measure_pass_costs`` (called only when something is measured)."""
     if plan.spec is None or plan.spec.budget is None or plan.spec.budget.costs is not None:
         return plan
     params = model.params if params is None else params
     batch = len(plan.ids) + (parallel.padding_for(len(plan.ids)) if parallel is not None else 0) \
         if batch is None else batch
     budget = with_costs(plan.spec.budget, params, model.config, batch, plan.spec.impl, parallel, progress,
-                        head=pass_head(plan.spec.verifier), settle=settle)
+                        head=pass_head(plan.spec.verifier), beside=beside)
     return dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, budget=budget))
 
 

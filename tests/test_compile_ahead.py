@@ -53,23 +53,19 @@ def compile_log(caplog):
         jax.config.update("jax_log_compiles", before)
 
 
-@pytest.mark.parametrize("streamed,placed", [(False, None), (True, None), (True, "device"), (False, "pp=2,tp=2")])
+@pytest.mark.parametrize("streamed,placed", [(False, None), (True, None), (True, "device")])
 def test_the_first_budgeted_run_compiles_each_program_once_beside_the_measurement(llama, tmp_path, monkeypatch,
                                                                                    compile_log, streamed, placed):
     """A fresh cost table: the budget measures its sizes while the prefill and the loop compile ahead; every
     timed pass runs with that compilation over; the prefill and the loop (whole or in chunks) compile
     once each, the run after the measurement compiling nothing again; the tokens are incremental
     decoding's. ``placed``: "device", weights put on a device (``jax.device_put``, as a caller's own arrays
-    may be), so the state is committed too, which the compilation ahead (from shapes) cannot know; a mesh
-    (four of the suite's eight CPU devices, pipelined: one pass per call, streamed in any case), the state
-    sharded as the compiled prefill outputs it."""
+    may be), so the state is committed too, which the compilation ahead (from shapes) cannot know. A second
+    run reads the table: nothing is measured or compiled ahead."""
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
     parallel = None
     if placed == "device":
         llama = llama._replace(params=jax.device_put(llama.params, jax.devices()[0]))
-    elif placed is not None:
-        llama, parallel = mesh_model("llama"), Parallel.create(placed, jax.devices()[:4])
-        streamed = streamed or parallel.one_pass_per_call
     jax.clear_caches()
     timed_beside = []
     real_clock = cost._clock
@@ -94,33 +90,66 @@ def test_the_first_budgeted_run_compiles_each_program_once_beside_the_measuremen
     assert compile_log("finish_speculative" if streamed else "host_step") == 0
     assert result.stats["compile_seconds"] > 0
     assert result.token_ids == reference.token_ids
-    if streamed and placed != "pp=2,tp=2":  # a pipelined mesh streams to no one when not asked to
+    if streamed:
         assert streamed_ids == result.token_ids
     assert not _ahead_alive()
+    from specjax import api
+
+    made = []
+    monkeypatch.setattr(api, "AheadCompile", lambda *a, **k: made.append(a) or host_step.AheadCompile(*a, **k))
+    again = specjax.generate(llama, prompts, max_new_tokens=12, chat_template=False,
+                             drafters=[specjax.Bound(LookupDrafter(depth=3, branches=2, max_ngram=2), None)],
+                             budget="auto", parallel=parallel)
+    assert "measured earlier" in again.stats["budget"]["costs_source"] and made == []
+    assert again.token_ids == reference.token_ids
     jax.clear_caches()
 
 
-def test_settle_comes_after_every_compile_and_before_any_timed_pass(llama, monkeypatch):
-    """``measure_pass_costs(settle=...)``: the sizes compile (``progress`` before each), then ``settle``,
-    then the timed rounds (the clock)."""
+def test_a_mesh_measures_first_and_compiles_after(tmp_path, monkeypatch):
+    """On a mesh nothing compiles ahead (a chunk's output state can be sharded otherwise than the prefill's,
+    so a loop compiled for the prefill's would not take it): the budget measures, then the programs compile
+    as before, and the tokens are incremental decoding's."""
+    from specjax import api
+
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    made = []
+    monkeypatch.setattr(api, "AheadCompile", lambda *a, **k: made.append(a) or host_step.AheadCompile(*a, **k))
+    model, parallel = mesh_model("llama"), Parallel.create("dp=2", jax.devices()[:2])
+    prompts = _prompts(model.config.vocab_size)
+    reference = specjax.generate(model, prompts, max_new_tokens=8, chat_template=False, parallel=parallel)
+    result = specjax.generate(model, prompts, max_new_tokens=8, chat_template=False, parallel=parallel,
+                              drafters=[specjax.Bound(LookupDrafter(depth=2, branches=1, max_ngram=2), None)],
+                              budget="auto", on_tokens=lambda i, ids: None)
+    assert "measured now" in result.stats["budget"]["costs_source"] and made == []
+    assert result.token_ids == reference.token_ids
+
+
+def test_work_beside_starts_before_the_compiles_and_ends_before_any_timed_pass(llama, monkeypatch):
+    """``measure_pass_costs(beside=...)``: the work starts, the sizes compile (``progress`` before each),
+    the work is waited for, then the timed rounds (the clock)."""
     events = []
     monkeypatch.setattr(cost, "_clock", lambda: events.append("clock") or 0.0)
+
+    def beside():
+        events.append("start")
+        return lambda: events.append("wait")
+
     cost.measure_pass_costs(llama.params, llama.config, 1, [1, 2, 3], "xla", prefix=8, repeats=5,
-                            progress=lambda n: events.append(n), settle=lambda: events.append("settle"))
-    assert events[:4] == [1, 2, 3, "settle"] and set(events[4:]) == {"clock"}
+                            progress=lambda n: events.append(n), beside=beside)
+    assert events[:5] == ["start", 1, 2, 3, "wait"] and set(events[5:]) == {"clock"}
 
 
 def test_a_failed_ahead_compilation_is_raised_by_generate(llama, tmp_path, monkeypatch):
     """What the worker thread raised reaches the caller, and no compilation is left running."""
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
-    real = host_step.lower_partial
+    real = jax.stages.Lowered.compile
 
-    def failing(fn, *args, **kwargs):
+    def failing(self, *args, **kwargs):
         if threading.current_thread().name == AHEAD:
             raise RuntimeError("the ahead compilation failed on purpose")
-        return real(fn, *args, **kwargs)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(host_step, "lower_partial", failing)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", failing)
     with pytest.raises(RuntimeError, match="failed on purpose"):
         specjax.generate(llama, _prompts(llama.config.vocab_size), max_new_tokens=6, chat_template=False,
                          drafters=[specjax.Bound(LookupDrafter(depth=2, branches=1, max_ngram=2), None)],

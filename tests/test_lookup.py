@@ -384,11 +384,12 @@ def test_auto_budgets_take_the_goal_of_their_batching(llama, tmp_path, monkeypat
 
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
 
-    def fake_measure(params, cfg, batch, nodes, impl, parallel=None, progress=None, head="logits", settle=None):
+    def fake_measure(params, cfg, batch, nodes, impl, parallel=None, progress=None, head="logits", beside=None):
+        settle = None if beside is None else beside()  # generate's programs compile beside the measurement
         for n in nodes:
             if progress is not None:  # generate below measures batch 1 without a progress callback
                 progress(n)
-        if settle is not None:  # generate's programs compile beside the measurement until here
+        if settle is not None:
             settle()
         return {n: 0.1 + 0.01 * n for n in nodes}
 

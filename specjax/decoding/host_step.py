@@ -149,33 +149,35 @@ def run_two_programs(init, finish, host, timing, ahead: AheadCompile | None = No
 
 
 class AheadCompile:
-    """``init`` and ``then`` (as ``prefill_then_compile`` calls them) compiled in a worker thread, ``then``
-    for the state ``init`` will return (its shapes, ``jax.eval_shape``), while the host does other work:
-    the tree budget's first measurement at a batch size, whose passes compile and are timed (~25 s on 2
-    AMD EPYC cores), does not depend on the loop's compilation (~20 s), since the measured costs reach the
-    loop as an array argument. The programs are then called as compiled (``calls``), not through ``jax.jit``'s
-    dispatch: that keys its cache on whether the state's arrays are committed to a device (they are when a
-    drafter's params were placed), which abstract shapes do not say, and would compile the loop again.
-    ``sharded`` (a mesh): ``then`` is compiled for the state's shardings as the compiled prefill outputs
-    them (a call with other shardings raises)."""
+    """``init`` and ``then`` (as ``prefill_then_compile`` calls them) compiled while the host does other work,
+    ``then`` for the state ``init`` will return: the tree budget's first measurement at a batch size, whose
+    passes compile and are timed (~10 s on 2 AMD EPYC cores), does not depend on the loop's compilation
+    (~20 s), since the measured costs reach the loop as an array argument. Both are traced and lowered
+    here, in the caller's thread: JAX's thread-local settings (a caller's ``jax.default_matmul_precision``
+    context, say) decide what a program computes, and a worker thread would not see them. Only XLA's
+    compilation of the lowered programs, most of the time and free of Python, runs in a worker thread.
+    The programs are then called as compiled (``calls``), not through ``jax.jit``'s dispatch: that keys
+    its cache on whether the state's arrays are committed to a device (they are when weights were
+    placed), which shapes do not say, and would compile the loop again. One device only: on a mesh the
+    state a chunk outputs can be sharded otherwise than the prefill's (over dp, say), so a loop compiled for
+    the prefill's state would not take the next chunk's."""
 
-    def __init__(self, init, then, sharded: bool = False, **kwargs):
+    def __init__(self, init, then, **kwargs):
+        self._started = time.perf_counter()
         self._seconds = None
         self._error = None
         self._compiled = None
-        self._thread = threading.Thread(target=self._compile, args=(init, then, sharded, kwargs), daemon=True,
-                                        name="specjax-compile-ahead")
+        self._fns = init, then
+        lowered = lower_partial(init), lower_partial(then, jax.eval_shape(init), **kwargs)
+        self._thread = threading.Thread(target=self._compile, args=lowered, daemon=True, name="specjax-compile-ahead")
         self._thread.start()
 
-    def _compile(self, init, then, sharded, kwargs):
-        t0 = time.perf_counter()
+    def _compile(self, init, then):
         try:
-            compiled_init = lower_partial(init).compile()
-            state = compiled_init.out_info if sharded else jax.eval_shape(init)
-            self._compiled = compiled_init, lower_partial(then, state, **kwargs).compile()
+            self._compiled = init.compile(), then.compile()
         except BaseException as e:  # raised where the result is read, in the caller's thread
             self._error = e
-        self._seconds = time.perf_counter() - t0
+        self._seconds = time.perf_counter() - self._started
 
     def wait(self) -> None:
         """Wait for the compilation to end (an error it raised stays for ``result``)."""
@@ -193,13 +195,20 @@ class AheadCompile:
         measured meanwhile, where the compilation saw only their shape) calling the compiled executables.
         A call whose arguments do not match what was compiled raises instead of compiling again."""
         self.result()
-        return tuple(_call_compiled(compiled, fn) for compiled, fn in zip(self._compiled, (init, then)))
+        return tuple(_call_compiled(compiled, fn, ahead)
+                     for compiled, fn, ahead in zip(self._compiled, (init, then), self._fns))
 
 
-def _call_compiled(compiled, fn: functools.partial) -> functools.partial:
+def _call_compiled(compiled, fn: functools.partial, ahead: functools.partial) -> functools.partial:
     """``fn`` (a partially applied jitted function) with its compiled executable in place of the function:
-    the same bound arguments but its static ones, which a compiled executable is not given."""
+    the same bound arguments but its static ones, which a compiled executable is not given and which
+    must be those ``ahead`` (the partial it was compiled from) had: else it is another program."""
     _, dynamic = jax.tree.unflatten(compiled.in_tree, [None] * compiled.in_tree.num_leaves)
+    static = {k: v for k, v in fn.keywords.items() if k not in dynamic}
+    if (fn.func is not ahead.func or len(fn.args) != len(ahead.args)
+            or static != {k: v for k, v in ahead.keywords.items() if k not in dynamic}):
+        raise RuntimeError(f"specjax: the program compiled ahead ({ahead.func}) is not the one to run: its static "
+                           f"arguments changed since ({sorted(static)})")
     return functools.partial(compiled, *fn.args, **{k: v for k, v in fn.keywords.items() if k in dynamic})
 
 
@@ -212,7 +221,6 @@ def prefill_then_compile(init, then, ahead: AheadCompile | None = None, **kwargs
     compiled already (``AheadCompile``, its seconds reported), so the prefill runs once that ends."""
     if ahead is not None:
         compile_s = ahead.result()
-        wait_for_peers("the prefill and the decoding loop compiled")
         t0 = time.perf_counter()
         state = jax.block_until_ready(init())
         return state, compile_s, time.perf_counter() - t0

@@ -119,17 +119,19 @@ def _chain(batch: int, nodes: int):
 
 def measure_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: str = "xla", parallel=None,
                        prefix: int = PREFIX, repeats: int = REPEATS, progress=None,
-                       head: str = "logits", settle=None) -> dict[int, float]:
+                       head: str = "logits", beside=None) -> dict[int, float]:
     """{nodes: seconds per LLM tree pass}, measured warm on this machine (median of ``repeats`` rounds,
     or of fewer, at least ``MIN_REPEATS``, once the timed passes took ``MEASURE_SECONDS``);
     ``head``: the pass as that verifier has it (``HEADS``: "greedy" each node's argmax and finiteness,
-    "seeded" its seeded sample at temperature 1 and finiteness); ``settle``: called once every size is
-    compiled, before any is timed (work the caller runs beside the compiles, ``AheadCompile``, must end
-    first: on a CPU it would take cores from the timed passes)."""
+    "seeded" its seeded sample at temperature 1 and finiteness); ``beside``: work to run beside the
+    compiles (``specjax.api.run_plan``'s ``AheadCompile``): called before the first size compiles, it
+    returns a callable that waits for that work, called once every size is compiled and before any is
+    timed (on a CPU the work would take cores from the timed passes)."""
     _check_head(head)
     counts = sorted(set(int(n) for n in node_counts))
     if not counts or counts[0] < 1:
         raise InputError(f"tree sizes to measure must be >= 1 node, got {node_counts!r}")
+    settle = None if beside is None else beside()
     dtype = jax.tree.leaves(params)[0].dtype
 
     def one_pass(params, tree, cache):
@@ -162,7 +164,6 @@ def measure_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: 
         jax.block_until_ready(fwd(params, tree, cache))  # warm
     if settle is not None:
         settle()
-        wait_for_peers("the programs compiling beside the measurement compiled")
     # Round-robin over the sizes: a machine that slows down for a while (a shared CPU does) slows
     # every size alike instead of making one size look cheaper than a smaller one.
     samples = {n: [] for n in counts}
@@ -201,14 +202,14 @@ def monotone(costs: dict[int, float]) -> dict[int, float]:
 
 def cached_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: str = "xla", parallel=None,
                       progress=None, remeasure: bool = False, head: str = "logits",
-                      settle=None) -> tuple[dict[int, float], str]:
+                      beside=None) -> tuple[dict[int, float], str]:
     """({nodes: seconds}, where they came from): the on-disk table, measuring what it lacks.
 
     Several processes (one mesh across hosts) each read their own host's table, and the tables can
     differ (a fresh node, another run writing meanwhile); but measuring runs passes over the whole
     mesh, so every process must measure the same sizes or the collectives deadlock. Process 0's table
     decides what is measured, and its costs are everyone's: they decide every step's branch (the
-    loop's ``pass_costs`` argument), so all processes must hold the same ones. ``settle``: as in
+    loop's ``pass_costs`` argument), so all processes must hold the same ones. ``beside``: as in
     ``measure_pass_costs`` (not called when nothing is measured)."""
     path = cache_path()
     dtype = jax.tree.leaves(params)[0].dtype
@@ -221,7 +222,7 @@ def cached_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: s
         missing = _process0_sizes(counts, missing)
     if missing:
         row.update(measure_pass_costs(params, cfg, batch, missing, impl, parallel, progress=progress, head=head,
-                                      settle=settle))
+                                      beside=beside))
     if shared:
         row.update(_process0_costs(counts, row))
     if missing:
@@ -256,14 +257,14 @@ def _process0_costs(counts: list[int], row: dict[int, float]) -> dict[int, float
 
 
 def with_costs(budget: Budget, params, cfg: ModelConfig, batch: int, impl: str, parallel=None,
-               progress=None, head: str = "logits", settle=None) -> Budget:
+               progress=None, head: str = "logits", beside=None) -> Budget:
     """The budget with each level's measured seconds per pass (unchanged when it already has costs);
-    ``head``: for that verifier's passes (``pass_head``); ``settle``: as in ``measure_pass_costs``."""
+    ``head``: for that verifier's passes (``pass_head``); ``beside``: as in ``measure_pass_costs``."""
     if budget.costs is not None:
         return budget
     nodes = [budget.node_count(level) for level in range(len(budget.levels))]
     costs, source = cached_pass_costs(params, cfg, batch, nodes, impl, parallel, progress=progress, head=head,
-                                      settle=settle)
+                                      beside=beside)
     return dataclasses.replace(budget, costs=tuple(costs[n] for n in nodes), source=source)
 
 

@@ -27,6 +27,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -45,6 +46,7 @@ MATMUL_TARGETS = {"specjax_cpu_matmul": "SpecjaxCpuMatmul", "specjax_cpu_matmul_
 AVX2_TARGETS = {**MATMUL_TARGETS, "specjax_cpu_attention": "SpecjaxCpuAttention"}
 TARGETS = {**AVX2_TARGETS, "specjax_cpu_prefill_attention": "SpecjaxCpuPrefillAttention"}
 AVX2 = ("avx2", "fma", "f16c")
+BUILD_SECONDS = 600  # the most building the kernels may take (compiling and linking)
 
 NO_AVX512 = "this CPU has no AVX-512F"
 
@@ -110,9 +112,11 @@ def _build(isa: str) -> Path:
     except OSError as e:
         raise KernelUnavailable(f"cannot write the CPU kernels under {out.parent} ($SPECJAX_CACHE_DIR): {e}") from e
     try:
-        with tempfile.TemporaryDirectory(dir=out.parent) as objects:
+        with tempfile.TemporaryDirectory(dir=out.parent, ignore_cleanup_errors=True) as objects:
             _compile_and_link(cxx, sources, include, objects, tmp)
         os.replace(tmp, out)
+    except OSError as e:
+        raise KernelUnavailable(f"building the CPU kernels under {out.parent} failed: {e}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -128,14 +132,15 @@ def _compile_and_link(cxx: list[str], sources, include: str, objects: str, targe
              "-o", os.path.join(objects, f"{Path(name).stem}.o")] for name in sources]
     link = [*cxx, *FLAGS, *(cmd[-1] for cmd in cmds), "-o", target]
     running = []
+    deadline = time.monotonic() + BUILD_SECONDS  # for the whole build, not each compiler
     try:
         for cmd in cmds:
             running.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
         for cmd, proc in running:
-            _, stderr = proc.communicate(timeout=600)
+            _, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             if proc.returncode != 0:
                 raise KernelUnavailable(f"building the CPU kernels failed ({' '.join(cmd)}):\n{stderr.strip()[-2000:]}")
-        done = subprocess.run(link, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(link, capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()))
         if done.returncode != 0:
             raise KernelUnavailable(f"linking the CPU kernels failed ({' '.join(link)}):\n"
                                     f"{done.stderr.strip()[-2000:]}")

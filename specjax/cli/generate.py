@@ -267,7 +267,7 @@ def _cmd_generate(args, out) -> int:
                 out.flush()
 
         try:
-            # the budget's costs are measured here, its passes compiling beside the loop's (``run_plan``)
+            # the budget measures its costs here, on one device while the programs compile (``run_plan``)
             result = run_plan(model, plan, ssms, parallel=parallel, on_tokens=on_tokens, drafters=drafters,
                               progress=lambda n, b=len(plan.ids): measuring(n, b))
             failed = set()

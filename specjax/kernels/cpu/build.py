@@ -125,7 +125,7 @@ def _build(isa: str) -> Path:
 
 def _compile_and_link(cxx: list[str], sources, include: str, objects: str, target: str) -> None:
     """Every source compiled to an object file at once, one compiler process each, then linked into
-    ``target``: one process compiling them one after another took 15.3 s on 2 AMD EPYC cores (the two
+    ``target``: one process compiling them one after another took 15.4 s on 2 AMD EPYC cores (the two
     attention sources ~5.3 s each at -O3), on the first run of every fresh machine or cache directory."""
     compile_flags = [f for f in FLAGS if f != "-shared"]
     cmds = [[*cxx, *compile_flags, "-I", include, "-I", str(HERE), "-c", str(HERE / name),

@@ -169,6 +169,14 @@ class Parallel:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
+    def constrain_batch(self, tree):
+        """Inside jit: pin per-request arrays (leading axis = batch) over dp, as ``put_batch`` places them.
+        The decoding step's outputs come out so; a state created otherwise (zeros, replicated by XLA) made
+        a chunk program compiled for the prefill's output compile again for its own. A scalar (no batch
+        axis, e.g. one ``max_new_tokens`` for every request) is replicated."""
+        return jax.lax.with_sharding_constraint(tree, jax.tree.map(
+            lambda x: self.batch_sharding(x.shape) if np.ndim(x) else self.replicated(), tree))
+
     def constrain_cache(self, cache: KVCache, cfg: ModelConfig, rules: ShardingRules | None = None) -> KVCache:
         """Inside jit: pin a freshly created cache to its sharding (stage-local layers, split KV heads)."""
         shardings = self.cache_shardings(cfg, cache.batch, cache.max_len, rules)

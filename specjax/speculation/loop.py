@@ -258,16 +258,19 @@ def init_state(llm_params, drafter_params: tuple, prompt_tokens, prompt_lens, ma
     drafter_states = tuple(drafter_states)
     depth = spec.max_depth
     max_new_tokens = jnp.asarray(max_new_tokens, jnp.int32)
-    return SpecState(llm_cache=llm_cache, drafter_states=drafter_states, history=history,
-                     tokens=jnp.full((batch, max_out), PAD_TOKEN, jnp.int32).at[:, 0].set(
-                         jnp.where(ok, first, PAD_TOKEN)),
-                     num_generated=ok.astype(jnp.int32),
-                     done=~ok | stop_hit(first, stop_ids) | (max_new_tokens <= 1), failed=~ok,
-                     sampling=sampling, max_new_tokens=max_new_tokens, stop_ids=jnp.asarray(stop_ids, jnp.int32),
-                     tokens_per_pass=jnp.zeros((batch, depth + 2), jnp.int32),
-                     accepted_at_depth=jnp.zeros((batch, max(depth, 1)), jnp.int32),
-                     level_passes=jnp.zeros((batch, len(spec.levels)), jnp.int32),
-                     llm_passes=jnp.ones((), jnp.int32))
+    per_request = dict(history=history,
+                       tokens=jnp.full((batch, max_out), PAD_TOKEN, jnp.int32).at[:, 0].set(
+                           jnp.where(ok, first, PAD_TOKEN)),
+                       num_generated=ok.astype(jnp.int32),
+                       done=~ok | stop_hit(first, stop_ids) | (max_new_tokens <= 1), failed=~ok,
+                       sampling=sampling, max_new_tokens=max_new_tokens, stop_ids=jnp.asarray(stop_ids, jnp.int32),
+                       tokens_per_pass=jnp.zeros((batch, depth + 2), jnp.int32),
+                       accepted_at_depth=jnp.zeros((batch, max(depth, 1)), jnp.int32),
+                       level_passes=jnp.zeros((batch, len(spec.levels)), jnp.int32))
+    if parallel is not None:  # over dp, as every step leaves them (see ``Parallel.constrain_batch``)
+        per_request = parallel.constrain_batch(per_request)
+    return SpecState(llm_cache=llm_cache, drafter_states=drafter_states, llm_passes=jnp.ones((), jnp.int32),
+                     **per_request)
 
 
 def generate_speculative(llm_params, drafter_params: tuple, prompt_tokens: jax.Array, prompt_lens: jax.Array,

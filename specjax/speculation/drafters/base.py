@@ -125,7 +125,9 @@ class Drafter:
              hidden: jax.Array | None = None, first: jax.Array | None = None):
         """The drafter's state after the right-padded prompts [B, T] (lengths [B]). A drafter with
         ``hidden_layers`` also gets the LLM's hidden states at every prompt position, ``hidden`` [B, T,
-        len(hidden_layers), H], and the LLM's first generated token ``first`` [B] (the first root)."""
+        len(hidden_layers), H], and the LLM's first generated token ``first`` [B] (the first root). With
+        ``parallel``, per-request arrays belong over dp (``parallel.constrain_batch``), as the steps leave
+        them: an array created replicated (zeros) makes the streamed loop compile a second time."""
         return ()
 
     def propose(self, params, state, ctx: DraftContext) -> tuple[Proposal, object]:

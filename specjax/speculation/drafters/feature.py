@@ -152,7 +152,10 @@ class FeatureDrafter(Drafter):
 
         cache, last = run_chunks(run_chunk, jnp.max(lens) + 1, width + 1,
                                  (cache, jnp.zeros((batch, g.shape[-1]), g.dtype)))
-        return self._state(cache.replace(length=lens + 1), last, params, batch)
+        state = self._state(cache.replace(length=lens + 1), last, params, batch)
+        if parallel is not None:  # the per-request arrays over dp, as every step leaves them
+            state = dict(state, **parallel.constrain_batch({k: v for k, v in state.items() if k != "cache"}))
+        return state
 
     def _cache_len(self, cache_len: int) -> int:
         # the LLM's cache_len (its scratch included) + the root's pair + drafted frontiers, or the pairs of

@@ -108,9 +108,10 @@ class LookupDrafter(Drafter):
              first=None) -> dict:
         batch = prompt_tokens.shape[0]
         k, d = self.branches, self.depth
-        return {"chains": jnp.zeros((batch, k, d), jnp.int32), "known": jnp.zeros((batch, k), jnp.int32),
-                "ngram": jnp.zeros((batch, k), jnp.int32),
-                "counts": jnp.zeros((batch, self.stat_rows, 2), jnp.float32)}
+        state = {"chains": jnp.zeros((batch, k, d), jnp.int32), "known": jnp.zeros((batch, k), jnp.int32),
+                 "ngram": jnp.zeros((batch, k), jnp.int32),
+                 "counts": jnp.zeros((batch, self.stat_rows, 2), jnp.float32)}
+        return state if parallel is None else parallel.constrain_batch(state)  # per request: over dp, as steps leave it
 
     def propose(self, params, state: dict, ctx: DraftContext) -> tuple[Proposal, dict]:
         chains, known, ngram = find_chains(ctx.history, ctx.length, self.depth, self.branches, self.max_ngram,

@@ -93,7 +93,7 @@ def greedy_pair(model, hf, ids: list[int], max_new_tokens: int):
     import specjax
 
     t0 = time.perf_counter()
-    ours = specjax.generate(model, [ids], max_new_tokens=max_new_tokens).token_ids[0]
+    ours = specjax.generate(model, [ids], max_new_tokens=max_new_tokens, mode="incremental").token_ids[0]
     ours_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     with torch.no_grad():

@@ -67,7 +67,7 @@ def main() -> None:
     import torch
 
     import specjax
-    from specjax.decoding.buckets import _next_pow2
+    from specjax.decoding.buckets import next_pow2
     from specjax.decoding.incremental import decode_init_jit, decode_step
     from specjax.decoding.incremental import prefill as prefill_fn
     from specjax.decoding.programs import step_library, step_program
@@ -115,14 +115,14 @@ def main() -> None:
           f"{'torch decode ms':>15}")
     for length in [int(x) for x in args.lengths.split(",")]:
         ids = rng.randint(0, cfg.vocab_size, length).tolist()
-        width = _next_pow2(length)
+        width = next_pow2(length)
         prompt = jnp.asarray([ids + [0] * (width - length)], jnp.int32)
         lens = jnp.asarray([length], jnp.int32)
         budget = jnp.asarray([args.decode_steps + 1], jnp.int32)
         row = {"tokens": length}
-        for name, cache_len in (("api", width + _next_pow2(args.max_new_tokens)),
-                                ("4x", 4 * (width + _next_pow2(args.max_new_tokens)))):
-            statics = dict(cfg=cfg, cache_len=cache_len, max_out=_next_pow2(args.decode_steps + 1))
+        for name, cache_len in (("api", width + next_pow2(args.max_new_tokens)),
+                                ("4x", 4 * (width + next_pow2(args.max_new_tokens)))):
+            statics = dict(cfg=cfg, cache_len=cache_len, max_out=next_pow2(args.decode_steps + 1))
 
             def prefill(statics=statics):
                 return jax.block_until_ready(decode_init_jit(model.params, prompt, lens, budget, greedy, **statics))
@@ -172,10 +172,10 @@ def main() -> None:
     save()
     # The tree pass: a bushy tree (node i under node (i - 1) // 2) over a committed prefix.
     context = args.tree_context
-    cache = init_cache(cfg, 1, _next_pow2(context) + 128, model.params["embed"].dtype)
+    cache = init_cache(cfg, 1, next_pow2(context) + 128, model.params["embed"].dtype)
     ids = rng.randint(0, cfg.vocab_size, context).tolist()
     _, cache = jax.jit(prefill_fn, static_argnames="cfg")(
-        model.params, jnp.asarray([ids + [0] * (_next_pow2(context) - context)]), jnp.asarray([context]), cache,
+        model.params, jnp.asarray([ids + [0] * (next_pow2(context) - context)]), jnp.asarray([context]), cache,
         cfg=cfg)
     fwd = step_program(tree_forward, 1, ("cfg", "impl"))
     print(f"# tree pass at a {context}-token context")
@@ -194,7 +194,7 @@ def main() -> None:
     if args.e2e and os.path.exists(args.e2e):
         records = common.load_prompts(args.e2e, None)
         prompts = specjax.api.encode_prompts(model, [r["prompt"] for r in records])
-        specjax.generate(model, [prompts[0]], max_new_tokens=args.e2e_tokens)  # warm up
+        specjax.generate(model, [prompts[0]], max_new_tokens=args.e2e_tokens, mode="incremental")  # warm up
         with torch.no_grad():
             hf.generate(torch.tensor([prompts[0]], device=device), max_new_tokens=8, do_sample=False)
         rows = []

@@ -43,7 +43,7 @@ def main() -> None:
     sj_load = time.perf_counter() - t0
     prompts = specjax.api.encode_prompts(model, [r["prompt"] for r in records])
     t0 = time.perf_counter()
-    specjax.generate(model, [prompts[0]], max_new_tokens=args.max_new_tokens)
+    specjax.generate(model, [prompts[0]], max_new_tokens=args.max_new_tokens, mode="incremental")
     sj_first = time.perf_counter() - t0
 
     t0 = time.perf_counter()

@@ -89,7 +89,8 @@ def main() -> None:
     prompts = [r["prompt"] for r in common.load_prompts(args.prompts_file, args.num_prompts,
                                                          stride=max(1, 16 // args.num_prompts))]
     lookup = specjax.Bound(specjax.LookupDrafter())
-    configs = {"incremental": {}, "lookup + budget (default)": dict(drafters=[lookup], budget="auto")}
+    configs = {"incremental": {"mode": "incremental"},
+               "lookup + budget (default)": dict(drafters=[lookup], budget="auto")}
     print(f"\n# end to end, batch 1, greedy, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
           f"generation seconds without compilation, {args.rounds} alternating rounds (median per prompt)")
     for label, kw in configs.items():

@@ -108,7 +108,7 @@ def main() -> None:
             return run
 
         systems = {
-            "specjax incremental": sj(),
+            "specjax incremental": sj(mode="incremental"),
             default: sj(drafters=defaults, budget="auto"),
             "specjax corpus:auto + budget": sj(drafters=[answers], budget="auto"),
             "specjax lookup + budget": sj(drafters=[lookup], budget="auto"),
@@ -165,7 +165,7 @@ def main() -> None:
 
         sizes = [int(x) for x in args.batch_sizes.split(",")]
         m = args.batch_max_new_tokens
-        configs = {"specjax incremental": {}, default: dict(drafters=defaults, budget="auto")}
+        configs = {"specjax incremental": {"mode": "incremental"}, default: dict(drafters=defaults, budget="auto")}
         if args.compare_rate:
             configs[f"specjax {' + '.join(specs)} + budget, goal rate"] = dict(
                 drafters=defaults, budget=specjax.Budget(default_levels(tuple(d.drafter for d in defaults)),

@@ -75,10 +75,10 @@ def main() -> None:
         logits = np.asarray(full_logits(llm.params, tokens_in, cfg=cfg, parallel=parallel))
         kw = dict(max_new_tokens=args.max_new_tokens, ignore_eos=True, parallel=parallel)
         t0 = time.perf_counter()
-        specjax.generate(llm, prompts, **kw)
+        specjax.generate(llm, prompts, mode="incremental", **kw)
         specjax.generate(llm, prompts, mode="tree", ssms=[draft], expansion=expansion, **kw)
         compile_s = time.perf_counter() - t0
-        inc = specjax.generate(llm, prompts, **kw)
+        inc = specjax.generate(llm, prompts, mode="incremental", **kw)
         tree = specjax.generate(llm, prompts, mode="tree", ssms=[draft], expansion=expansion, **kw)
         compile_s -= inc.stats["seconds"] + tree.stats["seconds"]
         if reference is None:

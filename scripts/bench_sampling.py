@@ -68,7 +68,7 @@ def main() -> None:
             return specjax.SamplingParams(temperature=temperature, seed=1000 + i)
 
         systems = {"specjax incremental": lambda ids, i: specjax.generate(llm, [ids], max_new_tokens=n,
-                                                                          sampling=sampling(i))}
+                                                                          sampling=sampling(i), mode="incremental")}
         for verifier, draft in VERIFIERS:
             systems[f"specjax tree {verifier} ({draft} drafts)"] = (lambda v, d: lambda ids, i: specjax.generate(
                 llm, [ids], max_new_tokens=n, sampling=sampling(i), ssms=[ssm], expansion=widths, verifier=v,

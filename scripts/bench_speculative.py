@@ -58,7 +58,7 @@ def main() -> None:
     prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in records])
     n = args.max_new_tokens
 
-    systems = {"specjax incremental": lambda ids: specjax.generate(llm, [ids], max_new_tokens=n)}
+    systems = {"specjax incremental": lambda ids: specjax.generate(llm, [ids], max_new_tokens=n, mode="incremental")}
     for text in args.expansions.split(";"):
         widths = tuple(int(x) for x in text.split(","))
         mode = "sequence" if set(widths) == {1} else "tree"

@@ -33,7 +33,7 @@ def main() -> None:
     mismatches = []
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start:start + args.batch_size]
-        res = specjax.generate(model, batch, max_new_tokens=args.max_new_tokens)
+        res = specjax.generate(model, batch, max_new_tokens=args.max_new_tokens, mode="incremental")
         for j, (ids, ours) in enumerate(zip(res.prompt_token_ids, res.token_ids)):
             with torch.no_grad():
                 out = hf.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False)

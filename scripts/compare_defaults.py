@@ -91,7 +91,7 @@ def main() -> int:
         if used("corpus") else None
     lookup = specjax.Bound(LookupDrafter())
     single = {"lookup": lookup, "corpus": corpus, "feature": feature}
-    every = {"incremental": {}}
+    every = {"incremental": {"mode": "incremental"}}
     for m in MEMBERS:
         drafters = [single[d] for d in m.split(" + ")]
         every.update({m: {"drafters": drafters}, f"{m} + budget": {"drafters": drafters, "budget": "auto"}})

@@ -42,7 +42,7 @@ def _configs(llm, feature_arg: str, nodes: int, ssm_name: str):
     feat_half = from_arg(f"{feature_arg},nodes={half}", llm, load=True, expansion=None, draft="topk")
     ssm = specjax.load_model(ssm_name, progress=False)
     return {
-        "incremental": {},
+        "incremental": {"mode": "incremental"},
         f"feature ({nodes} nodes)": {"drafters": [feat]},
         f"lookup ({nodes} nodes)": {"drafters": [specjax.Bound(LookupDrafter(depth=half, branches=2))]},
         f"SSM chain ({min(nodes, 8)} nodes)": {"ssms": [ssm], "expansion": (1,) * min(nodes, 8)},
@@ -98,7 +98,7 @@ def part_kinds(llm, records, configs, n: int, results: dict) -> None:
             if not any(name.split(" (")[0] == s for s in SAMPLED):
                 continue
             t = specjax.generate(llm, [ids], max_new_tokens=n, sampling=seeded,
-                                 **({"verifier": "seeded"} if kw else {}), **kw)
+                                 **({"verifier": "seeded"} if "drafters" in kw else {}), **kw)
             if seeded_ref.setdefault(i, t.token_ids[0]) != t.token_ids[0]:
                 mismatches[name + " (seeded)"] += 1
             sampled[name][0] += len(t.token_ids[0])
@@ -156,8 +156,8 @@ def part_budget(llm, records, feature_arg: str, n: int, batches, node_counts, re
         groups = [prompts[i:i + b] for i in range(0, len(prompts), b)]
         row = {}
         for nodes in [0] + list(node_counts):
-            kw = {} if nodes == 0 else {"drafters": [from_arg(f"{feature_arg},nodes={nodes}", llm, load=True,
-                                                              expansion=None, draft="topk")]}
+            kw = {"mode": "incremental"} if nodes == 0 else {
+                "drafters": [from_arg(f"{feature_arg},nodes={nodes}", llm, load=True, expansion=None, draft="topk")]}
             specjax.generate(llm, groups[0], max_new_tokens=8, **kw)
             tokens, seconds = 0, 0.0
             for g in groups:

@@ -242,7 +242,7 @@ def _sequences_from_prompts(path: str, max_new_tokens: int):
     out = collections.defaultdict(list)
     for r in records:
         ids = specjax.api.encode_prompts(model, [r["prompt"]])[0]
-        res = specjax.generate(model, [ids], max_new_tokens=max_new_tokens)
+        res = specjax.generate(model, [ids], max_new_tokens=max_new_tokens, mode="incremental")
         out[r.get("kind") or r.get("category") or "prompts"].append((ids + res.token_ids[0], len(ids)))
     return out
 

@@ -10,22 +10,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.attention import resolve_impl
-from specjax.decoding.buckets import _next_pow2, cache_bucket, output_bucket
+from specjax.decoding.buckets import cache_bucket, next_pow2, output_bucket
 from specjax.decoding.host_step import MAX_CHUNK_STEPS, AheadCompile, run_host_loop, run_two_programs
 from specjax.decoding.incremental import decode_host_step, decode_init_jit, finish_incremental, full_logits
 from specjax.decoding.programs import step_drafter_params, step_matmuls, step_program
 from specjax.decoding.sampling import SamplingArrays, SamplingParams
 from specjax.errors import GenerationError, InputError
-from specjax.io import registry
 from specjax.io.prompts import normalize_prompts
-from specjax.speculation.budget import Budget, default_levels
-from specjax.speculation.choices import DRAFT_CHOICES, MODES, VERIFIER_CHOICES
+from specjax.speculation.choices import MODES
 from specjax.speculation.cost import pass_head, with_costs
-from specjax.speculation.drafters.base import Bound
-from specjax.speculation.drafters.ssm import SSMDrafter, check_compatible
-from specjax.speculation.expansion import Expansion
-from specjax.speculation.loop import DEFAULT_DRAFT, SpecConfig, finish_speculative, host_step, init_state_jit
+from specjax.speculation.drafters.ssm import SSMDrafter
+from specjax.speculation.loop import finish_speculative, host_step, init_state_jit
+from specjax.speculation.request import as_bound, default_drafters, spec_config
 from specjax.speculation.state import stop_rows
 from specjax.types import Model
 
@@ -74,14 +70,12 @@ def _sampling_list(sampling, n: int) -> list[SamplingParams]:
     return list(sampling)
 
 
-def _eos_ids(model: Model) -> tuple[int, ...]:
+def eos_ids_of(model: Model) -> tuple[int, ...]:
+    """The tokens that end a request by default: the config's EOS ids and the tokenizer's."""
     ids = set(model.config.eos_token_ids)
     if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
         ids.add(int(model.tokenizer.eos_token_id))
     return tuple(sorted(ids))
-
-
-MAX_TREE_NODES = 64
 
 
 def _check_max_new_tokens(max_new_tokens) -> None:
@@ -113,7 +107,8 @@ def plan_generation(model: Model, prompts, max_new_tokens: int = 128, sampling=N
                     verifier: str = "auto", draft: str = "auto", drafters=(), budget=None) -> GenerationPlan:
     """Validate a generation request and prepare it (see ``generate``). Reads only the configs and
     tokenizers of ``model`` and ``ssms`` (and the drafters' static parts), so it can run before their
-    weights are loaded."""
+    weights are loaded. Unlike ``generate``, it chooses no drafters: with no mode, SSMs or drafters the
+    plan is incremental decoding (``generate`` passes the default drafters it chose)."""
     mode = mode or ("tree" if ssms or drafters else "incremental")
     if mode not in MODES:
         raise InputError(f"mode must be one of {MODES}, got {mode!r}")
@@ -123,7 +118,7 @@ def plan_generation(model: Model, prompts, max_new_tokens: int = 128, sampling=N
     spec = verifier_name = draft_name = None
     extra_slots = 0
     if mode != "incremental":
-        spec, verifier_name, draft_name = _spec_config(model, list(ssms), list(drafters), mode, expansion, impl,
+        spec, verifier_name, draft_name = spec_config(model, list(ssms), list(drafters), mode, expansion, impl,
                                                        verifier, draft, any(not s.greedy for s in samplings), budget)
         extra_slots = spec.num_nodes  # tree scratch slots
     elif ssms or drafters:
@@ -142,13 +137,13 @@ def plan_generation(model: Model, prompts, max_new_tokens: int = 128, sampling=N
     # reads only the chunks a prompt needs, so every prompt that fits a bucket runs the same programs.
     # (It needs the new tokens' power of two, not the output buffer's floor: a 900-token prompt with
     # 16 new tokens stays in the first bucket.)
-    cache_len = cache_bucket(int(lens.max()) + _next_pow2(max_new_tokens) + extra_slots, len(ids))
+    cache_len = cache_bucket(int(lens.max()) + next_pow2(max_new_tokens) + extra_slots, len(ids))
     padded = np.zeros((len(ids), cache_len), np.int32)
     for i, p in enumerate(ids):
         padded[i, :len(p)] = p
     return GenerationPlan(mode=mode, ids=ids, lens=lens, padded=padded, samplings=samplings,
                           max_new_tokens=int(max_new_tokens), max_out=max_out, cache_len=cache_len,
-                          eos_ids=() if ignore_eos else _eos_ids(model), spec=spec, verifier=verifier_name,
+                          eos_ids=() if ignore_eos else eos_ids_of(model), spec=spec, verifier=verifier_name,
                           draft=draft_name)
 
 
@@ -160,7 +155,11 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
 
     mode: "incremental" (the reference decoder), "sequence" (one SSM drafts a chain of
     ``len(expansion)`` tokens) or "tree" (expansion-based with one SSM, merge-based with several).
-    Default: "tree" when SSMs are given, else "incremental". ssms: Models sharing the LLM's
+    Default: "tree" when SSMs or drafters are given; with neither, the **default drafting**, the same as
+    ``specjax generate``'s: the drafters ``registry.default_drafters`` names for this LLM (SmolLM2: the
+    shipped feature drafter merged with the lookup drafter, or the corpus drafter where the feature
+    drafter's files are missing; an LLM without either: the lookup drafter) under
+    ``budget="auto"`` (``default_drafters``). ssms: Models sharing the LLM's
     tokenizer, each drafting an expansion tree. expansion: widths <k1, ..., km> (default
     ``registry.DEFAULT_EXPANSION``), or one per SSM. drafters: other drafters, as
     ``specjax.Bound(drafter, params)`` (``specjax.speculation.drafters``), merged with the SSMs.
@@ -171,7 +170,8 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
     with the exact target distribution but other random numbers. draft: how SSMs draw children,
     "auto" = the verifier's natural drafting ("topk", "coupled", "iid" for mss, "wor" for rrs).
     A (draft, verifier) pair that would not be lossless is refused with an InputError.
-    budget (speculative modes): None verifies every proposal whole each step; "auto" chooses per step
+    budget (speculative modes): None verifies every proposal whole each step (the default drafting: None
+    means "auto"); "auto" chooses per step
     how much of it to verify (none at all when drafts will not pay) from this machine's measured LLM
     pass costs by tree size at this batch size (measured once, cached; ``specjax tree-cost``) and the
     drafters' measured acceptance (``specjax.speculation.budget``); or a ``Budget`` with explicit levels
@@ -191,8 +191,18 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
     A request whose LLM logits turn non-finite (NaN weights, overflow) stops without emitting a
     token from that pass: ``GenerationError`` names it, with the whole result attached.
     """
+    default = mode is None and not ssms and not drafters
+    if default:
+        if expansion is not None:
+            raise InputError("expansion shapes SSM drafts, and the default drafters have none: pass ssms=[...] "
+                             "with it, or drop it")
+        budget = "auto" if budget is None else budget
+        sampled = any(not s.greedy for s in _sampling_list(sampling, len(normalize_prompts(prompts))))
+        drafters = default_drafters(model, sampled, verifier, draft, load=False)  # checked before weights load
     plan = plan_generation(model, prompts, max_new_tokens, sampling, chat_template, ignore_eos, mode, ssms,
                            expansion, impl, verifier, draft, drafters, budget)
+    if default:
+        drafters = default_drafters(model, sampled, verifier, draft)
     return run_plan(model, plan, list(ssms), parallel=parallel, on_tokens=on_tokens, drafters=drafters)
 
 
@@ -202,7 +212,7 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
     params in the plan's drafter order: SSMs first). ``progress``: called with each tree size the budget
     measures, if it measures (``measure_pass_costs``)."""
     n = len(plan.ids)
-    drafter_params = tuple(s.params for s in ssms) + tuple(_bound(d).params for d in drafters)
+    drafter_params = tuple(s.params for s in ssms) + tuple(as_bound(d).params for d in drafters)
     params, drafter_params, inputs, host = _place(parallel, model, plan, drafter_params)
     if plan.spec is not None:  # the drafters' matmul weights packed for the CPU kernel, where it runs
         drafter_params = step_drafter_params(plan.spec.drafters, drafter_params, parallel)
@@ -392,94 +402,9 @@ def logits(model: Model, token_ids) -> list[np.ndarray]:
         if len(p) > model.config.max_positions:
             raise InputError(f"sequence {i} has {len(p)} tokens, beyond the context window "
                              f"{model.config.max_positions}")
-    width = _next_pow2(max(len(p) for p in ids))
+    width = next_pow2(max(len(p) for p in ids))
     padded = np.zeros((len(ids), width), np.int32)
     for i, p in enumerate(ids):
         padded[i, :len(p)] = p
     out = np.asarray(full_logits(model.params, jnp.asarray(padded), cfg=model.config))
     return [out[i, :len(p)] for i, p in enumerate(ids)]
-
-
-def _expansions(mode: str, expansion, n_ssms: int):
-
-    if expansion is None:
-        expansion = registry.DEFAULT_SEQUENCE if mode == "sequence" else registry.DEFAULT_EXPANSION
-    if isinstance(expansion, str):
-        expansion = Expansion.parse(expansion).widths
-    if isinstance(expansion, Expansion):
-        expansion = expansion.widths
-    if not isinstance(expansion, (list, tuple)) or not expansion:
-        raise InputError(f"expansion must be a non-empty tuple of widths like (1, 1, 3, 1) or one per SSM, "
-                         f"got {expansion!r}")
-    per_ssm = (list(expansion) if isinstance(expansion[0], (tuple, list, Expansion)) else [expansion] * n_ssms)
-    if len(per_ssm) != n_ssms:
-        raise InputError(f"{len(per_ssm)} expansion configs for {n_ssms} SSMs")
-    exps = [e if isinstance(e, Expansion) else Expansion(tuple(e)) for e in per_ssm]
-    nodes = 1 + sum(e.num_nodes - 1 for e in exps)
-    if nodes > MAX_TREE_NODES:
-        raise InputError(f"expansion {[list(e.widths) for e in exps]} makes a token tree of {nodes} nodes; the "
-                         f"limit is {MAX_TREE_NODES} (N_max)")
-    if mode == "sequence" and any(set(e.widths) != {1} for e in exps):
-        raise InputError(f"mode 'sequence' drafts a chain: widths must all be 1, got {[e.widths for e in exps]}")
-    return exps
-
-
-
-
-def resolve_verifier(verifier: str, draft: str, sampled: bool) -> tuple[str, str]:
-    """(verifier, draft) after resolving "auto"; lossy pairs are refused later by SpecConfig."""
-
-    if verifier not in VERIFIER_CHOICES:
-        raise InputError(f"verifier must be one of {VERIFIER_CHOICES}, got {verifier!r}")
-    if draft not in DRAFT_CHOICES:
-        raise InputError(f"draft must be one of {DRAFT_CHOICES}, got {draft!r}")
-    if verifier == "greedy" and sampled:
-        raise InputError("verifier 'greedy' decodes greedily but a request has temperature > 0; use "
-                         "verifier 'auto', 'seeded', 'mss', 'rrs' or 'naive' to sample")
-    if verifier == "auto":
-        if not sampled:
-            verifier = "greedy" if draft in ("auto", "topk") else "seeded"
-        else:
-            verifier = {"iid": "mss", "wor": "rrs"}.get(draft, "seeded")
-    if draft == "auto":
-        draft = DEFAULT_DRAFT[verifier]
-    return verifier, draft
-
-
-def _bound(d) -> Bound:
-    if isinstance(d, Bound):
-        return d
-    if isinstance(d, tuple) and len(d) == 2:
-        return Bound(*d)
-    raise InputError(f"a drafter must be given as specjax.Bound(drafter, params) or a (drafter, params) pair, "
-                     f"got {type(d).__name__}")
-
-
-def _spec_config(model: Model, ssms: list, drafters: list, mode: str, expansion, impl: str, verifier: str,
-                 draft: str, sampled: bool, budget=None):
-
-    if not ssms and not drafters:
-        raise InputError(f"mode {mode!r} needs at least one SSM (ssms=[...]) or drafter (drafters=[...])")
-    if mode == "sequence" and (len(ssms) != 1 or drafters):
-        raise InputError(f"mode 'sequence' takes exactly one SSM and no other drafter, got {len(ssms)} SSMs and "
-                         f"{len(drafters)} drafters")
-    for i, ssm in enumerate(ssms):
-        if not isinstance(ssm, Model):
-            raise InputError(f"SSM {i} must be a Model (specjax.load_model or specjax.derive_ssm), got "
-                             f"{type(ssm).__name__}")
-        check_compatible(model, ssm, name=f"SSM {i}")
-    verifier, draft = resolve_verifier(verifier, draft, sampled)
-    exps = _expansions(mode, expansion, len(ssms)) if ssms else []
-    bound = [_bound(d) for d in drafters]
-    drafter_objs = tuple(SSMDrafter(s.config, e, draft) for s, e in zip(ssms, exps)) + tuple(b.drafter for b in bound)
-    if isinstance(budget, str):
-        if budget != "auto":
-            raise InputError(f"budget must be None, 'auto' or a specjax.Budget, got {budget!r}")
-        budget = Budget(default_levels(drafter_objs))
-    elif budget is not None and not isinstance(budget, Budget):
-        raise InputError(f"budget must be None, 'auto' or a specjax.Budget, got {type(budget).__name__}")
-    spec = SpecConfig(drafters=drafter_objs, impl=resolve_impl(impl), verifier=verifier, budget=budget)
-    if spec.num_nodes > MAX_TREE_NODES:
-        raise InputError(f"the drafters {[d.describe() for d in spec.drafters]} make a token tree of {spec.num_nodes} "
-                         f"nodes; the limit is {MAX_TREE_NODES} (N_max)")
-    return spec, verifier, draft

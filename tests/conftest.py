@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 
 # Under pytest-xdist two workers share the machine's cores: torch's OpenMP threads spin-wait when
@@ -100,6 +101,27 @@ def tiny_opt_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny_opt"))
     make_hf_model("opt", path, word_embed_proj_dim=32, eos_token_id=5)
     return path
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    """The tiny LLaMA of tiny_llama_dir, loaded once per test module."""
+    import specjax
+
+    return specjax.load_model(tiny_llama_dir, progress=False)
+
+
+@pytest.fixture
+def compile_log(caplog):
+    """How many times jax compiled a program, by its function's name, during the test
+    (``jax_log_compiles`` is a global setting here, not a context: a context would not reach a worker thread)."""
+    before = jax.config.jax_log_compiles
+    jax.config.update("jax_log_compiles", True)
+    caplog.set_level(logging.WARNING, logger="jax")
+    try:
+        yield lambda name: sum(r.getMessage().startswith(f"Compiling jit({name})") for r in caplog.records)
+    finally:
+        jax.config.update("jax_log_compiles", before)
 
 
 @pytest.fixture(scope="session")

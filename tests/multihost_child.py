@@ -50,9 +50,9 @@ for shape in meshes:
     parallel = Parallel.create(shape)
     kw = dict(max_new_tokens=12, ignore_eos=True, parallel=parallel)
     tree_kw = dict(mode="tree", ssms=[derive_ssm(model, 2)], expansion=(1, 2, 1), **kw)
-    specjax.generate(model, prompts, **kw), specjax.generate(model, prompts, **tree_kw)  # compile
+    specjax.generate(model, prompts, mode="incremental", **kw), specjax.generate(model, prompts, **tree_kw)  # compile
     _phase(f"{shape}: compiled")
-    incremental = specjax.generate(model, prompts, **kw)  # warm: timed for docs/scale_out.md
+    incremental = specjax.generate(model, prompts, mode="incremental", **kw)  # warm: timed for docs/scale_out.md
     tree = specjax.generate(model, prompts, **tree_kw)
     _phase(f"{shape}: generated")
     mesh = parallel.mesh.devices  # [pp, dp, tp]

@@ -38,14 +38,14 @@ def test_corpus_is_the_llm_own_continuations_and_resumes(tmp_path):
     paths = generate_corpus(model, prompts, out, max_new_tokens=6, batch_size=2, temperatures=(0.0, 1.0), seed=7,
                             chat_template=False, progress=False)
     assert len(paths) == 4  # 2 temperatures x 2 batches
-    greedy = specjax.generate(model, prompts, max_new_tokens=6).token_ids
+    greedy = specjax.generate(model, prompts, max_new_tokens=6, mode="incremental").token_ids
     rows = read_shard(paths[0]) + read_shard(paths[1])
     assert [seq[n:] for seq, n in rows] == greedy and [seq[:n] for seq, n in rows] == prompts
     sampled = read_shard(paths[2]) + read_shard(paths[3])
     want = specjax.generate(model, prompts, max_new_tokens=6,
                             sampling=[SamplingParams(temperature=1.0, seed=7 + 2 * 2 + 0),
                                       SamplingParams(temperature=1.0, seed=7 + 2 * 2 + 1),
-                                      SamplingParams(temperature=1.0, seed=7 + 3 * 2)]).token_ids
+                                      SamplingParams(temperature=1.0, seed=7 + 3 * 2)], mode="incremental").token_ids
     assert [seq[n:] for seq, n in sampled] == want
     os.remove(paths[3])
     stamp = os.path.getmtime(paths[0])

@@ -90,6 +90,8 @@ def test_drafter_flag_builds_registered_drafters(tiny_llama_dir, tmp_path):
     assert budget["tree_nodes"] == [1, 3, 5] and len(budget["ms_per_pass"]) == 3
     assert sum(budget["passes_at_level"]) == record["llm_passes"] - 1  # every loop pass ran at some level
     assert record["prefill_seconds"] > 0  # the time to the first token, apart from the rate
+    # what the step programs multiplied with (``programs.step_matmuls``): XLA:CPU's library, maybe after "kernel+"
+    assert record["step_matmuls"].removeprefix("kernel+") in ("eigen", "ynnpack"), record["step_matmuls"]
 
 
 def test_layers_flag_generates_the_same_tokens_with_its_own_cost_table(tiny_llama_dir, tmp_path):

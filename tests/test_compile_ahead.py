@@ -5,7 +5,6 @@ steers by). Also: the CPU kernels' parallel build names a source that does not c
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import threading
@@ -25,11 +24,6 @@ from tests.toy import mesh_model
 AHEAD = "specjax-compile-ahead"
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_llama_dir):
-    return specjax.load_model(tiny_llama_dir, progress=False)
-
-
 def _prompts(vocab):
     rng = np.random.RandomState(5)
     base = random_ids(rng, vocab, 8)
@@ -38,19 +32,6 @@ def _prompts(vocab):
 
 def _ahead_alive() -> bool:
     return any(t.name == AHEAD and t.is_alive() for t in threading.enumerate())
-
-
-@pytest.fixture
-def compile_log(caplog):
-    """The programs jax compiles meanwhile, by name (``jax_log_compiles`` is a global setting here, not a
-    context: a context would not reach the worker thread)."""
-    before = jax.config.jax_log_compiles
-    jax.config.update("jax_log_compiles", True)
-    caplog.set_level(logging.WARNING, logger="jax")
-    try:
-        yield lambda name: sum(r.getMessage().startswith(f"Compiling jit({name})") for r in caplog.records)
-    finally:
-        jax.config.update("jax_log_compiles", before)
 
 
 @pytest.mark.parametrize("streamed,placed", [(False, None), (True, None), (True, "device")])
@@ -105,10 +86,11 @@ def test_the_first_budgeted_run_compiles_each_program_once_beside_the_measuremen
     jax.clear_caches()
 
 
-def test_a_mesh_measures_first_and_compiles_after(tmp_path, monkeypatch):
-    """On a mesh nothing compiles ahead (a chunk's output state can be sharded otherwise than the prefill's,
-    so a loop compiled for the prefill's would not take it): the budget measures, then the programs compile
-    as before, and the tokens are incremental decoding's."""
+def test_a_mesh_measures_first_and_compiles_after(tmp_path, monkeypatch, compile_log):
+    """On a mesh nothing compiles ahead: the budget measures, then the programs compile as before, and the
+    tokens are incremental decoding's. The chunk program compiles once: the prefill leaves every
+    per-request array over dp, as each chunk does (the lookup drafter's state and the zeroed counters had
+    come out replicated, and the second chunk compiled the loop again)."""
     from specjax import api
 
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
@@ -116,12 +98,15 @@ def test_a_mesh_measures_first_and_compiles_after(tmp_path, monkeypatch):
     monkeypatch.setattr(api, "AheadCompile", lambda *a, **k: made.append(a) or host_step.AheadCompile(*a, **k))
     model, parallel = mesh_model("llama"), Parallel.create("dp=2", jax.devices()[:2])
     prompts = _prompts(model.config.vocab_size)
-    reference = specjax.generate(model, prompts, max_new_tokens=8, chat_template=False, parallel=parallel)
+    reference = specjax.generate(model, prompts, max_new_tokens=8, chat_template=False, parallel=parallel,
+                                 mode="incremental")
     result = specjax.generate(model, prompts, max_new_tokens=8, chat_template=False, parallel=parallel,
                               drafters=[specjax.Bound(LookupDrafter(depth=2, branches=1, max_ngram=2), None)],
                               budget="auto", on_tokens=lambda i, ids: None)
     assert "measured now" in result.stats["budget"]["costs_source"] and made == []
     assert result.token_ids == reference.token_ids
+    assert result.stats["llm_passes"] > 3  # several chunks ran (1, 2, 4 passes, ...)
+    assert (compile_log("init_state"), compile_log("host_step")) == (1, 1)
 
 
 def test_work_beside_starts_before_the_compiles_and_ends_before_any_timed_pass(llama, monkeypatch):

@@ -280,11 +280,6 @@ def test_short_corpora_and_long_ngrams_index_without_error():
     assert chains[0, 0, :known[0, 0]].tolist() == [2] and ngram[0, 0] == 1
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_llama_dir):
-    return specjax.load_model(tiny_llama_dir, progress=False)
-
-
 def _prompts(vocab):
     rng = np.random.RandomState(5)
     return [random_ids(rng, vocab, 7), random_ids(rng, vocab, 5), random_ids(rng, vocab, 9)]
@@ -347,7 +342,7 @@ def test_corpus_speculation_equals_incremental_and_copies_the_corpus(llama, budg
     one that does not, alone and merged with an SSM."""
     vocab = llama.config.vocab_size
     prompts = _prompts(vocab)
-    want = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True)
+    want = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, mode="incremental")
     rng = np.random.RandomState(9)
     answers = [p + t for p, t in zip(prompts, want.token_ids)]
     unrelated = [random_ids(rng, vocab, 40) for _ in range(3)]
@@ -370,7 +365,7 @@ def test_corpus_speculation_equals_incremental_and_copies_the_corpus(llama, budg
                            drafters=[corpus_drafter(llama, unrelated + answers, depth=4)])
     assert got.token_ids == [t[:20] for t in want.token_ids]
     seeded = specjax.SamplingParams(temperature=0.9, top_k=30, seed=4)
-    inc = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, sampling=seeded)
+    inc = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, sampling=seeded, mode="incremental")
     spec = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, sampling=seeded,
                             drafters=[corpus_drafter(llama, unrelated + answers)], verifier="seeded")
     assert spec.token_ids == inc.token_ids

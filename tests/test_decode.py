@@ -24,7 +24,7 @@ def model(request, tiny_llama_dir, tiny_opt_dir):
 def test_cached_decoding_equals_full_recompute_argmax(model):
     rng = np.random.RandomState(0)
     prompt = random_ids(rng, model.config.vocab_size, 11)
-    out = specjax.generate(model, [prompt], max_new_tokens=20, ignore_eos=True).token_ids[0]
+    out = specjax.generate(model, [prompt], max_new_tokens=20, ignore_eos=True, mode="incremental").token_ids[0]
     seq = list(prompt)
     for step, tok in enumerate(out):
         full = specjax.logits(model, [seq])[0]
@@ -35,20 +35,20 @@ def test_cached_decoding_equals_full_recompute_argmax(model):
 def test_batched_equals_one_at_a_time(model):
     rng = np.random.RandomState(1)
     prompts = [random_ids(rng, model.config.vocab_size, n) for n in (3, 17, 9, 30)]
-    batched = specjax.generate(model, prompts, max_new_tokens=16, ignore_eos=True).token_ids
+    batched = specjax.generate(model, prompts, max_new_tokens=16, ignore_eos=True, mode="incremental").token_ids
     for p, b in zip(prompts, batched):
-        assert specjax.generate(model, [p], max_new_tokens=16, ignore_eos=True).token_ids[0] == b
+        assert specjax.generate(model, [p], max_new_tokens=16, ignore_eos=True, mode="incremental").token_ids[0] == b
 
 
 def test_eos_stops_request_and_is_included(model):
     rng = np.random.RandomState(2)
     prompt = random_ids(rng, model.config.vocab_size, 7)
-    free = specjax.generate(model, [prompt], max_new_tokens=12, ignore_eos=True).token_ids[0]
+    free = specjax.generate(model, [prompt], max_new_tokens=12, ignore_eos=True, mode="incremental").token_ids[0]
     eos = free[4]  # declare the 5th generated token to be EOS: generation must stop right there
     cut = free.index(eos) + 1
     m = specjax.Model(model.config.__class__.from_dict({**model.config.to_dict(), "eos_token_ids": (eos,)}),
                       model.params, None)
-    got = specjax.generate(m, [prompt, prompt[:3]], max_new_tokens=12).token_ids
+    got = specjax.generate(m, [prompt, prompt[:3]], max_new_tokens=12, mode="incremental").token_ids
     assert got[0] == free[:cut]
     assert len(got[1]) <= 12 and (got[1][-1] == eos or len(got[1]) == 12)
     assert eos not in got[1][:-1]
@@ -57,7 +57,7 @@ def test_eos_stops_request_and_is_included(model):
 @pytest.mark.parametrize("max_new", [1, 2, 13])
 def test_max_new_tokens_is_exact(model, max_new):
     prompt = random_ids(np.random.RandomState(3), model.config.vocab_size, 5)
-    res = specjax.generate(model, [prompt], max_new_tokens=max_new, ignore_eos=True)
+    res = specjax.generate(model, [prompt], max_new_tokens=max_new, ignore_eos=True, mode="incremental")
     assert len(res.token_ids[0]) == max_new
     assert res.stats["llm_passes"] == max_new  # prefill emits the first token, each pass one more
 
@@ -66,10 +66,11 @@ def test_prompt_lengths_in_one_bucket_do_not_recompile(model):
     """Every prompt that fits the first cache bucket (a one-token prompt and one of 900 tokens alike)
     runs the same compiled program: prefill reads only the chunks a prompt needs."""
     rng = np.random.RandomState(4)
-    specjax.generate(model, [random_ids(rng, model.config.vocab_size, 20)], max_new_tokens=8)
+    specjax.generate(model, [random_ids(rng, model.config.vocab_size, 20)], max_new_tokens=8, mode="incremental")
     before = generate_incremental_jit._cache_size()
     for n in (1, 17, 70, 300, 900):
-        res = specjax.generate(model, [random_ids(rng, model.config.vocab_size, n)], max_new_tokens=8)
+        res = specjax.generate(model, [random_ids(rng, model.config.vocab_size, n)], max_new_tokens=8,
+                               mode="incremental")
         assert res.stats["cache_len"] == MIN_CACHE
     assert generate_incremental_jit._cache_size() == before
 
@@ -80,15 +81,15 @@ def test_output_lengths_up_to_the_floor_do_not_recompile(model):
     The cache keeps the new tokens' own power of two (a 900-token prompt + 16 tokens fits 1024)."""
     rng = np.random.RandomState(7)
     prompt = random_ids(rng, model.config.vocab_size, 9)
-    specjax.generate(model, [prompt], max_new_tokens=5, ignore_eos=True)
+    specjax.generate(model, [prompt], max_new_tokens=5, ignore_eos=True, mode="incremental")
     before = generate_incremental_jit._cache_size()
     for n in (6, 16, 64, MIN_OUTPUT):
-        res = specjax.generate(model, [prompt], max_new_tokens=n, ignore_eos=True)
+        res = specjax.generate(model, [prompt], max_new_tokens=n, ignore_eos=True, mode="incremental")
         assert len(res.token_ids[0]) == n
     assert generate_incremental_jit._cache_size() == before
     assert output_bucket(MIN_OUTPUT + 1) == 2 * MIN_OUTPUT
     plan = plan_generation(model, [random_ids(rng, model.config.vocab_size, 900)], max_new_tokens=16,
-                           chat_template=False)
+                           chat_template=False, mode="incremental")
     assert (plan.max_out, plan.cache_len) == (MIN_OUTPUT, MIN_CACHE)
 
 
@@ -103,7 +104,8 @@ def test_sampling_follows_the_positional_gumbel_definition(model):
     """Token t must be argmax(warp(logits) + Gumbel(fold_in(key(seed), t))), t = absolute position."""
     prompt = random_ids(np.random.RandomState(5), model.config.vocab_size, 6)
     sp = SamplingParams(temperature=0.9, top_k=20, top_p=0.8, seed=1234)
-    out = specjax.generate(model, [prompt], max_new_tokens=10, sampling=sp, ignore_eos=True).token_ids[0]
+    out = specjax.generate(model, [prompt], max_new_tokens=10, sampling=sp, ignore_eos=True,
+                           mode="incremental").token_ids[0]
     seq = list(prompt)
     arrays = SamplingArrays.from_params([sp])
     for tok in out:
@@ -119,11 +121,13 @@ def test_seeded_sampling_is_independent_of_batch_slot(model):
     rng = np.random.RandomState(6)
     a, b = (random_ids(rng, model.config.vocab_size, n) for n in (5, 12))
     sp_a, sp_b = SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=0.7, top_p=0.9, seed=8)
-    ab = specjax.generate(model, [a, b], max_new_tokens=12, sampling=[sp_a, sp_b], ignore_eos=True).token_ids
-    ba = specjax.generate(model, [b, a], max_new_tokens=12, sampling=[sp_b, sp_a], ignore_eos=True).token_ids
+    ab = specjax.generate(model, [a, b], max_new_tokens=12, sampling=[sp_a, sp_b], ignore_eos=True,
+                          mode="incremental").token_ids
+    ba = specjax.generate(model, [b, a], max_new_tokens=12, sampling=[sp_b, sp_a], ignore_eos=True,
+                          mode="incremental").token_ids
     assert ab == ba[::-1]
     other_seed = specjax.generate(model, [a], max_new_tokens=12, sampling=SamplingParams(temperature=1.0, seed=9),
-                                  ignore_eos=True).token_ids[0]
+                                  ignore_eos=True, mode="incremental").token_ids[0]
     assert other_seed != ab[0], "different seeds should give different samples on a random model"
 
 
@@ -139,7 +143,8 @@ def test_generate_core_is_callable_inside_user_jit(model):
         return out.tokens[:, :6]
 
     got = np.asarray(user_program(model.params)).tolist()
-    want = specjax.generate(model, [[3, 4, 5], [7, 8, 9, 10]], max_new_tokens=6, ignore_eos=True).token_ids
+    want = specjax.generate(model, [[3, 4, 5], [7, 8, 9, 10]], max_new_tokens=6, ignore_eos=True,
+                            mode="incremental").token_ids
     assert got == want
 
 
@@ -189,7 +194,7 @@ def test_long_prompts_prefill_in_chunks_and_match_transformers(kind, lengths, tm
     # greedy continuation: each token is the argmax of transformers' float64 forward over everything
     # before it (transformers' own cached generate is not the oracle here: at this context it flips a
     # near tie of 1e-3 that both full forwards agree on)
-    out = specjax.generate(model, prompts, max_new_tokens=6, ignore_eos=True)
+    out = specjax.generate(model, prompts, max_new_tokens=6, ignore_eos=True, mode="incremental")
     with torch.no_grad():
         for p, got in zip(prompts, out.token_ids):
             want = hf64(torch.tensor([p + got])).logits[0, len(p) - 1:-1].numpy().argmax(-1).tolist()

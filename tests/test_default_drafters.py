@@ -44,17 +44,21 @@ def three_prompts(tmp_path_factory) -> tuple[str, list[str]]:
     return str(path), prompts
 
 
-def test_default_generate_command_drafts_with_the_feature_drafter_and_equals_incremental(smollm2, capsys,
-                                                                                         three_prompts):
+def test_default_generate_command_and_api_draft_with_the_feature_drafter_and_equal_incremental(smollm2, capsys,
+                                                                                               three_prompts):
     """No --drafter: the records' speculation names feature:auto + lookup:auto; batched greedy tokens are exactly
-    incremental decoding's, and drafts were accepted."""
+    incremental decoding's, and drafts were accepted. ``specjax.generate`` with no drafter drafts the same way."""
     path, prompts = three_prompts
     records = _run(capsys, path)
     assert all(r["speculation"].startswith("tree, feature:auto, lookup:auto: feature(depth 4, beam 4, nodes 16); "
                                            "lookup(") for r in records), records[0]["speculation"]
-    want = specjax.generate(smollm2, prompts, max_new_tokens=32).token_ids
+    want = specjax.generate(smollm2, prompts, max_new_tokens=32, mode="incremental").token_ids
     assert [r["token_ids"] for r in records] == want
     assert sum(r["llm_passes"] for r in records) < sum(len(w) for w in want), "no drafted token was accepted"
+    api = specjax.generate(smollm2, prompts, max_new_tokens=32)
+    assert ": " + "; ".join(api.stats["drafters"]) in records[0]["speculation"], api.stats["drafters"]
+    assert "budget" in api.stats and api.token_ids == want
+    assert sum(r["llm_passes"] for r in api.stats["requests"]) < sum(len(w) for w in want), "nothing accepted"
 
 
 def test_default_generate_command_samples_what_seeded_incremental_sampling_does(smollm2, capsys, three_prompts):

@@ -78,15 +78,10 @@ class HiddenRecorder(RepeatDrafter):
         return (jnp.where(moved[:, None], last, state[0]), jnp.where(moved, accepted.length - 1, state[1]))
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_llama_dir):
-    return specjax.load_model(tiny_llama_dir, progress=False)
-
-
 def test_a_new_drafter_speculates_and_merges_losslessly(llama):
     rng = np.random.RandomState(5)
     prompts = [random_ids(rng, 128, n) for n in (5, 12)] + [[9, 9, 9, 9, 9, 9]]
-    want = specjax.generate(llama, prompts, max_new_tokens=16, ignore_eos=True)
+    want = specjax.generate(llama, prompts, max_new_tokens=16, ignore_eos=True, mode="incremental")
     alone = specjax.generate(llama, prompts, max_new_tokens=16, ignore_eos=True, drafters=[(RepeatDrafter(), ())])
     assert alone.token_ids == want.token_ids
     assert alone.stats["drafters"] == ["RepeatDrafter"]
@@ -96,7 +91,7 @@ def test_a_new_drafter_speculates_and_merges_losslessly(llama):
     assert merged.token_ids == want.token_ids
     assert merged.stats["tree_nodes"] == 1 + 4 + 3
     seeded = specjax.SamplingParams(temperature=0.9, seed=3)
-    inc = specjax.generate(llama, prompts, max_new_tokens=16, ignore_eos=True, sampling=seeded)
+    inc = specjax.generate(llama, prompts, max_new_tokens=16, ignore_eos=True, sampling=seeded, mode="incremental")
     spec = specjax.generate(llama, prompts, max_new_tokens=16, ignore_eos=True, sampling=seeded,
                             drafters=[(RepeatDrafter(), ())], verifier="seeded")
     assert spec.token_ids == inc.token_ids

@@ -20,11 +20,6 @@ from specjax.speculation.loop import init_state_jit
 from tests.conftest import random_ids
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_llama_dir):
-    return specjax.load_model(tiny_llama_dir, progress=False)
-
-
 def _engine(llama, drafting: str, slots: int = 3) -> Engine:
     drafters, budget = (), None
     if drafting == "lookup":

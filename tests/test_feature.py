@@ -55,11 +55,6 @@ from tests.stats import assert_fits, fits
 from tests.toy import exact_sequence_law, sampling_arrays, toy_model
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_llama_dir):
-    return specjax.load_model(tiny_llama_dir, progress=False)
-
-
 def _feature_set(model: Model, sequences) -> FeatureSet:
     """Greedy continuations: the next token of every continuation position is the LLM's greedy token."""
     greedy = [np.asarray(s[1:] + [-1], np.int32) for s, _ in sequences]
@@ -76,7 +71,7 @@ def corpus(llama):
     """The tiny LLM's own greedy continuations of random prompts (it soon repeats itself: learnable)."""
     rng = np.random.RandomState(0)
     prompts = [random_ids(rng, llama.config.vocab_size, int(rng.randint(4, 12))) for _ in range(24)]
-    out = specjax.generate(llama, prompts, max_new_tokens=40, ignore_eos=True)
+    out = specjax.generate(llama, prompts, max_new_tokens=40, ignore_eos=True, mode="incremental")
     return _feature_set(llama, [(p + c, len(p)) for p, c in zip(prompts, out.token_ids)])
 
 
@@ -590,7 +585,7 @@ def test_feature_speculation_equals_incremental_greedy_and_seeded(llama, trained
     cfg, _, params, _ = trained
     prompts = _prompts(llama.config.vocab_size)
     d = FeatureDrafter(cfg, depth=4, beam=3, nodes=8, ladder=(0, 1, 3, 8))
-    want = specjax.generate(llama, prompts, max_new_tokens=30, ignore_eos=True)
+    want = specjax.generate(llama, prompts, max_new_tokens=30, ignore_eos=True, mode="incremental")
     got = specjax.generate(llama, prompts, max_new_tokens=30, ignore_eos=True, drafters=[specjax.Bound(d, params)])
     assert got.token_ids == want.token_ids
     assert got.stats["mean_tokens_per_pass"] > 1.5  # the trained drafter's tokens are really accepted
@@ -603,11 +598,32 @@ def test_feature_speculation_equals_incremental_greedy_and_seeded(llama, trained
                               drafters=[specjax.Bound(d, params), specjax.Bound(LookupDrafter(depth=5))])
     assert merged.token_ids == want.token_ids
     seeded = specjax.SamplingParams(temperature=0.8, top_p=0.95, seed=5)
-    inc = specjax.generate(llama, prompts, max_new_tokens=30, ignore_eos=True, sampling=seeded)
+    inc = specjax.generate(llama, prompts, max_new_tokens=30, ignore_eos=True, sampling=seeded, mode="incremental")
     spec = specjax.generate(llama, prompts, max_new_tokens=30, ignore_eos=True, sampling=seeded, verifier="seeded",
                             drafters=[specjax.Bound(d, params)])
     assert spec.token_ids == inc.token_ids
     assert spec.stats["mean_tokens_per_pass"] > 1.2  # coupled drafts are accepted at T > 0 too
+
+
+def test_feature_speculation_on_a_dp_mesh_equals_incremental_and_compiles_its_chunk_once(llama, trained,
+                                                                                          tiny_llama_dir, compile_log):
+    """On a dp=2 mesh, streamed: incremental decoding's tokens, and the chunk program compiled once (the
+    drafter's init leaves its per-request arrays over dp, as every step does; its zeroed arrays had come
+    out replicated, and the second chunk compiled the loop again)."""
+    from specjax.sharding import Parallel
+
+    cfg, _, params, _ = trained
+    parallel = Parallel.create("dp=2", jax.devices()[:2])
+    stacked = specjax.load_model(tiny_llama_dir, progress=False, split_layers=False)  # a mesh takes stacked layers
+    placed = stacked._replace(params=parallel.put_params(stacked.params, stacked.config))
+    prompts = _prompts(llama.config.vocab_size)
+    want = specjax.generate(llama, prompts, max_new_tokens=30, ignore_eos=True, mode="incremental")
+    d = FeatureDrafter(cfg, depth=4, beam=3, nodes=8, ladder=(0, 1, 3, 8))
+    got = specjax.generate(placed, prompts, max_new_tokens=30, ignore_eos=True, parallel=parallel,
+                           drafters=[specjax.Bound(d, params)], on_tokens=lambda i, ids: None)
+    assert got.token_ids == want.token_ids
+    assert got.stats["mean_tokens_per_pass"] > 1.5  # several chunks ran, with drafts accepted
+    assert compile_log("host_step") == 1
 
 
 @pytest.mark.skipif(cpu_kernels.matmul_status() is not None,
@@ -662,7 +678,7 @@ def test_feature_drafter_in_the_engine_mid_batch_insert(llama, trained):
     cfg, _, params, _ = trained
     d = FeatureDrafter(cfg, depth=3, beam=2, nodes=5, ladder=(0, 5))
     prompts = _prompts(llama.config.vocab_size)
-    want = specjax.generate(llama, prompts, max_new_tokens=20, ignore_eos=True).token_ids
+    want = specjax.generate(llama, prompts, max_new_tokens=20, ignore_eos=True, mode="incremental").token_ids
     engine = Engine(llama, slots=2, max_prompt_tokens=16, max_new_tokens=20, drafters=[specjax.Bound(d, params)])
     state = engine.insert(engine.init(), engine.prefill(prompts[0]), slot=1)
     for _ in range(3):

@@ -11,17 +11,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-import specjax
 from specjax.boost.corpus import generate_corpus, read_shard
 from specjax.boost.feature_data import FeatureSet, feature_shards, split_held_out
 from specjax.boost.feature_loading import load_feature_set, load_split
 from specjax.errors import InputError
 from tests.conftest import random_ids
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_llama_dir):
-    return specjax.load_model(tiny_llama_dir, progress=False)
 
 
 @pytest.fixture(scope="module")

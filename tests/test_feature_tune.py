@@ -250,7 +250,7 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
 
     bound = from_arg(str(tmp_path / "final"), smollm2, load=True, expansion=None, draft="topk")
     prompts = specjax.api.encode_prompts(smollm2, ["Name three rivers in Europe.", "Write a haiku about rain."])
-    ref = specjax.generate(smollm2, prompts, max_new_tokens=12)
+    ref = specjax.generate(smollm2, prompts, max_new_tokens=12, mode="incremental")
     got = specjax.generate(smollm2, prompts, max_new_tokens=12, drafters=[bound])
     assert got.token_ids == ref.token_ids
 
@@ -422,14 +422,14 @@ def test_the_shipped_drafter_loads_by_name_drafts_accepted_tokens_and_is_lossles
     prompts = specjax.api.encode_prompts(smollm2, ["Summarise in one sentence: The river flooded the town after "
                                                    "three days of rain, and the school closed for a week.",
                                                    "Write a Python function that reverses a string."])
-    ref = specjax.generate(smollm2, prompts, max_new_tokens=24)
+    ref = specjax.generate(smollm2, prompts, max_new_tokens=24, mode="incremental")
     got = specjax.generate(smollm2, prompts, max_new_tokens=24, drafters=[bound])
     assert got.token_ids == ref.token_ids
     assert got.stats["llm_passes"] < ref.stats["llm_passes"]  # its drafts are accepted: fewer LLM passes
     seeded = specjax.SamplingParams(temperature=1.0, seed=5)
     assert specjax.generate(smollm2, prompts, max_new_tokens=16, sampling=seeded, drafters=[bound],
                             verifier="seeded").token_ids == \
-        specjax.generate(smollm2, prompts, max_new_tokens=16, sampling=seeded).token_ids
+        specjax.generate(smollm2, prompts, max_new_tokens=16, sampling=seeded, mode="incremental").token_ids
 
 
 def _extract_committed_corpus(name: str, into) -> None:

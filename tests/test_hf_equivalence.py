@@ -64,7 +64,7 @@ def test_greedy_generation_matches_hf_generate(tmp_path):
     model = specjax.load_model(str(tmp_path), progress=False)
     rng = np.random.RandomState(1)
     prompts = [random_ids(rng, model.config.vocab_size, n) for n in (5, 19)]
-    ours = specjax.generate(model, prompts, max_new_tokens=24)
+    ours = specjax.generate(model, prompts, max_new_tokens=24, mode="incremental")
     for prompt, got in zip(prompts, ours.token_ids):
         with torch.no_grad():
             out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,

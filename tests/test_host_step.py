@@ -25,11 +25,6 @@ from specjax.speculation.state import greedy_sampling, stop_rows
 from tests.conftest import random_ids
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_llama_dir):
-    return specjax.load_model(tiny_llama_dir, progress=False)
-
-
 def _prompts(model, seed=0):
     rng = np.random.RandomState(seed)
     # repeated spans so the lookup drafter proposes (and several tokens land per pass)
@@ -39,7 +34,7 @@ def _prompts(model, seed=0):
 
 @pytest.mark.parametrize("kind", ["incremental", "lookup"])
 def test_streamed_tokens_and_passes_equal_the_one_jit_loop(llama, kind):
-    kw = {} if kind == "incremental" else {"drafters": [specjax.Bound(specjax.LookupDrafter())]}
+    kw = {"mode": "incremental"} if kind == "incremental" else {"drafters": [specjax.Bound(specjax.LookupDrafter())]}
     prompts = _prompts(llama)
     budgets = [23, 5, 40]  # requests finish at different passes: the batch keeps stepping after some are done
     one_jit = [specjax.generate(llama, [p], max_new_tokens=m, ignore_eos=True, **kw) for p, m in zip(prompts, budgets)]

@@ -112,7 +112,7 @@ def test_generation_identical_across_layouts(both):
     rng = np.random.RandomState(1)
     prompts = [random_ids(rng, stacked.config.vocab_size, n) for n in (5, 11)]
     kw = dict(max_new_tokens=12, chat_template=False, ignore_eos=True)
-    for extra in ({}, dict(drafters=[specjax.Bound(LookupDrafter())])):
+    for extra in (dict(mode="incremental"), dict(drafters=[specjax.Bound(LookupDrafter())])):
         assert (specjax.generate(split, prompts, **kw, **extra).token_ids
                 == specjax.generate(stacked, prompts, **kw, **extra).token_ids)
     ssm_split, ssm_stacked = derive_ssm(split, (0,)), derive_ssm(stacked, (0,))
@@ -179,7 +179,8 @@ def test_the_pipeline_refuses_split_weights_and_a_mesh_refuses_a_split_model(tin
     split = specjax.load_model(tiny_llama_dir, progress=False, split_layers=True)
     with pytest.raises(ShardingError, match=r"split layer weights .* run on one device; load the model stacked .* "
                                             r"split_layers=False"):
-        specjax.generate(split, [[1, 2, 3]], max_new_tokens=2, chat_template=False, parallel=Parallel.create("dp=8"))
+        specjax.generate(split, [[1, 2, 3]], max_new_tokens=2, chat_template=False, parallel=Parallel.create("dp=8"),
+                         mode="incremental")
     with pytest.raises(ValueError, match="2 split layers for a cache of 1 layers"):
         one_layer_cache = init_cache(dataclasses.replace(split.config, num_layers=1), 1, 4)
         run_layers(None, None, split.params["layers"], one_layer_cache, ())

@@ -17,11 +17,13 @@ import pytest
 
 import specjax
 from specjax.errors import InputError
+from specjax.io import registry
 from specjax.speculation.budget import Budget, choose_level, default_levels
 from specjax.speculation.drafters.lookup import LookupDrafter, find_chains, parse_arg
 from specjax.speculation.drafters.ssm import SSMDrafter
 from specjax.speculation.expansion import Expansion
 from specjax.speculation.loop import SpecConfig, generate_speculative, generate_speculative_jit
+from specjax.speculation.request import default_drafters
 from tests.conftest import random_ids
 from tests.toy import assert_drafter_samples_the_exact_law, toy_model
 
@@ -139,11 +141,6 @@ def test_one_request_chooses_alike_under_both_goals():
         assert len(picks) == 1, (costs, expected)
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_llama_dir):
-    return specjax.load_model(tiny_llama_dir, progress=False)
-
-
 def _prompts(vocab):
     rng = np.random.RandomState(3)
     base = random_ids(rng, vocab, 9)
@@ -159,7 +156,7 @@ def test_lookup_speculation_equals_incremental_greedy_and_seeded(llama, budget):
     prompts = _prompts(llama.config.vocab_size)
     b = Budget(default_levels((LookupDrafter(),)), costs=_COSTS, goal=budget) if budget else None
     lookup = [specjax.Bound(LookupDrafter())]
-    want = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True)
+    want = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, mode="incremental")
     got = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, drafters=lookup, budget=b)
     assert got.token_ids == want.token_ids
     assert got.stats["mean_tokens_per_pass"] > 1.2  # the repeated text is really copied
@@ -170,10 +167,46 @@ def test_lookup_speculation_equals_incremental_greedy_and_seeded(llama, budget):
         assert got.stats["budget"]["goal"] == budget
         assert sum(r["passes_at_level"][0] for r in got.stats["requests"]) == used[0]
     seeded = specjax.SamplingParams(temperature=0.9, top_k=30, seed=4)
-    inc = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, sampling=seeded)
+    inc = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, sampling=seeded, mode="incremental")
     spec = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, sampling=seeded, drafters=lookup,
                             budget=b, verifier="seeded")
     assert spec.token_ids == inc.token_ids
+
+
+def test_generate_with_no_drafter_speculates_as_the_command_does(llama, tmp_path, monkeypatch):
+    """No mode, SSM or drafter: ``specjax.generate`` drafts with ``registry.default_drafters`` (for this LLM
+    the lookup drafter) under the tree budget, as ``specjax generate`` does, and its tokens are incremental
+    decoding's, greedy and seeded."""
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))  # this LLM's pass costs: measured in a fresh table
+    assert registry.default_drafters(llama.config) == ("lookup:auto",)
+    default = [b.drafter.describe() for b in default_drafters(llama, load=False)]
+    assert len(default) == 1 and default[0].startswith("lookup(")
+    prompts = _prompts(llama.config.vocab_size)
+    got = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True)
+    assert got.stats["mode"] == "tree" and got.stats["drafters"] == default
+    assert got.stats["budget"]["costs_source"].startswith("measured now")
+    want = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, mode="incremental")
+    assert got.token_ids == want.token_ids
+    seeded = specjax.SamplingParams(temperature=0.9, top_k=30, seed=4)
+    got = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, sampling=seeded)
+    assert got.stats["verifier"] == "seeded" and got.stats["drafters"] == default
+    want = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, sampling=seeded, mode="incremental")
+    assert got.token_ids == want.token_ids
+
+
+def test_the_default_drafting_checks_the_request_before_any_drafter_loads(llama, monkeypatch):
+    built, real = [], specjax.api.default_drafters
+
+    def recording(*args, **kwargs):
+        built.append(kwargs.get("load", True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(specjax.api, "default_drafters", recording)
+    with pytest.raises(InputError, match="exceeds the context window"):
+        specjax.generate(llama, [[1] * (llama.config.max_positions - 4)], max_new_tokens=8)
+    assert built == [False]  # described (configs only), never loaded
+    with pytest.raises(InputError, match="expansion shapes SSM drafts, and the default drafters have none"):
+        specjax.generate(llama, [[1, 2, 3]], max_new_tokens=4, expansion=(1, 2))
 
 
 def test_pass_costs_are_an_argument_of_the_compiled_loop(llama):
@@ -187,7 +220,7 @@ def test_pass_costs_are_an_argument_of_the_compiled_loop(llama):
     other = SpecConfig((d,), budget=Budget(levels, costs=tuple(2.0 * c for c in _COSTS))).costs_apart()[0]
     assert other == spec and hash(other) == hash(spec)  # one static spec, so one compiled loop
     prompts = _prompts(llama.config.vocab_size)
-    want = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True).token_ids
+    want = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, mode="incremental").token_ids
     padded = np.zeros((len(prompts), 32), np.int32)
     for i, p in enumerate(prompts):
         padded[i, :len(p)] = p
@@ -247,7 +280,7 @@ def test_generate_with_remeasured_costs_compiles_nothing(llama):
 
 def test_lookup_merged_with_an_ssm_equals_incremental(llama):
     prompts = _prompts(llama.config.vocab_size)
-    want = specjax.generate(llama, prompts, max_new_tokens=20, ignore_eos=True)
+    want = specjax.generate(llama, prompts, max_new_tokens=20, ignore_eos=True, mode="incremental")
     ssm = specjax.derive_ssm(llama, 1)
     got = specjax.generate(llama, prompts, max_new_tokens=20, ignore_eos=True, ssms=[ssm], expansion=(2,),
                            drafters=[specjax.Bound(LookupDrafter(depth=4))])

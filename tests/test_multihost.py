@@ -48,7 +48,7 @@ def test_two_processes_pipeline_and_replicas_across_them_match_single_process():
     model = mesh_model("llama")
     prompts = mesh_prompts(model.config.vocab_size)
     kw = dict(max_new_tokens=12, ignore_eos=True)
-    incremental = specjax.generate(model, prompts, **kw)
+    incremental = specjax.generate(model, prompts, mode="incremental", **kw)
     tree = specjax.generate(model, prompts, mode="tree", ssms=[derive_ssm(model, 2)], expansion=(1, 2, 1), **kw)
     # Process 1 starts 40 s late: more than gloo's 30 s for a first collective, which a slower host's
     # compilation took in CI; the processes wait for each other after compiling (wait_for_peers).
@@ -71,7 +71,8 @@ def test_processes_with_different_cost_tables_measure_together_and_share_process
     they measure the same sizes (else the measuring passes' collectives deadlock) and use process 0's
     costs (else each process compiles a loop that branches differently); tokens stay the single-process ones."""
     model = mesh_model("llama")
-    alone = specjax.generate(model, mesh_prompts(model.config.vocab_size), max_new_tokens=12, ignore_eos=True)
+    alone = specjax.generate(model, mesh_prompts(model.config.vocab_size), max_new_tokens=12, ignore_eos=True,
+                             mode="incremental")
     out = _launch(2, str(tmp_path), child="tests.multihost_costs_child")
     assert out.returncode == 0, out.stderr[-4000:]
     runs = {}
@@ -185,7 +186,7 @@ def test_launch_generate_json_is_valid_jsonl(tiny_llama_dir, tmp_path):
     records = [json.loads(line) for line in r.stdout.splitlines()]  # every stdout line is JSON
     assert [rec["prompt"] for rec in records] == [[1, 2, 3], [7, 8, 9, 10]]
     alone = specjax.generate(specjax.load_model(tiny_llama_dir, progress=False), [[1, 2, 3], [7, 8, 9, 10]],
-                             max_new_tokens=6)
+                             max_new_tokens=6, mode="incremental")
     assert [rec["token_ids"] for rec in records] == alone.token_ids
 
 

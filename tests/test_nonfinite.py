@@ -15,9 +15,10 @@ from specjax.errors import GenerationError
 from specjax.speculation.drafters.ssm import derive_ssm
 
 MODES = [
-    ("incremental", {}),
+    ("incremental", dict(mode="incremental")),
+    ("default", {}),  # the default drafting (the lookup drafter under the tree budget for this LLM)
     ("tree greedy", dict(ssms="derived", expansion=(1, 2, 1))),
-    ("incremental sampled", dict(sampling=specjax.SamplingParams(temperature=0.9, seed=3))),
+    ("incremental sampled", dict(mode="incremental", sampling=specjax.SamplingParams(temperature=0.9, seed=3))),
     ("tree seeded", dict(ssms="derived", expansion=(2, 1, 1), sampling=specjax.SamplingParams(temperature=0.9, seed=3),
                          verifier="seeded")),
     ("tree mss", dict(ssms="derived", expansion=(2, 1), sampling=specjax.SamplingParams(temperature=0.9, seed=3),

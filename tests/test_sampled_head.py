@@ -189,13 +189,6 @@ def test_smollm2_tree_pass_samples_as_its_logits(smollm2):
         assert (np.asarray(got.token) != logits.argmax(-1))[sampled].any()  # the noise is really added
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_llama_dir):
-    import specjax
-
-    return specjax.load_model(tiny_llama_dir, progress=False)
-
-
 @needs_kernel
 def test_cost_table_measures_seeded_passes_apart(llama, tmp_path, monkeypatch):
     """The seeded verifier's passes are timed as it runs them (its own key in the table), and a head the

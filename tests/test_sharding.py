@@ -39,6 +39,7 @@ def model(request):
 
 
 GEN = dict(max_new_tokens=12, ignore_eos=True)
+INCREMENTAL = dict(GEN, mode="incremental")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def reference(model):
     """One-device greedy tokens: incremental, and tree-speculative with a derived SSM (equal to it)."""
     prompts = _prompts(model.config)
     spec_kw = dict(mode="tree", ssms=[derive_ssm(model, 2)], expansion=(1, 2, 1))
-    incremental = specjax.generate(model, prompts, **GEN).token_ids
+    incremental = specjax.generate(model, prompts, **INCREMENTAL).token_ids
     tree = specjax.generate(model, prompts, **GEN, **spec_kw)
     assert tree.token_ids == incremental  # (established elsewhere; the anchor of these tests)
     return prompts, spec_kw, incremental, tree.stats["llm_passes"]
@@ -105,7 +106,7 @@ def test_logits_match_one_device(model, shape):
 def test_greedy_tokens_match_one_device(model, reference, shape):
     prompts, spec_kw, incremental, tree_passes = reference
     parallel = Parallel.create(shape)
-    assert specjax.generate(model, prompts, **GEN, parallel=parallel).token_ids == incremental
+    assert specjax.generate(model, prompts, **INCREMENTAL, parallel=parallel).token_ids == incremental
     tree = specjax.generate(model, prompts, **GEN, **spec_kw, parallel=parallel)
     assert tree.token_ids == incremental
     assert tree.stats["llm_passes"] == tree_passes
@@ -140,7 +141,7 @@ def test_pipeline_with_dp_and_odd_batch_pads_requests():
     spec_kw = dict(mode="tree", ssms=[derive_ssm(model, 1)], expansion=(2, 1))
     ref = specjax.generate(model, prompts, max_new_tokens=8, ignore_eos=True, **spec_kw)
     out = specjax.generate(model, prompts, max_new_tokens=8, ignore_eos=True, parallel=parallel, **spec_kw)
-    inc = specjax.generate(model, prompts, max_new_tokens=8, ignore_eos=True, parallel=parallel)
+    inc = specjax.generate(model, prompts, max_new_tokens=8, ignore_eos=True, parallel=parallel, mode="incremental")
     assert out.token_ids == inc.token_ids == ref.token_ids
     assert out.stats["generated_tokens"] == inc.stats["generated_tokens"] == 24
     for key in ("llm_passes", "tokens_per_pass_histogram", "accepted_at_depth", "mean_tokens_per_pass"):
@@ -193,6 +194,21 @@ def test_one_pass_per_call_only_for_an_in_process_cpu_pipeline(recwarn):
         piped.warn_multi_pass("a whole loop")
 
 
+def test_constrain_batch_puts_requests_over_dp_and_replicates_scalars():
+    """Inside jit, per-request arrays come out split over dp (as the decoding step leaves them) and a
+    scalar (one max_new_tokens for every request) replicated, not refused for lacking a batch axis."""
+    parallel = Parallel.create("dp=2,tp=4")
+    state = {"tokens": jnp.arange(12, dtype=jnp.int32).reshape(4, 3), "done": jnp.zeros((4,), bool),
+             "max_new_tokens": jnp.int32(7)}
+    out = jax.jit(parallel.constrain_batch)(state)
+    assert out["tokens"].sharding.is_equivalent_to(parallel.batch_sharding((4, 3)), 2)
+    assert out["done"].sharding.is_equivalent_to(parallel.batch_sharding((4,)), 1)
+    assert len({str(s.index) for s in out["tokens"].addressable_shards}) == 2  # two dp halves, not one copy
+    assert out["max_new_tokens"].sharding.is_fully_replicated
+    np.testing.assert_array_equal(out["tokens"], state["tokens"])
+    assert int(out["max_new_tokens"]) == 7
+
+
 def test_rules_errors_name_the_leaf():
     cfg = tiny("llama").config
     with pytest.raises(ShardingError, match=r"param \['layers'\]\['attn_norm'\]: dimension 0 \(layers\) has size 4"):
@@ -230,7 +246,7 @@ def test_checkpoint_saved_on_pp2_tp4_restores_on_tp8_and_one_device(tmp_path):
     sharded = source.put_params(model.params, cfg)
     assert tuple(sharded["layers"]["w_up"].sharding.spec) == ("pp", None, "tp")
     save_checkpoint(str(tmp_path / "ckpt"), cfg, sharded)
-    saved_run = specjax.generate(model._replace(params=sharded), prompts, **GEN, parallel=source).token_ids
+    saved_run = specjax.generate(model._replace(params=sharded), prompts, **INCREMENTAL, parallel=source).token_ids
 
     tp8 = Parallel.create("tp=8")
     on_tp8 = specjax.load_model(str(tmp_path / "ckpt"), parallel=tp8)
@@ -240,8 +256,8 @@ def test_checkpoint_saved_on_pp2_tp4_restores_on_tp8_and_one_device(tmp_path):
     for restored in (on_tp8, on_one):
         for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(model.params)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert specjax.generate(on_tp8, prompts, **GEN, parallel=tp8).token_ids == saved_run
-    assert specjax.generate(on_one, prompts, **GEN).token_ids == saved_run
+    assert specjax.generate(on_tp8, prompts, **INCREMENTAL, parallel=tp8).token_ids == saved_run
+    assert specjax.generate(on_one, prompts, **INCREMENTAL).token_ids == saved_run
     prefix = jnp.asarray(_inputs(cfg)[0])
     ref = _float64(full_logits, model.params, prefix, cfg=cfg)
     precision.assert_within(full_logits(on_tp8.params, tp8.put_batch(prefix), cfg=cfg, parallel=tp8), ref,

@@ -112,7 +112,7 @@ def test_corpus_drafter_greedy_equals_incremental_on_smollm2(smollm2):
     with speculation accepted somewhere."""
     bound = from_arg("auto", smollm2, load=True, expansion=None, draft="topk")
     prompts = dev_prompts()[:3]
-    want = specjax.generate(smollm2, prompts, max_new_tokens=40).token_ids
+    want = specjax.generate(smollm2, prompts, max_new_tokens=40, mode="incremental").token_ids
     got = specjax.generate(smollm2, prompts, max_new_tokens=40, drafters=[bound], budget="auto")
     assert got.token_ids == want
     assert got.stats["llm_passes"] < 40, "no drafted token was ever accepted"

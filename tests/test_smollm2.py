@@ -111,7 +111,7 @@ def test_greedy_64_tokens_equal_transformers_on_dev_prompts(smollm2, hf_smollm2)
     import torch
 
     prompts = dev_prompts()[::PROMPT_STRIDE]
-    ours = specjax.generate(smollm2, prompts, max_new_tokens=64)  # one mixed-length batch
+    ours = specjax.generate(smollm2, prompts, max_new_tokens=64, mode="incremental")  # one mixed-length batch
     for prompt, ids, got in zip(prompts, ours.prompt_token_ids, ours.token_ids):
         with torch.no_grad():
             out = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)
@@ -121,9 +121,9 @@ def test_greedy_64_tokens_equal_transformers_on_dev_prompts(smollm2, hf_smollm2)
 
 def test_batched_equals_single_on_smollm2(smollm2):
     prompts = dev_prompts()[1::PROMPT_STRIDE * 2][:4]
-    batched = specjax.generate(smollm2, prompts, max_new_tokens=32).token_ids
+    batched = specjax.generate(smollm2, prompts, max_new_tokens=32, mode="incremental").token_ids
     for p, b in zip(prompts, batched):
-        assert specjax.generate(smollm2, [p], max_new_tokens=32).token_ids[0] == b
+        assert specjax.generate(smollm2, [p], max_new_tokens=32, mode="incremental").token_ids[0] == b
 
 
 def test_logits_match_transformers(smollm2, hf_smollm2):
@@ -166,7 +166,7 @@ def test_real_tree_logits_equal_incremental_decoding(smollm2):
     m = smollm2
     ids = specjax.api.encode_prompts(m, ["What is the capital of France?"])[0]
     committed = len(ids) - 1  # the last prompt token is the root of the tree
-    cont = specjax.generate(m, [ids], max_new_tokens=8).token_ids[0]
+    cont = specjax.generate(m, [ids], max_new_tokens=8, mode="incremental").token_ids[0]
     full = specjax.logits(m, [ids + cont])[0]
     paths = [cont[:6]] + [cont[:d] + [int(t)] for d in range(4)
                           for t in np.argsort(-full[len(ids) - 1 + d])[1:3]]
@@ -228,7 +228,7 @@ def test_speculative_greedy_equals_incremental_on_smollm2(smollm2):
 
     every = dev_prompts()
     prompts = (every[3::19] if len(every) >= 60 else every)[:4]
-    want = specjax.generate(smollm2, prompts, max_new_tokens=24).token_ids
+    want = specjax.generate(smollm2, prompts, max_new_tokens=24, mode="incremental").token_ids
     derived, useless = derive_ssm(smollm2, 8), _useless_ssm(smollm2)
     shipped = [specjax.load_model(name, progress=False) for name in ("smollm2-ssm-a", "smollm2-ssm-b")]
     setups = [dict(mode="tree", ssms=shipped, expansion=[(1, 1, 3, 1, 1), (2, 1, 1)]),
@@ -255,8 +255,8 @@ def test_seeded_speculative_equals_seeded_incremental_on_smollm2(smollm2):
     every = dev_prompts()
     prompts = (every[5::13] if len(every) >= 44 else every)[:4]  # 4 prompts with or without shared/
     sampling = [specjax.SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=100 + i) for i in range(4)]
-    want = specjax.generate(smollm2, prompts, max_new_tokens=24, sampling=sampling).token_ids
-    greedy = specjax.generate(smollm2, prompts, max_new_tokens=24).token_ids
+    want = specjax.generate(smollm2, prompts, max_new_tokens=24, sampling=sampling, mode="incremental").token_ids
+    greedy = specjax.generate(smollm2, prompts, max_new_tokens=24, mode="incremental").token_ids
     assert want != greedy, "the sampled reference must actually sample"
     derived, useless = derive_ssm(smollm2, 8), _useless_ssm(smollm2)
     got = specjax.generate(smollm2, prompts, max_new_tokens=24, sampling=sampling, ssms=[derived, useless],
@@ -290,7 +290,7 @@ def test_pp2_tp4_mesh_logits_are_as_close_to_float64_as_one_devices(smollm2):
 
     every = dev_prompts()  # 78 with ../shared, 4 built-in ones in a bare clone
     prompt = every[5 % len(every)]
-    want = specjax.generate(smollm2, [prompt], max_new_tokens=16).token_ids[0]
+    want = specjax.generate(smollm2, [prompt], max_new_tokens=16, mode="incremental").token_ids[0]
 
     parallel = Parallel.create("pp=2,tp=4", rules=ShardingRules(heads=None, kv_heads=None))
     ids = jnp.asarray([specjax.api.encode_prompts(smollm2, [prompt])[0] + want] * 2)
@@ -314,7 +314,7 @@ def test_api_on_a_pipeline_mesh_equals_one_device_streamed_or_not(smollm2, recwa
 
     every = dev_prompts()
     prompt = every[5 % len(every)]
-    want = specjax.generate(smollm2, [prompt], max_new_tokens=16).token_ids[0]
+    want = specjax.generate(smollm2, [prompt], max_new_tokens=16, mode="incremental").token_ids[0]
     parallel = Parallel.create("pp=2,tp=4", rules=ShardingRules(heads=None, kv_heads=None))
     assert parallel.one_pass_per_call
     model = specjax.load_model("smollm2-135m-instruct", parallel=parallel, progress=False)

@@ -28,11 +28,6 @@ from tests.conftest import random_ids
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_llama_dir):
-    return specjax.load_model(tiny_llama_dir, progress=False)
-
-
-@pytest.fixture(scope="module")
 def opt(tiny_opt_dir):
     return specjax.load_model(tiny_opt_dir, progress=False)
 
@@ -67,7 +62,7 @@ def test_speculative_equals_incremental(request, family, setup):
         "merge3": dict(mode="tree", ssms=[derived, llm, _random_ssm(llm, other, 1)], expansion=(1, 2, 1)),
     }[setup]
     for ignore_eos in (True, False):  # the tiny models declare EOS = 5; both paths must cut identically
-        want = specjax.generate(llm, prompts, max_new_tokens=37, ignore_eos=ignore_eos).token_ids
+        want = specjax.generate(llm, prompts, max_new_tokens=37, ignore_eos=ignore_eos, mode="incremental").token_ids
         got = specjax.generate(llm, prompts, max_new_tokens=37, ignore_eos=ignore_eos, **kw)
         assert got.token_ids == want, f"{setup}: speculative output differs from incremental"
     for p, w in zip(prompts[:2], want[:2]):  # batch 1 as well (one prompt bucket: one compile)
@@ -86,7 +81,7 @@ def test_perfect_ssm_accepts_every_drafted_token(llama):
 
 def test_empty_tree_loop_equals_reference_decoder(llama):
     prompts = [random_ids(np.random.RandomState(2), 128, n) for n in (4, 17)]
-    want = specjax.generate(llama, prompts, max_new_tokens=20, ignore_eos=True).token_ids
+    want = specjax.generate(llama, prompts, max_new_tokens=20, ignore_eos=True, mode="incremental").token_ids
     width, max_out = 32, 32
     padded = np.zeros((2, width), np.int32)
     for i, p in enumerate(prompts):
@@ -141,7 +136,7 @@ def test_callable_inside_user_jit_and_streaming_twin_agrees(llama):
     for chunk in generate_stream(llama.params, (ssm.params,), *args, **kw):
         for b, toks in enumerate(chunk):
             streamed[b] += toks
-    want = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True).token_ids
+    want = specjax.generate(llama, prompts, max_new_tokens=24, ignore_eos=True, mode="incremental").token_ids
     assert streamed == want
     assert [tokens[b, :24].tolist() for b in range(2)] == want
 

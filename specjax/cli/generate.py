@@ -90,9 +90,9 @@ def _parallel(args):
 
 def _drafters(args, llm, load: bool, verifier: str, draft: str) -> list:
     """The --drafter entries built by their registered factories (``Bound`` each)."""
-    from specjax.api import resolve_verifier
     from specjax.speculation.drafters import build
     from specjax.speculation.expansion import Expansion
+    from specjax.speculation.request import resolve_verifier
 
     _, draft = resolve_verifier(verifier, draft, args.temperature > 0)
     widths = Expansion.parse(args.expansion) if args.expansion else Expansion(registry.DEFAULT_EXPANSION)
@@ -288,7 +288,8 @@ def _cmd_generate(args, out) -> int:
                                       "mean_accepted_tokens_per_pass": round(req["mean_tokens_per_pass"], 4),
                                       "tokens_per_pass_histogram": req["tokens_per_pass_histogram"],
                                       "tokens_per_s": round(req["tokens_per_s"], 3),
-                                      "prefill_seconds": round(st["prefill_seconds"], 4), **_budget_record(st, req)})
+                                      "prefill_seconds": round(st["prefill_seconds"], 4),
+                                      "step_matmuls": st["step_matmuls"], **_budget_record(st, req)})
                           + "\n")
                 out.flush()
                 continue

@@ -51,9 +51,9 @@ def _lengths(args, context: int) -> None:
 
 
 def _drafters(args, llm, load: bool) -> list:
-    from specjax.api import resolve_verifier
     from specjax.speculation.drafters import build
     from specjax.speculation.expansion import Expansion
+    from specjax.speculation.request import resolve_verifier
 
     specs = args.drafter or list(registry.default_drafters(llm.config))
     if specs == [NO_SPECULATION]:

@@ -23,13 +23,13 @@ MAX_PADDING_SLOTS = 16384
 MIN_OUTPUT = 128
 
 
-def _next_pow2(n: int, minimum: int = 16) -> int:
+def next_pow2(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
 def output_bucket(max_new_tokens: int) -> int:
     """The output buffer length for ``max_new_tokens``: the next power of two, at least MIN_OUTPUT."""
-    return _next_pow2(max_new_tokens, MIN_OUTPUT)
+    return next_pow2(max_new_tokens, MIN_OUTPUT)
 
 
 def cache_bucket(slots: int, batch: int = 1) -> int:
@@ -38,5 +38,5 @@ def cache_bucket(slots: int, batch: int = 1) -> int:
     size = MIN_CACHE
     while size < slots:
         size *= 4 if size < QUADRUPLE_UP_TO else 2
-    tight = _next_pow2(slots)
+    tight = next_pow2(slots)
     return size if batch * (size - tight) <= MAX_PADDING_SLOTS else tight

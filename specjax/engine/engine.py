@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.attention import resolve_impl
-from specjax.decoding.buckets import _next_pow2
+from specjax.decoding.buckets import next_pow2
 from specjax.decoding.programs import step_drafter_params, step_program
 from specjax.decoding.sampling import SamplingArrays, SamplingParams
 from specjax.errors import InputError
@@ -89,10 +89,10 @@ class Engine:
         self.max_prompt_tokens = max_prompt_tokens
         self.max_new_tokens = max_new_tokens
         self.max_stop_tokens = max_stop_tokens
-        self.max_out = _next_pow2(max_new_tokens)
+        self.max_out = next_pow2(max_new_tokens)
         # Every prompt is padded to one width: prefill reads only the chunks a prompt needs, so one
         # compiled prefill serves every prompt length.
-        self.prompt_width = _next_pow2(max_prompt_tokens)
+        self.prompt_width = next_pow2(max_prompt_tokens)
         self.cache_len = self.prompt_width + self.max_out + self.spec.num_nodes
         # The budget's pass costs go to the step as an array (``SpecConfig.costs_apart``), not compiled in.
         loop_spec, pass_costs = self.spec.costs_apart()

@@ -27,14 +27,14 @@ def build_state(model: Model, *, model_name: str, slots: int, max_prompt_tokens:
                 log=lambda *a: None) -> ServerState:
     """The engine, its scheduler (not started) and the HTTP side's state. ``drafters``: ``Bound`` pairs
     (none: plain decoding); ``budget``: "auto" (measured tree budget) or None (whole tree)."""
-    from specjax.api import _eos_ids
+    from specjax.api import eos_ids_of
     from specjax.errors import InputError
 
     if model.tokenizer is None:
         raise InputError("serving needs a tokenizer (text in, text out); this model has none")
     if not isinstance(max_queue, int) or max_queue < 1:
         raise InputError(f"max_queue must be a positive int, got {max_queue!r}")
-    stop_ids = _eos_ids(model)
+    stop_ids = eos_ids_of(model)
     engine = Engine(model, slots=slots, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_tokens,
                     drafters=drafters, verifier="seeded", impl=impl, max_stop_tokens=max(1, len(stop_ids)),
                     budget=budget, progress=lambda n: log(f"# measuring the LLM pass time of a {n}-node tree at "

@@ -19,6 +19,26 @@ from specjax.boost.corpus import read_shard
 from specjax.errors import InputError
 
 WIDTH_MULTIPLE = 64  # teacher batches are padded to a multiple of this: few shapes, few compiles
+# How the teacher pass multiplies: "float32" (exactly the LLM as it runs in the loop), or "bfloat16":
+# the layers' matmul weights stored as bfloat16, the dots summed in float32, everything else float32
+# (``specjax.models.weights.product``). On an Intel Xeon with AMX (2 cores) SmolLM2's teacher pass ran
+# 2.7x faster (644 -> 1750 tokens/s) and its features moved by 0.4% (median relative error; 0.7-0.8% at
+# the 99th percentile), against the training's +-0.1 input noise (~6% of a post-norm feature's norm).
+TEACHER_DOTS = ("float32", "bfloat16")
+
+
+def check_dots(dots: str) -> str:
+    if dots not in TEACHER_DOTS:
+        raise InputError(f"teacher dots must be one of {TEACHER_DOTS}, got {dots!r}")
+    return dots
+
+
+def teacher_params(model, dots: str = "float32") -> dict:
+    """The parameters the teacher pass reads: the model's own, or for ``dots="bfloat16"`` its layers' matmul
+    weights as bfloat16 (a copy, made once per feature run)."""
+    from specjax.models.weights import bfloat16_matmul_weights
+
+    return model.params if check_dots(dots) == "float32" else bfloat16_matmul_weights(model.params)
 
 
 def _teacher_fn(model, layers: tuple[int, ...] = ()):
@@ -53,15 +73,18 @@ def _teacher_fn(model, layers: tuple[int, ...] = ()):
 
 
 def teacher_features(model, sequences, batch_size: int = 8, run=None, layers: tuple[int, ...] = (),
-                     width_multiple: int = WIDTH_MULTIPLE, full_batches: bool = False) -> list:
+                     width_multiple: int = WIDTH_MULTIPLE, full_batches: bool = False, dots: str = "float32",
+                     params=None) -> list:
     """[features [T, D] float16, ...]: the LLM's post-norm final hidden state at every position of
     every sequence [(ids, prompt_len), ...]; with ``layers``, [T, len(layers) + 1, D]: the input
     hidden states of those layers (raw), then the post-norm final one. Batches are padded to a
     multiple of ``width_multiple`` columns, and with ``full_batches`` to ``batch_size`` rows: fewer
-    shapes to compile, where compiling costs more than the padding's compute (a GPU)."""
+    shapes to compile, where compiling costs more than the padding's compute (a GPU). ``dots``: how the
+    pass multiplies (``TEACHER_DOTS``); ``params``: ``teacher_params(model, dots)`` made already."""
     import jax.numpy as jnp
 
     run = run or _teacher_fn(model, layers)
+    params = teacher_params(model, dots) if params is None else params
     order = np.argsort([len(s) for s, _ in sequences], kind="stable")
     results = [None] * len(sequences)
     for start in range(0, len(order), batch_size):
@@ -71,14 +94,16 @@ def teacher_features(model, sequences, batch_size: int = 8, run=None, layers: tu
         padded = np.zeros((batch_size if full_batches else len(index), width), np.int32)
         for row, i in enumerate(index):
             padded[row, :len(sequences[i][0])] = sequences[i][0]
-        g = np.asarray(run(model.params, jnp.asarray(padded)))
+        g = np.asarray(run(params, jnp.asarray(padded)))
         for row, i in enumerate(index):
             results[i] = g[row, :len(sequences[i][0])]
     return results
 
 
-def _fingerprint(shard_path: str, model, layers) -> str:
-    digest = hashlib.sha256(json.dumps([model.config.to_dict(), list(layers)]).encode())
+def _fingerprint(shard_path: str, model, layers, dots: str = "float32") -> str:
+    # float32 keeps the fingerprint it always had: features computed before the choice existed stay valid
+    digest = hashlib.sha256(json.dumps([model.config.to_dict(), list(layers)] + ([] if dots == "float32" else [dots]))
+                            .encode())
     with open(shard_path, "rb") as f:
         digest.update(f.read())
     return digest.hexdigest()
@@ -86,27 +111,30 @@ def _fingerprint(shard_path: str, model, layers) -> str:
 
 def feature_shards(model, shard_paths, out_dir: str, batch_size: int = 8, progress: bool = True,
                    log=print, layers: tuple[int, ...] = (), width_multiple: int = WIDTH_MULTIPLE,
-                   full_batches: bool = False) -> list[str]:
+                   full_batches: bool = False, dots: str = "float32") -> list[str]:
     """The features of every corpus shard (``out_dir/features-XXXXX.npz``, resumable; ``layers``,
-    ``width_multiple`` and ``full_batches`` as in ``teacher_features``); returns their paths."""
+    ``width_multiple``, ``full_batches`` and ``dots`` as in ``teacher_features``; a file made with other
+    dots is recomputed); returns their paths."""
     from tqdm import tqdm
 
     os.makedirs(out_dir, exist_ok=True)
-    run = None
+    check_dots(dots)
+    run = params = None
     paths = []
     for index, shard in enumerate(tqdm(shard_paths, desc="LLM features", disable=not progress)):
         path = os.path.join(out_dir, f"features-{index:05d}.npz")
         paths.append(path)
-        fingerprint = _fingerprint(shard, model, layers)
+        fingerprint = _fingerprint(shard, model, layers, dots)
         if os.path.exists(path):
             with np.load(path) as z:
                 if str(z["fingerprint"]) == fingerprint:
                     continue
             log(f"{path}: made from another shard or model; recomputing")
         run = run or _teacher_fn(model, layers)
+        params = teacher_params(model, dots) if params is None else params
         sequences = read_shard(shard)
         results = teacher_features(model, sequences, batch_size, run, width_multiple=width_multiple,
-                                   full_batches=full_batches)
+                                   full_batches=full_batches, params=params)
         tmp = path + ".tmp.npz"
         np.savez(tmp, features=np.concatenate(results),
                  offsets=np.cumsum([0] + [len(s) for s, _ in sequences]).astype(np.int64),

@@ -117,7 +117,7 @@ def test_teacher_pass_takes_the_prefill_kernels_route_where_prefill_does(llama, 
     from specjax.decoding.incremental import cpu_prefill_route
 
     def uses_kernel():
-        text = str(jax.make_jaxpr(_teacher_fn(llama))(llama.params, jnp.zeros((2, 64), jnp.int32)))
+        text = str(jax.make_jaxpr(_teacher_fn(llama))(jnp.zeros((2, 64), jnp.int32)))
         return "specjax_cpu_prefill_attention" in text
 
     built = cpu_kernels.status() is None
@@ -253,6 +253,8 @@ def test_training_resumes_bit_exactly(llama, corpus, tmp_path, monkeypatch):
     chex.assert_trees_all_equal(resumed, straight)
     with pytest.raises(InputError, match="another recipe"):
         train_feature(start, corpus, cfg, dataclasses.replace(tc, reg_weight=0.1), str(tmp_path / "b"), progress=False)
+    with pytest.raises(InputError, match="another recipe"):  # features of the bfloat16 teacher are other data
+        train_feature(start, corpus, cfg, tc, str(tmp_path / "b"), progress=False, teacher_dots="bfloat16")
 
 
 # -- drafting-time features are the training-time features --------------------------------------------------

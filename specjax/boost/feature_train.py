@@ -287,7 +287,7 @@ def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: Featur
                   held_out: FeatureSet | None = None, eval_prompts: FeatureSet | None = None, eval_steps: int = 6,
                   progress: bool = True, log=print, stop_after: int | None = None, deadline: float | None = None,
                   start: str | None = None, width_multiple: int = WIDTH_MULTIPLE,
-                  full_batches: bool = False) -> tuple[dict, list[dict]]:
+                  full_batches: bool = False, teacher_dots: str = "float32") -> tuple[dict, list[dict]]:
     """Train the drafter (bound params: ``specjax.models.feature.bind``) on ``data``; resumes from the
     newest checkpoint in ``run_dir``. Returns (trained bound params, evaluation history). History rows:
     {step, loss, per-step ce/reg/agreement of the last batch, held-out agreement by depth, and the same
@@ -298,7 +298,8 @@ def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: Featur
     planned one). ``start``: what
     names the starting weights when they are not the seed's initialisation (a continued drafter's
     digest): part of the run's recipe, so a run directory is not resumed from other weights.
-    ``width_multiple`` and ``full_batches``: how batches are padded (``make_batch``, ``depth_agreement``)."""
+    ``width_multiple`` and ``full_batches``: how batches are padded (``make_batch``, ``depth_agreement``).
+    ``teacher_dots``: how ``data``'s features were computed (``feature_data.TEACHER_DOTS``), part of the recipe."""
     import optax
     from tqdm import tqdm
 
@@ -317,6 +318,8 @@ def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: Featur
         recipe["start"] = start
     if cfg.fused:  # likewise: a run of another fusion (or none) is another recipe
         recipe["fused"] = list(cfg.fused)
+    if teacher_dots != "float32":  # likewise: features from another teacher pass are other training data
+        recipe["teacher_dots"] = teacher_dots
     run = RunDir(run_dir, recipe)
     step, trained, opt_state, history = run.resume(trained, opt_state)
     if step:

@@ -77,7 +77,10 @@ def features_dir(layers: tuple[int, ...], dots: str = "float32") -> str:
     """Where a corpus keeps its LLM features: ``features`` (g only), ``features-l15`` (layer 15's raw input
     beside g), ``features-l15-bf16dots`` (the same from bfloat16 dots, ``feature_data.TEACHER_DOTS``): each
     kind apart, so adding a fused drafter or switching the dots does not overwrite the others' data."""
-    return "features" + "".join(f"-l{i}" for i in layers) + ("" if dots == "float32" else "-bf16dots")
+    return "features" + "".join(f"-l{i}" for i in layers) + _DOTS_SUFFIX[check_dots(dots)]
+
+
+_DOTS_SUFFIX = {"float32": "", "bfloat16": "-bf16dots"}  # one per feature_data.TEACHER_DOTS
 
 
 def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc: FeatureTrainConfig, drafting: dict,
@@ -103,9 +106,10 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
     (``widen_fusion``: the added ones' rows start at zero, so training starts from its features, to rounding).
     ``train_groups``: train on (and evaluate the held-out sequences of) these split groups only (``plan_groups``;
     default: all): the LLM's features are computed for their parts alone, so continuing a drafter on a new
-    round costs that round's features, not the whole corpus's (6M tokens: 1-3 hours on 2 CPU cores).
+    round costs that round's features, not the whole corpus's (6.8M tokens: 1-3 hours on 2 CPU cores in float32).
     ``teacher_dots``: how the LLM's pass over the corpus multiplies (``feature_data.TEACHER_DOTS``; "bfloat16"
-    ran 2.7x faster on an Intel Xeon with AMX); the corpus split's held-out features come from the same pass,
+    ran 2.8x faster on an Intel Xeon with AMX; part of the training run's recipe, so a run is not resumed on
+    the other kind); the corpus split's held-out features come from the same pass,
     while the ``eval_prompts`` set is always the float32 LLM's, the features the drafter meets in the loop."""
     check_dots(teacher_dots)
     deadline = None if time_budget is None else time.monotonic() + time_budget
@@ -149,7 +153,7 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
     started = time.perf_counter()
     params, history = train_feature(params, train, cfg, tc, run_dir, held_out=evaluation, eval_prompts=prompt_set,
                                     start=start, eval_steps=EVAL_DEPTHS, progress=progress, log=log,
-                                    stop_after=stop_after, deadline=deadline,
+                                    stop_after=stop_after, deadline=deadline, teacher_dots=teacher_dots,
                                     width_multiple=shapes.width_multiple, full_batches=shapes.full_batches)
     timing["train_s_this_run"] = time.perf_counter() - started
     hits, counts = sequence_agreement(params, held, cfg, steps=EVAL_DEPTHS, window=tc.window,

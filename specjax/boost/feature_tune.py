@@ -106,7 +106,7 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
     (``widen_fusion``: the added ones' rows start at zero, so training starts from its features, to rounding).
     ``train_groups``: train on (and evaluate the held-out sequences of) these split groups only (``plan_groups``;
     default: all): the LLM's features are computed for their parts alone, so continuing a drafter on a new
-    round costs that round's features, not the whole corpus's (6.8M tokens: 1-3 hours on 2 CPU cores in float32).
+    round costs that round's features, not the whole corpus's (7.4M tokens: 1-3.2 hours on 2 CPU cores in float32).
     ``teacher_dots``: how the LLM's pass over the corpus multiplies (``feature_data.TEACHER_DOTS``; "bfloat16"
     ran 2.8x faster on an Intel Xeon with AMX; part of the training run's recipe, so a run is not resumed on
     the other kind); the corpus split's held-out features come from the same pass,

@@ -95,7 +95,7 @@ def add_parser(sub, formatter_class) -> None:
                         "auto: gpu on any accelerator backend (default: auto)")
     f.add_argument("--teacher-dots", choices=("float32", "bfloat16"), default="float32",
                    help="how the LLM's pass over the corpus multiplies: float32 (the LLM as the loop runs it) or "
-                        "bfloat16 (its layers' matmul weights as bfloat16, float32 sums, the rest float32: 2.7x "
+                        "bfloat16 (its layers' matmul weights as bfloat16, float32 sums, the rest float32: 2.8x "
                         "faster on an Intel Xeon with AMX, features within ~0.4%%; not measured on CPUs without "
                         "bfloat16 units); features are kept apart per choice, and the --eval-prompts set always "
                         "comes from the float32 LLM (default: float32)")

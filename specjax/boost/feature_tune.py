@@ -73,14 +73,15 @@ class BatchShapes:
                               dots=dots)
 
 
+_DOTS_SUFFIX = {"float32": "", "bfloat16": "-bf16dots"}  # one per feature_data.TEACHER_DOTS
+
+
 def features_dir(layers: tuple[int, ...], dots: str = "float32") -> str:
     """Where a corpus keeps its LLM features: ``features`` (g only), ``features-l15`` (layer 15's raw input
     beside g), ``features-l15-bf16dots`` (the same from bfloat16 dots, ``feature_data.TEACHER_DOTS``): each
     kind apart, so adding a fused drafter or switching the dots does not overwrite the others' data."""
     return "features" + "".join(f"-l{i}" for i in layers) + _DOTS_SUFFIX[check_dots(dots)]
 
-
-_DOTS_SUFFIX = {"float32": "", "bfloat16": "-bf16dots"}  # one per feature_data.TEACHER_DOTS
 
 
 def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc: FeatureTrainConfig, drafting: dict,

@@ -93,7 +93,9 @@ def add_parser(sub, formatter_class) -> None:
                    help="how feature and training batches are padded: cpu (little padding), gpu (widths a multiple of "
                         "256, full feature batches of 32: few shapes, since compiles cost more than padding there); "
                         "auto: gpu on any accelerator backend (default: auto)")
-    f.add_argument("--teacher-dots", choices=("float32", "bfloat16"), default="float32",
+    from specjax.boost.feature_data import TEACHER_DOTS
+
+    f.add_argument("--teacher-dots", choices=TEACHER_DOTS, default="float32",
                    help="how the LLM's pass over the corpus multiplies: float32 (the LLM as the loop runs it) or "
                         "bfloat16 (its layers' matmul weights as bfloat16, float32 sums, the rest float32: 2.8x "
                         "faster on an Intel Xeon with AMX, features within ~0.4%%; not measured on CPUs without "

@@ -628,6 +628,38 @@ def test_feature_speculation_on_a_dp_mesh_equals_incremental_and_compiles_its_ch
     assert compile_log("host_step") == 1
 
 
+def test_feature_drafter_init_leaves_its_cache_and_state_over_dp(trained, tiny_llama_dir):
+    """Inside jit on a dp=2 mesh, the drafter's prefilled cache (k, v, length) and per-request arrays come out
+    with the shardings the step leaves them in (requests over dp, the drafter's weights replicated), whatever
+    the prompts' placement: pinned in ``init`` as the SSMs' caches are, not left to XLA's propagation (which
+    follows replicated prompts, as here, to a replicated cache)."""
+    from specjax.sharding import Parallel
+
+    cfg, _, params, _ = trained
+    parallel = Parallel.create("dp=2", jax.devices()[:2])
+    stacked = specjax.load_model(tiny_llama_dir, progress=False, split_layers=False)
+    llm = parallel.put_params(stacked.params, stacked.config)
+    d = FeatureDrafter(cfg, depth=3, beam=2, nodes=4, ladder=(0, 4))
+    batch, width, cache_len = 4, 8, 32
+    tokens = parallel.put(jnp.asarray(random_ids(np.random.RandomState(7), stacked.config.vocab_size, batch * width),
+                                      jnp.int32).reshape(batch, width), parallel.replicated())
+    lens = parallel.put(jnp.asarray([8, 5, 6, 3], jnp.int32), parallel.replicated())
+
+    def run(llm, tokens, lens):
+        cache = parallel.constrain_cache(init_cache(stacked.config, batch, cache_len, jnp.float32), stacked.config)
+        _, _, hidden = prefill(llm, tokens, lens, cache, stacked.config, parallel, hidden=cfg.hidden_layers)
+        return d.init(params, tokens, lens, cache_len=cache_len, parallel=parallel, hidden=hidden, first=lens)
+
+    state = jax.jit(run)(llm, tokens, lens)
+    want = parallel.cache_shardings(cfg.layer_config, batch, state["cache"].max_len, parallel.ssm_rules)
+    for got, expected in [(state["cache"].k, want.k), (state["cache"].v, want.v), (state["cache"].length, want.length)]:
+        assert got.sharding.is_equivalent_to(expected, got.ndim), (got.sharding, expected)
+    assert want.k.spec[1] == "dp"  # the cache's batch axis
+    for name, x in state.items():
+        if name != "cache":
+            assert x.sharding.is_equivalent_to(parallel.batch_sharding(x.shape), x.ndim), (name, x.sharding)
+
+
 @pytest.mark.skipif(cpu_kernels.matmul_status() is not None,
                     reason=f"kernel unavailable: {cpu_kernels.matmul_status()}")
 def test_step_params_pack_the_drafters_matmuls_and_keep_its_features(llama, trained, monkeypatch):

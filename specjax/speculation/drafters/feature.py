@@ -153,8 +153,10 @@ class FeatureDrafter(Drafter):
         cache, last = run_chunks(run_chunk, jnp.max(lens) + 1, width + 1,
                                  (cache, jnp.zeros((batch, g.shape[-1]), g.dtype)))
         state = self._state(cache.replace(length=lens + 1), last, params, batch)
-        if parallel is not None:  # the per-request arrays over dp, as every step leaves them
-            state = dict(state, **parallel.constrain_batch({k: v for k, v in state.items() if k != "cache"}))
+        if parallel is not None:  # over dp, as every step leaves them, whatever the prompts' placement: the
+            # cache as the SSMs' (replicated weights), the per-request arrays as ``put_batch`` places them
+            state = dict(parallel.constrain_batch({k: v for k, v in state.items() if k != "cache"}),
+                         cache=parallel.constrain_cache(state["cache"], self.config.layer_config, parallel.ssm_rules))
         return state
 
     def _cache_len(self, cache_len: int) -> int:

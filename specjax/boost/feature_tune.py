@@ -83,7 +83,6 @@ def features_dir(layers: tuple[int, ...], dots: str = "float32") -> str:
     return "features" + "".join(f"-l{i}" for i in layers) + _DOTS_SUFFIX[check_dots(dots)]
 
 
-
 def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc: FeatureTrainConfig, drafting: dict,
                  *, draft_vocab: int, held_out: float, max_eval: int, exclude=(), export: str | None = None,
                  model_name: str = "", stop_after: int | None = None, init_from: str | None = None,

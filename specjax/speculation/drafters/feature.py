@@ -153,8 +153,8 @@ class FeatureDrafter(Drafter):
         cache, last = run_chunks(run_chunk, jnp.max(lens) + 1, width + 1,
                                  (cache, jnp.zeros((batch, g.shape[-1]), g.dtype)))
         state = self._state(cache.replace(length=lens + 1), last, params, batch)
-        if parallel is not None:  # over dp, as every step leaves them, whatever the prompts' placement: the
-            # cache as the SSMs' (replicated weights), the per-request arrays as ``put_batch`` places them
+        if parallel is not None:  # requests over dp, as every step leaves them, whatever the prompts' placement
+            # (replicated prompts gave a replicated cache); the cache under the SSMs' rules (replicated weights)
             state = dict(parallel.constrain_batch({k: v for k, v in state.items() if k != "cache"}),
                          cache=parallel.constrain_cache(state["cache"], self.config.layer_config, parallel.ssm_rules))
         return state

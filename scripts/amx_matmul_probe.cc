@@ -4,8 +4,8 @@
 //
 // AMX multiplies bfloat16 tiles into float32 sums. Float32 accuracy without changing the model: each
 // weight as two bfloat16 parts taken by truncation (w = w1 + w2 exactly for a weight of at most 16
-// significant bits: every weight of SmolLM2-135M-Instruct's Q4_1 GGUF dequantised to float32, counted on
-// its layer 1) stacked along K, and each float32 activation as three bfloat16 parts rounded in turn
+// significant bits: every layer weight of SmolLM2-135M-Instruct as specjax loads it from its Q4_1 GGUF,
+// which bench_amx_matmul.py counts) stacked along K, and each float32 activation as three bfloat16 parts rounded in turn
 // (x = x1 + x2 + x3 exactly, 8 + 8 + 8 significand bits) stacked as 3M rows: every product is exact in
 // float32 and only the float32 sums round, as in the AVX-512 kernel. Variants that change the numerics
 // are timed beside it: weights rounded to bfloat16 (1 part) with exact activations, and both rounded.
@@ -65,7 +65,8 @@ static std::vector<uint16_t> pack_amx(const float* w, long K, long N, int wparts
   return out;
 }
 
-// y[M, N] = x[M, K] @ W; parts: scratch bf16 [R, K] with R = ceil(3M/16)*16, acc scratch f32 [R, 16*2].
+// y[M, N] = x[M, K0] @ W (K0 and N multiples of 32), W packed by pack_amx with `wparts` parts, x split into
+// `xparts` parts. parts: bfloat16 scratch [R, wparts K0], R = xparts M rounded up to 16 rows; acc: float32 [R, 32].
 static void amx_matmul(const float* x, const uint16_t* wp, float* y, long M, long K0, long N, uint16_t* parts,
                        float* acc, int wparts, int xparts) {
   const long K = wparts * K0;  // the stacked depth
@@ -134,7 +135,7 @@ int main(int argc, char** argv) {
   const int reps = argc > 2 ? std::atoi(argv[2]) : 7;
   const long shapes[7][2] = {{576, 576}, {576, 192}, {576, 192}, {576, 576}, {576, 1536}, {576, 1536}, {1536, 576}};
   // Variants: weight parts x activation parts. 2 x 3 is exact for weights of <= 16 significant bits
-  // (every weight of SmolLM2-135M-Instruct's Q4_1 GGUF, dequantised to float32, checked on its layer 1).
+  // (every layer weight of SmolLM2-135M-Instruct as specjax loads it).
   const int variants[3][2] = {{2, 3}, {1, 3}, {1, 1}};
   std::mt19937 rng(0);
   std::normal_distribution<float> nd(0.f, 0.05f);

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,16 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _bench_common as common  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-KERNELS = os.path.join(HERE, "..", "specjax", "kernels", "cpu")
 NEEDED_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512f")
-
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next(line.split(":", 1)[1].split() for line in f if line.startswith("flags")))
-    except (OSError, StopIteration):
-        return set()
 
 
 def sixteen_bit_share(model_name: str) -> tuple[int, int]:
@@ -70,24 +60,28 @@ def main() -> None:
     args = ap.parse_args()
     if args.layers < 1 or args.repetitions < 1:
         sys.exit(f"--layers and --repetitions must be positive, got {args.layers} and {args.repetitions}")
-    missing = [f for f in NEEDED_FLAGS if f not in cpu_flags()]
+    from specjax.kernels.cpu import build  # the kernels' own compiler lookup and CPU flags, as the tests use
+
+    missing = [f for f in NEEDED_FLAGS if f not in build._cpu_flags().split()]
     if missing:
         sys.exit(f"this CPU lacks {', '.join(missing)} (/proc/cpuinfo flags): the probe needs AMX and AVX512-BF16")
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not cxx:
-        sys.exit("no C++ compiler found ($CXX, c++ or g++)")
+    try:
+        cxx = build._compiler()
+    except build.KernelUnavailable as e:
+        sys.exit(str(e))
+    kernels = str(build.HERE)
     common.print_header("AMX vs the AVX-512 float32 matmul kernel (tree-pass weight matmuls, 1 thread)")
     exact, total = sixteen_bit_share(args.model)
     print(f"# {args.model}: {exact} of {total} layer matmul weights ({exact / total:.4%}) have at most 16 significant "
           "bits, i.e. are two bfloat16 parts exactly")
     with tempfile.TemporaryDirectory() as tmp:
         binary = os.path.join(tmp, "amx_probe")
-        build = [*shlex.split(cxx), "-O3", "-march=native", "-std=c++17", "-mamx-tile", "-mamx-bf16", "-mavx512bf16",
-                 "-DSPECJAX_NO_FFI", "-pthread", "-I", KERNELS, os.path.join(KERNELS, "matmul.cc"),
-                 os.path.join(HERE, "amx_matmul_probe.cc"), "-o", binary]
-        done = subprocess.run(build, capture_output=True, text=True)
+        command = [*cxx, "-O3", "-march=native", "-std=c++17", "-mamx-tile", "-mamx-bf16", "-mavx512bf16",
+                   "-DSPECJAX_NO_FFI", "-pthread", "-I", kernels, os.path.join(kernels, "matmul.cc"),
+                   os.path.join(HERE, "amx_matmul_probe.cc"), "-o", binary]
+        done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
-            sys.exit(f"building the probe failed ({shlex.join(build)}):\n{done.stderr}")
+            sys.exit(f"building the probe failed ({shlex.join(command)}):\n{done.stderr}")
         run = subprocess.run([binary, str(args.layers), str(args.repetitions)], capture_output=True, text=True)
         print(run.stdout, end="")
         if run.returncode:

@@ -2,7 +2,7 @@
 kernel on the weight matmuls of a tree pass, at float32 accuracy and at bfloat16 accuracy.
 
 Issue 17's question: on a CPU a tree pass over more than ~4 nodes is bound by the float32 arithmetic
-(the budget therefore verifies small trees), so would AMX's bfloat16 tiles make large trees cheap?
+(the budget therefore mostly verifies small trees), so would AMX's bfloat16 tiles make large trees cheap?
 This builds ``scripts/amx_matmul_probe.cc`` with ``specjax/kernels/cpu/matmul.cc`` and prints, for 1-64
 rows (tree nodes) and one thread: the float32 kernel's time and three AMX variants' (the exact split:
 weights as 2 bfloat16 parts, activations as 3; weights rounded to bfloat16; both rounded), each

@@ -28,6 +28,16 @@ def machine() -> str:
             f"python {platform.python_version()}")
 
 
+def require_plotting() -> None:
+    """Exit with the fix before any benchmark work when matplotlib (the bench extra) is missing: the plot is
+    drawn last, and a run of many minutes should not end in an ImportError."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        sys.exit(f"{os.path.basename(sys.argv[0])}: plotting needs matplotlib, from the bench extra: "
+                 "pip install -e '.[bench]'")
+
+
 def print_header(title: str) -> None:
     print(f"# {title}")
     print(f"# command: {shlex.join([sys.executable.rsplit('/', 1)[-1]] + sys.argv)}")

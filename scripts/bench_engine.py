@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--json-out", default="bench_out/engine.json")
     ap.add_argument("--plot", default="bench_out/engine.png")
     args = ap.parse_args()
+    common.require_plotting()
 
     import jax
     import jax.numpy as jnp

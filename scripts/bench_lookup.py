@@ -58,6 +58,7 @@ def main() -> None:
     add_layers_flag(ap)
     ap.add_argument("--out", default="bench_out/lookup.png")
     args = ap.parse_args()
+    common.require_plotting()
 
     import numpy as np
     import torch

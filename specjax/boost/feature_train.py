@@ -118,6 +118,16 @@ def _block(lp, x, positions, attention, cfg, inv_freq):
     return x + mlp(rms_norm(x, lp["mlp_norm"], cfg.norm_eps), lp, cfg), k, v
 
 
+def _blocks(lps, x, positions, attention_of, cfg, inv_freq):
+    """The drafter's layers in turn, layer i with attention ``attention_of(i)``; returns (out, [k], [v])."""
+    ks, vs = [], []
+    for i, lp in enumerate(lps):
+        x, k, v = _block(lp, x, positions, attention_of(i), cfg, inv_freq)
+        ks.append(k)
+        vs.append(v)
+    return x, ks, vs
+
+
 def _attend(q, main_k, main_v, main_mask, diag):
     """Softmax attention of q [B, Q, H, Dh] over main keys [B, J, KVH, Dh] (mask [B, Q, J]) plus, per
     query, extra keys ``diag`` [(k [B, Q, KVH, Dh], v, ok [B, Q])] (its own draft path)."""
@@ -141,7 +151,7 @@ def unrolled(params: dict, batch: dict, cfg: FeatureConfig, steps: int, window: 
     """The drafter's features f^k [B, window, D] on the last ``window`` columns for k = 1..steps."""
     lcfg = cfg.layer_config
     inv = rope_inv_freq(lcfg)
-    lp = jax.tree.map(lambda a: a[0], params["layers"])
+    lps = [jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(cfg.layers)]
     tokens, g, positions, start = batch["tokens"], batch["features"], batch["positions"], batch["start"]
     width = tokens.shape[1]
     w0 = width - window
@@ -155,27 +165,29 @@ def unrolled(params: dict, batch: dict, cfg: FeatureConfig, steps: int, window: 
         prev = prev + jax.random.uniform(noise_key, prev.shape, prev.dtype, -noise, noise) * real[..., None]
     # Step 1: true pairs, causal (a padding query sees itself only, so no row is empty).
     causal = (col[None, None, :] <= col[None, :, None]) & real[:, None, :] | (col[None, None, :] == col[None, :, None])
-    f1, k1, v1 = _block(lp, pair_inputs(params, tokens, prev), positions,
-                        lambda q, k, v: _attend(q, k, v, causal, []), lcfg, inv)
+    f1, k1, v1 = _blocks(lps, pair_inputs(params, tokens, prev), positions,
+                         lambda layer: lambda q, k, v: _attend(q, k, v, causal, []), lcfg, inv)
     f1 = output_features(params, f1, cfg)
     outs = [f1[:, w0:]]
-    path = []  # (k, v) of steps 2.. on the window columns
+    path = []  # per step 2..: per layer (k, v) on the window columns
     wcol = col[w0:]
     for step in range(2, steps + 1):
         prev_f = f1[:, w0 - 1:width - 1] if step == 2 else jnp.pad(outs[-1], ((0, 0), (1, 0), (0, 0)))[:, :window]
         # committed text of the draft rooted at p - step + 1
         main = (col[None, None, :] <= wcol[None, :, None] - (step - 1)) & real[:, None, :]
 
-        def attention(q, k, v, main=main, step=step):
-            diag = []
-            for i, (ki, vi) in enumerate(path, start=2):  # step i's pair on this query's path: column c - (step - i)
-                shift = step - i
-                ok = jnp.broadcast_to(jnp.arange(window) >= shift, q.shape[:2])
-                diag.append((_shift(ki, shift), _shift(vi, shift), ok))
-            diag.append((k, v, jnp.ones(q.shape[:2], bool)))  # itself
-            return _attend(q, k1, v1, main, diag)
+        def attention(layer, main=main, step=step):
+            def attend(q, k, v):
+                diag = []
+                for i, kv in enumerate(path, start=2):  # step i's pair on this query's path: column c - (step - i)
+                    shift = step - i
+                    ok = jnp.broadcast_to(jnp.arange(window) >= shift, q.shape[:2])
+                    diag.append((_shift(kv[0][layer], shift), _shift(kv[1][layer], shift), ok))
+                diag.append((k, v, jnp.ones(q.shape[:2], bool)))  # itself
+                return _attend(q, k1[layer], v1[layer], main, diag)
+            return attend
 
-        f, k, v = _block(lp, pair_inputs(params, tokens[:, w0:], prev_f), positions[:, w0:], attention, lcfg, inv)
+        f, k, v = _blocks(lps, pair_inputs(params, tokens[:, w0:], prev_f), positions[:, w0:], attention, lcfg, inv)
         path.append((k, v))
         outs.append(output_features(params, f, cfg))
     return outs
@@ -318,6 +330,8 @@ def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: Featur
         recipe["start"] = start
     if cfg.fused:  # likewise: a run of another fusion (or none) is another recipe
         recipe["fused"] = list(cfg.fused)
+    if cfg.layers != 1:  # likewise: a drafter of another depth is another recipe
+        recipe["layers"] = cfg.layers
     if teacher_dots != "float32":  # likewise: features from another teacher pass are other training data
         recipe["teacher_dots"] = teacher_dots
     run = RunDir(run_dir, recipe)

@@ -41,7 +41,7 @@ from specjax.boost.feature_train import (
     train_feature,
 )
 from specjax.errors import InputError
-from specjax.models.feature import FeatureConfig, bind, init_trained, widen_fusion, with_fusion
+from specjax.models.feature import FeatureConfig, bind, deepen, init_trained, widen_fusion, with_fusion
 from specjax.types import Model
 
 EVAL_DEPTHS = 6
@@ -88,7 +88,8 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
                  model_name: str = "", stop_after: int | None = None, init_from: str | None = None,
                  eval_prompts=(), progress: bool = True, log=print, time_budget: float | None = None,
                  shapes: BatchShapes | None = None, fused: tuple[int, ...] = (),
-                 train_groups: tuple[str, ...] = (), teacher_dots: str = "float32") -> dict:
+                 train_groups: tuple[str, ...] = (), teacher_dots: str = "float32",
+                 drafter_layers: int | None = None) -> dict:
     """Run (or resume) every stage; returns the summary also written to ``run_dir/summary.json``.
     ``stop_after``: train at most this many steps in this run, then evaluate and export what there is
     (the summary says how many of the planned steps are done; running again resumes the training).
@@ -110,7 +111,9 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
     ``teacher_dots``: how the LLM's pass over the corpus multiplies (``feature_data.TEACHER_DOTS``; "bfloat16"
     ran 2.8x faster on an Intel Xeon with AMX; part of the training run's recipe, so a run is not resumed on
     the other kind); the corpus split's held-out features come from the same pass,
-    while the ``eval_prompts`` set is always the float32 LLM's, the features the drafter meets in the loop."""
+    while the ``eval_prompts`` set is always the float32 LLM's, the features the drafter meets in the loop.
+    ``drafter_layers``: the drafter's decoder layers (``FeatureConfig.layers``; default: 1, or ``init_from``'s); more
+    than ``init_from`` has starts as exactly it (``deepen``: the added layers pass their input on)."""
     check_dots(teacher_dots)
     deadline = None if time_budget is None else time.monotonic() + time_budget
     shapes = shapes or BatchShapes()
@@ -118,6 +121,7 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
     started = time.perf_counter()
     exclude = list(dict.fromkeys([*exclude, *eval_prompts]))  # evaluation prompts are never training prompts
     fused = resolve_fusion(llm, init_from, tuple(fused))  # checked before the corpus: a bad request costs nothing
+    drafter_layers = resolve_layers(llm, init_from, drafter_layers)
     train_groups = check_train_groups(plan, train_groups)
     layers = FeatureConfig(llm.config, (0,), fused).raw_layers
     shards = build_feature_corpus(llm, corpus_dir, plan, exclude=exclude, progress=progress, log=log)
@@ -134,7 +138,7 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
     start = None  # a fresh start is named by the recipe's seed; a continued one by its weights
     if init_from is None:
         vocab, coverage = draft_vocabulary(train, draft_vocab, llm.config.vocab_size)
-        cfg = FeatureConfig(llm.config, vocab, fused)
+        cfg = FeatureConfig(llm.config, vocab, fused, drafter_layers)
         params = bind(init_trained(llm.params, cfg, jax.random.key(tc.seed)), llm.params, cfg)
     else:
         cfg, params = _start_from(init_from, llm, groups, tc.seed)
@@ -144,6 +148,9 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
         elif fused != cfg.fused:  # a fusion that reads more layers from here on, starting as itself
             narrow, cfg = cfg, dataclasses.replace(cfg, fused=fused)
             params = bind(widen_fusion(split_params(params, narrow)[0], narrow, cfg), llm.params, cfg)
+        if drafter_layers != cfg.layers:  # a deeper drafter from here on, starting as itself
+            shallow, cfg = cfg, dataclasses.replace(cfg, layers=drafter_layers)
+            params = bind(deepen(split_params(params, shallow)[0], shallow, cfg), llm.params, cfg)
         start = weights_digest(split_params(params, cfg)[0])
         coverage = vocabulary_coverage(train, cfg.draft_vocab)
     evaluated = evaluation_indices(len(held), max_eval)
@@ -308,6 +315,25 @@ def resolve_fusion(llm, init_from: str | None, fused: tuple[int, ...]) -> tuple[
                              f"include {llm.config.num_layers}, the final feature, so training starts from its drafts")
     FeatureConfig(llm.config, (0,), fused)  # refuses layers outside the LLM
     return fused
+
+
+def resolve_layers(llm, init_from: str | None, layers: int | None) -> int:
+    """The decoder layers of the drafter to train: ``layers``, or 1 / ``init_from``'s own where None; an
+    ``init_from`` can be deepened, not made shallower (checked before any work)."""
+    own = 1
+    if init_from is not None:
+        from specjax.speculation.drafters.feature import load_feature_drafter
+
+        own = load_feature_drafter(init_from, llm, load=False).drafter.config.layers
+    if layers is None:
+        return own
+    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= llm.config.num_layers:
+        raise InputError(f"--layers must be an integer in [1, {llm.config.num_layers}] (the LLM's layers), "
+                         f"got {layers!r}")
+    if layers < own:
+        raise InputError(f"--init-from {init_from} has {own} decoder layers; --layers {layers} would drop some: a "
+                         f"trained drafter can only be deepened")
+    return layers
 
 
 def _start_from(name_or_path: str, llm: Model, groups: dict, seed: int):

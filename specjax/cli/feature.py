@@ -64,6 +64,10 @@ def add_parser(sub, formatter_class) -> None:
                         "one feature; the LLM's layer count (30 for SmolLM2) names its final feature, which lets a "
                         "final-feature --init-from start exactly as it drafts; a fused --init-from may be given more "
                         "layers, which start at zero (default: the final feature only, or --init-from's)")
+    f.add_argument("--layers", type=int, default=None,
+                   help="the drafter's decoder layers (each of the LLM's block shape); more than a --init-from drafter "
+                        "has start as exactly it, the added layers passing their input on (default: 1, or "
+                        "--init-from's)")
     f.add_argument("--train-groups", default=None,
                    help="comma-separated split groups of the corpus to train on and evaluate (templates, requests, "
                         "requests-b, written, written-b, ...; a round is a group once its flag is given): the LLM's "
@@ -122,7 +126,7 @@ def check_args(args):
     evaluation prompts: ``feature_tune`` holds these out of training too)."""
     from specjax.boost.feature_corpus import WRITTEN_ROUNDS, CorpusPlan, written_prompts
     from specjax.boost.feature_train import FeatureTrainConfig
-    from specjax.boost.feature_tune import check_train_groups, resolve_fusion
+    from specjax.boost.feature_tune import check_train_groups, resolve_fusion, resolve_layers
     from specjax.cli.boost import _writable_dir
     from specjax.io.checkpoint import check_destination
     from specjax.io.loader import describe_model
@@ -160,6 +164,7 @@ def check_args(args):
     FeatureDrafter(cfg, **drafting)  # the shipped settings must make a valid drafter
     # --init-from exists and fits the LLM, --fused fits both: refused before any work
     args.fused_layers = resolve_fusion(describe_model(args.model), args.init_from, parse_fused(args.fused))
+    args.drafter_layers = resolve_layers(describe_model(args.model), args.init_from, args.layers)
     args.train_group_names = check_train_groups(plan, () if args.train_groups is None else
                                                 args.train_groups.split(","))
     held = [p for path in args.exclude_prompts
@@ -195,7 +200,8 @@ def _cmd_feature_tune(args, out) -> int:
                            time_budget=None if args.time_budget is None  # the model's loading counts too
                            else args.time_budget - (time.perf_counter() - started),
                            shapes=BatchShapes.gpu() if gpu else BatchShapes(), fused=args.fused_layers,
-                           train_groups=args.train_group_names, teacher_dots=args.teacher_dots)
+                           train_groups=args.train_group_names, teacher_dots=args.teacher_dots,
+                           drafter_layers=args.drafter_layers)
     depth = summary["held_out_agreement"]["all"]
     on_prompts = summary["eval_prompts_agreement"]
     history = summary["history_set_agreement"]

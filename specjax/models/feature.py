@@ -14,7 +14,8 @@ LLM's own, frozen and taken from its params at bind time (``bind``), so a shippe
 ``fc``, its layer and its output norm. The output norm (initialised as the LLM's final norm) puts f in
 g's space whatever the layer's residual scale: f is what the next draft step reads as its feature,
 and what training regresses on g. The layer is the LLM's block shape (one layer of its config), attention
-through the same cached path as the LLM (``decoder_layer``: prefill, tree drafting, commit).
+through the same cached path as the LLM (``decoder_layer``: prefill, tree drafting, commit); a deeper
+drafter stacks several (``FeatureConfig.layers``).
 """
 
 from __future__ import annotations
@@ -47,11 +48,14 @@ class FeatureConfig:
     are normalised, concatenated and projected to one feature (EAGLE-3: low, middle and high layers
     carry more about the tokens after the next than the final, next-token-shaped feature). The index
     ``llm.num_layers`` names the final feature g itself (post-norm, as the head reads it), so a fusion
-    that includes it can start as exactly a trained final-feature drafter (``with_fusion``)."""
+    that includes it can start as exactly a trained final-feature drafter (``with_fusion``).
+    layers: the drafter's decoder layers (the LLM's block shape each; EAGLE uses one). A deeper drafter
+    can start as exactly a trained shallower one (``deepen``)."""
 
     llm: ModelConfig
     draft_vocab: tuple[int, ...]
     fused: tuple[int, ...] = ()
+    layers: int = 1
 
     def __post_init__(self):
         if not isinstance(self.llm, ModelConfig) or self.llm.family != "llama":
@@ -71,11 +75,13 @@ class FeatureConfig:
                              f"({self.llm.num_layers}: the final feature), got {self.fused!r}")
         if self.fused == (self.llm.num_layers,):
             raise InputError(f"fused={self.fused!r} is the final feature alone: that is fused=()")
+        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
+            raise InputError(f"layers (the drafter's decoder layers) must be an integer >= 1, got {self.layers!r}")
 
     @property
     def layer_config(self) -> ModelConfig:
-        """The config of the drafter's one layer (and of its KV cache)."""
-        return dataclasses.replace(self.llm, num_layers=1)
+        """The config of the drafter's layers (and of its KV cache)."""
+        return dataclasses.replace(self.llm, num_layers=self.layers)
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -102,15 +108,21 @@ class FeatureConfig:
         return len(self.draft_vocab)
 
     def to_dict(self) -> dict:
-        return {"llm": self.llm.to_dict(), "draft_vocab": list(self.draft_vocab), "fused": list(self.fused)}
+        out = {"llm": self.llm.to_dict(), "draft_vocab": list(self.draft_vocab), "fused": list(self.fused)}
+        if self.layers != 1:  # absent for one layer, as in every drafter saved before deeper ones existed
+            out["layers"] = self.layers
+        return out
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "feature drafter config") -> "FeatureConfig":
-        if not isinstance(d, dict) or not {"llm", "draft_vocab"} <= set(d) <= {"llm", "draft_vocab", "fused"}:
-            raise InputError(f"{source}: expected keys llm, draft_vocab and fused, got "
+        if not isinstance(d, dict) or not {"llm", "draft_vocab"} <= set(d) <= {"llm", "draft_vocab", "fused", "layers"}:
+            raise InputError(f"{source}: expected keys llm, draft_vocab, fused and layers, got "
                              f"{sorted(d) if isinstance(d, dict) else d}")
+        layers = d.get("layers", 1)
+        if isinstance(layers, bool) or not isinstance(layers, int):
+            raise InputError(f"{source}: layers must be an integer, got {layers!r}")
         return cls(ModelConfig.from_dict(d["llm"], source=f"{source}: llm"), tuple(int(t) for t in d["draft_vocab"]),
-                   tuple(int(i) for i in d.get("fused", ())))
+                   tuple(int(i) for i in d.get("fused", ())), layers)
 
 
 def head_columns(llm_params: dict, cfg: FeatureConfig) -> jax.Array:
@@ -137,8 +149,8 @@ def bind(trained: dict, llm_params: dict, cfg: FeatureConfig) -> dict:
 
 
 def init_trained(llm_params: dict, cfg: FeatureConfig, key: jax.Array) -> dict:
-    """Starting point for training: the LLM's last layer with its output projections (attention ``wo``,
-    MLP ``w_down``) zeroed, so the layer starts as the identity on its residual stream, and the LLM's
+    """Starting point for training: the LLM's last layer(s) with their output projections (attention ``wo``,
+    MLP ``w_down``) zeroed, so each layer starts as the identity on its residual stream, and the LLM's
     final norm as the output norm; ``fc`` passes the feature through (identity on g) plus a small random
     map of the token embedding; a fusion starts random, or, where it reads the final feature, passing g
     through (the raw layers' rows zero: the start is the final-feature drafter's). (Measured on the
@@ -149,9 +161,11 @@ def init_trained(llm_params: dict, cfg: FeatureConfig, key: jax.Array) -> dict:
     k_embed, k_fuse = jax.random.split(key)
     embed_part = jax.random.normal(k_embed, (d, d), dtype) * (1.0 / np.sqrt(d))
     fc = jnp.concatenate([embed_part, jnp.eye(d, dtype=dtype)], axis=0)  # rows: [embedding ; feature]
-    layers = take_layers(llm_params, [cfg.llm.num_layers - 1])
-    layers = {**layers, "wo": jnp.zeros_like(layers["wo"]), "w_down": jnp.zeros_like(layers["w_down"])}
-    out = {"fc": fc, "layers": layers, "out_norm": llm_params["final_norm"]}
+    if cfg.layers > cfg.llm.num_layers:
+        raise InputError(f"a drafter of {cfg.layers} layers cannot start from the LLM's last layers: it has "
+                         f"{cfg.llm.num_layers}")
+    layers = take_layers(llm_params, range(cfg.llm.num_layers - cfg.layers, cfg.llm.num_layers))
+    out = {"fc": fc, "layers": _identity_outputs(layers), "out_norm": llm_params["final_norm"]}
     if cfg.fused:
         n = len(cfg.fused)
         if cfg.reads_final:
@@ -160,6 +174,34 @@ def init_trained(llm_params: dict, cfg: FeatureConfig, key: jax.Array) -> dict:
             out["fuse"] = jax.random.normal(k_fuse, (n * d, d), dtype) * (1.0 / np.sqrt(n * d))
             out["fuse_norm"] = jnp.ones((n, d), dtype)
     return out
+
+
+_OUTPUTS = ("wo", "bo", "w_down", "b_down")  # what a layer adds to its residual stream: zero, it passes it on
+
+
+def _identity_outputs(layers: dict) -> dict:
+    """Stacked layer weights with every output projection (and its bias) zeroed."""
+    return {n: jnp.zeros_like(w) if n in _OUTPUTS else w for n, w in layers.items()}
+
+
+def deepen(trained: dict, from_cfg: FeatureConfig, to_cfg: FeatureConfig) -> dict:
+    """A trained drafter's params -> those of ``to_cfg``, the same drafter with more decoder layers, that
+    compute exactly the same features: the added layers come after the trained ones, copies of the last
+    with their output projections zeroed (identity on the residual stream, inputs that training can
+    move from there). The start of training a deeper drafter from a trained one."""
+    if dataclasses.replace(from_cfg, layers=to_cfg.layers) != to_cfg or to_cfg.layers <= from_cfg.layers:
+        raise InputError(f"deepen adds decoder layers to the same drafter: {from_cfg.layers} -> {to_cfg.layers} "
+                         f"layers must add some and change nothing else")
+    missing = [k for k in from_cfg.trained_keys if k not in trained]
+    if missing:
+        raise InputError(f"deepen: the drafter's params lack {missing}")
+    layers = trained["layers"]
+    have = {n: w.shape[0] for n, w in layers.items()}
+    if set(have.values()) != {from_cfg.layers}:
+        raise InputError(f"deepen: expected {from_cfg.layers} stacked layer(s), got {have}")
+    added = to_cfg.layers - from_cfg.layers
+    extra = _identity_outputs({n: jnp.repeat(w[-1:], added, axis=0) for n, w in layers.items()})
+    return {**trained, "layers": {n: jnp.concatenate([w, extra[n]], axis=0) for n, w in layers.items()}}
 
 
 def fusion_passing_final(cfg: FeatureConfig, dtype=jnp.float32) -> dict:
@@ -255,7 +297,7 @@ def init_feature_cache(cfg: FeatureConfig, batch: int, max_len: int, dtype=jnp.f
 def feature_forward(params: dict, tokens: jax.Array, prev_features: jax.Array, positions: jax.Array, cache: KVCache,
                     meta, cfg: FeatureConfig) -> tuple[jax.Array, KVCache]:
     """Pairs (tokens [B, T], the features before them [B, T, D]) at ``positions`` [B, T] through the
-    drafter's layer over its cache (``meta`` as for the LLM: causal, or a tree bitmask over scratch
+    drafter's layers over its cache (``meta`` as for the LLM: causal, or a tree bitmask over scratch
     slots). Returns (features f [B, T, D], cache with the block's K/V written; length unchanged)."""
     lcfg = cfg.layer_config
     x = pair_inputs(params, tokens, prev_features)

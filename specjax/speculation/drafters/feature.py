@@ -229,11 +229,12 @@ _PLAIN: dict[tuple, tuple] = {}  # ids of the source arrays -> (weakrefs to them
 
 
 def _step_layers(params: dict) -> tuple:
-    """The drafter's layer as one split layer with fused weights, derived once while the arrays it comes
+    """The drafter's layers as split layers with fused weights, derived once while the arrays they come
     from live, so their packed copies (keyed by array) are made once too."""
 
     def make():
-        return (fuse_layer({n: w[0] for n, w in params["layers"].items()}),)
+        count = {w.shape[0] for w in params["layers"].values()}.pop()
+        return tuple(fuse_layer({n: w[i] for n, w in params["layers"].items()}) for i in range(count))
 
     return programs.while_alive(_PLAIN, tuple(jax.tree.leaves(params["layers"])), make)
 

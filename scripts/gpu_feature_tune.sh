@@ -21,6 +21,9 @@
 #   WHEELS=/root/stash CORPUS=feature-out/feature-corpus DEV_PROMPTS=/root/stash/dev_prompts.jsonl \
 #     STEP_SECONDS=0.05 TOTAL_SECONDS=540 OUT=gpu_out scripts/gpu_feature_tune.sh
 #
+# LAYERS=2 deepens run A's drafter (feature-tune --layers: the added layer starts passing its input on, so A
+# starts from the shipped drafter's drafts. Stop 88: the one-layer drafter agrees on its own training sequences
+# barely more than on held-out ones (underfitting: capacity or training steps limit it, not data alone).
 # $PLAN is the corpus's plan; unset, the whole corpus of stops 77-87 (the template parts, both request rounds
 # and the written rounds a-g, whose prompt files are tracked and travel with the tree). scripts/gpu_feature_bundle.sh
 # builds the carried folders and prints the device calls (stop 87: three, for 15 device-minutes in all).
@@ -33,6 +36,7 @@ RUNS=${RUNS:-a}
 case "$RUNS" in a) TWO=0 ;; "a b") TWO=1 ;; *) echo "RUNS must be 'a' or 'a b', got '$RUNS'"; exit 1 ;; esac
 SLOWDOWN=${SLOWDOWN:-$([ $TWO = 1 ] && echo 1.5 || echo 1)}  # two runs share the GPU
 LR_A=${LR_A:-5e-4}
+LAYERS=${LAYERS:-}  # run A's decoder layers; empty: the --init-from drafter's
 BATCH=${BATCH:-32}
 # both runs read the same LLM layers (the shipped drafter's since stop 64), so B reuses A's features: a
 # corpus keeps one features directory per set of layers (feature_tune.features_dir), the only one here
@@ -95,7 +99,7 @@ echo "=== $(date +%T) $EPOCH_STEPS steps an epoch at batch $BATCH: $E epochs"
 rm -rf feature-out/smollm2-feature-gpu-a feature-out/smollm2-feature-gpu-b
 guard() { echo $(( DEADLINE - $(date +%s) - 10 )); }
 timeout -k 5 "$(guard)" $PY -m specjax feature-tune "${COMMON[@]}" ${INIT[@]+"${INIT[@]}"} --epochs "$E" \
-  --learning-rate "$LR_A" --out feature-out/run-gpu-a --export feature-out/smollm2-feature-gpu-a \
+  ${LAYERS:+--layers "$LAYERS"} --learning-rate "$LR_A" --out feature-out/run-gpu-a --export feature-out/smollm2-feature-gpu-a \
   --time-budget "$(left)" > "$OUT/a.log" 2>&1 &
 A=$!
 RB=0

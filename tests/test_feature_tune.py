@@ -181,7 +181,7 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
     import specjax.boost.feature_tune as tune
     from specjax.boost.feature_data import held_out_indices, split_held_out
     from specjax.boost.feature_loading import load_feature_set
-    from specjax.boost.feature_tune import _split, feature_tune
+    from specjax.boost.feature_tune import feature_tune, split_corpus
     from specjax.speculation.drafters.feature import from_arg
 
     plan = CorpusPlan(passages=2, tasks=4, grounded=4, sampled_fraction=0.5, max_new_tokens=6, passage_tokens=48,
@@ -309,7 +309,7 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
              for name in ("passages", "grounded-greedy", "grounded-sampled", "tasks-greedy", "tasks-sampled",
                           "requests")}
     base = {k: v for k, v in parts.items() if k != "requests"}
-    before, after_split = _split(base, 0.2, 0)[:2], _split(parts, 0.2, 0)[:2]
+    before, after_split = split_corpus(base, 0.2, 0)[:2], split_corpus(parts, 0.2, 0)[:2]
     for old, new in zip(split_held_out(load_feature_set(base), 0.2, 0), before):
         assert (old.tokens == new.tokens).all() and (old.offsets == new.offsets).all()
     for old, new in zip(before, after_split):
@@ -403,9 +403,9 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
     names = [*parts, "requests-b", "written-greedy", "written-sampled"]
     every = {name: (sorted(glob.glob(os.path.join(corpus, name, "shard-*.npz"))),
                     sorted(glob.glob(os.path.join(corpus, "features", name, "features-*.npz")))) for name in names}
-    whole = _split(every, 0.2, 0)
+    whole = split_corpus(every, 0.2, 0)
     featureless = {name: (shards, found if name == "requests" else []) for name, (shards, found) in every.items()}
-    part = _split(featureless, 0.2, 0, ("requests",))
+    part = split_corpus(featureless, 0.2, 0, ("requests",))
     assert part[2] == whole[2] and list(part[2]) == ["templates", "requests", "requests-b", "written"]
     for mine, all_of_them, side in zip(part[:2], whole[:2], ("train", "held_out")):
         first = whole[2]["templates"][side]  # the requests group follows the template parts in the whole split
@@ -414,6 +414,31 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
     again = feature_tune(smollm2, corpus, str(tmp_path / "run-after-alone"), grown_w, tc, drafting, stop_after=0,
                          init_from=str(tmp_path / "alone"), eval_prompts=hand_written, **kw)
     assert again["train_groups"] is None and again["sequences"] == more_w["sequences"]
+
+    # scripts/feature_fit_gap.py: the finished drafter on its own split of the template parts (found again
+    # from its metadata, as --init-from checks it), its held-out sequences and a sample of its training ones
+    held_file = tmp_path / "held.jsonl"
+    held_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in held))
+    fit_gap = _load_script("feature_fit_gap")
+    argv = ["--drafter", str(tmp_path / "final"), "--corpus", corpus, "--exclude-prompts", str(held_file),
+            "--groups", "templates", "--held-out", "0.2", "--train-sample", "3", "--depths", "2"]
+    fit_gap.main(argv + ["--out", str(tmp_path / "gap.json")])
+    with open(tmp_path / "gap.json") as f:
+        gap = json.load(f)
+    assert gap["held_out"]["sequences"] == done["sequences"]["held_out"] and gap["train_sample"]["sequences"] == 3
+    assert len(gap["gap"]) == 2 and gap["held_out"]["positions"] == done["held_out_agreement"]["positions"]
+    with pytest.raises(InputError, match="its held-out sequences may be in this run's training set"):
+        fit_gap.main([*argv[:-6], "--held-out", "0.4", *argv[-4:]])  # another split: refused
+
+
+def _load_script(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), "..", "scripts",
+                                                                     f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _files(root):

@@ -124,24 +124,16 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
     drafter_layers = resolve_layers(llm, init_from, drafter_layers)
     train_groups = check_train_groups(plan, train_groups)
     layers = FeatureConfig(llm.config, (0,), fused).raw_layers
-    shards = build_feature_corpus(llm, corpus_dir, plan, exclude=exclude, progress=progress, log=log)
-    timing["corpus_s"] = time.perf_counter() - started
-    started = time.perf_counter()
-    trained_parts = {name for group, names in split_groups(list(shards)).items()
-                     if not train_groups or group in train_groups for name in names}
-    kept = os.path.join(corpus_dir, features_dir(layers, teacher_dots))
-    parts = {name: (paths, shapes.features(llm, paths, os.path.join(kept, name), progress, log, layers, teacher_dots)
-                    if name in trained_parts else [])
-             for name, paths in shards.items()}
-    timing["features_s"] = time.perf_counter() - started
-    train, held, groups = _split(parts, held_out, tc.seed, train_groups)
+    train, held, groups = corpus_split(llm, corpus_dir, plan, exclude=exclude, held_out=held_out, seed=tc.seed,
+                                       raw_layers=layers, teacher_dots=teacher_dots, train_groups=train_groups,
+                                       shapes=shapes, progress=progress, log=log, timing=timing)
     start = None  # a fresh start is named by the recipe's seed; a continued one by its weights
     if init_from is None:
         vocab, coverage = draft_vocabulary(train, draft_vocab, llm.config.vocab_size)
         cfg = FeatureConfig(llm.config, vocab, fused, drafter_layers)
         params = bind(init_trained(llm.params, cfg, jax.random.key(tc.seed)), llm.params, cfg)
     else:
-        cfg, params = _start_from(init_from, llm, groups, tc.seed)
+        cfg, params = start_from(init_from, llm, groups, tc.seed)
         if fused and not cfg.fused:  # a final-feature drafter, fused from here on
             final, cfg = cfg, dataclasses.replace(cfg, fused=fused)
             params = bind(with_fusion(split_params(params, final)[0], cfg), llm.params, cfg)
@@ -198,7 +190,7 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
         save_feature_drafter(export, cfg, trained, drafting,
                              extra={"trained": {k: summary[k] for k in ("model", "plan", "train", "sequences",
                                                                         "tokens", "draft_vocab", "init_from", "fused",
-                                                                        "train_groups", "steps",
+                                                                        "train_groups", "teacher_dots", "steps",
                                                                         "held_out_agreement",
                                                                         "eval_prompts_agreement")}})
         log(f"exported the drafter to {export}")
@@ -216,7 +208,7 @@ def evaluation_indices(count: int, max_eval: int) -> np.ndarray:
 
 
 def plan_groups(plan: CorpusPlan | dict) -> list[str]:
-    """The split groups a corpus plan makes (``_split``): the template parts together, then each round of
+    """The split groups a corpus plan makes (``split_corpus``): the template parts together, then each round of
     requests and of written prompts it has. ``plan``: a CorpusPlan, or one as a trained drafter records it."""
     field = plan.get if isinstance(plan, dict) else lambda name: getattr(plan, name)
     return (["templates"] + [name for name, r in REQUEST_ROUNDS.items() if field(r.count_field)]
@@ -236,7 +228,7 @@ def check_train_groups(plan: CorpusPlan, train_groups) -> tuple[str, ...]:
 
 
 def split_groups(names) -> dict[str, list[str]]:
-    """Corpus part names by split group (``_split``), in order: the template parts together (``templates``),
+    """Corpus part names by split group (``split_corpus``), in order: the template parts together (``templates``),
     each round of requests and of written prompts on its own; only the groups with a part among ``names``."""
     groups = {"templates": [n for n in names if n not in REQUEST_PARTS + WRITTEN_PARTS]}
     for round_name, request_round in REQUEST_ROUNDS.items():
@@ -246,11 +238,33 @@ def split_groups(names) -> dict[str, list[str]]:
     return {group: parts for group, parts in groups.items() if parts}
 
 
-def _split(parts: dict, fraction: float, seed: int, train_groups=()) -> tuple[FeatureSet, FeatureSet, dict]:
+def corpus_split(llm: Model, corpus_dir: str, plan: CorpusPlan, *, exclude, held_out: float, seed: int,
+                 raw_layers: tuple[int, ...] = (), teacher_dots: str = "float32", train_groups=(),
+                 shapes: BatchShapes | None = None, progress: bool = True, log=print,
+                 timing: dict | None = None) -> tuple[FeatureSet, FeatureSet, dict]:
+    """The corpus of ``plan`` built (or resumed), the LLM's features of ``train_groups``' parts (default:
+    every group) computed (or found), and split as a training run splits it (``split_corpus``): (train, held
+    out, {group: counts}). ``timing`` (if given) gets the seconds of the corpus and of the features."""
+    shapes = shapes or BatchShapes()
+    started = time.perf_counter()
+    shards = build_feature_corpus(llm, corpus_dir, plan, exclude=exclude, progress=progress, log=log)
+    corpus_s, started = time.perf_counter() - started, time.perf_counter()
+    trained_parts = {name for group, names in split_groups(list(shards)).items()
+                     if not train_groups or group in train_groups for name in names}
+    kept = os.path.join(corpus_dir, features_dir(raw_layers, teacher_dots))
+    parts = {name: (paths, shapes.features(llm, paths, os.path.join(kept, name), progress, log, raw_layers,
+                                           teacher_dots) if name in trained_parts else [])
+             for name, paths in shards.items()}
+    if timing is not None:
+        timing.update(corpus_s=corpus_s, features_s=time.perf_counter() - started)
+    return split_corpus(parts, held_out, seed, train_groups)
+
+
+def split_corpus(parts: dict, fraction: float, seed: int, train_groups=()) -> tuple[FeatureSet, FeatureSet, dict]:
     """(train, held out, {group: {"train": n, "held_out": n}}). The template parts are split together and
     each round of requests or of written prompts on its own, so growing a corpus by a round leaves the
     other parts' split as it was: a drafter continued with ``init_from`` on the grown corpus is not
-    evaluated on sequences it was trained on (``_check_split``). ``train_groups`` (default: all): the
+    evaluated on sequences it was trained on (``check_split``). ``train_groups`` (default: all): the
     groups loaded, whose parts need features; the others are only counted, from their shards, and split
     by the same rule, so every group's counts are the whole corpus's."""
     grouped = split_groups(list(parts))
@@ -336,18 +350,18 @@ def resolve_layers(llm, init_from: str | None, layers: int | None) -> int:
     return layers
 
 
-def _start_from(name_or_path: str, llm: Model, groups: dict, seed: int):
+def start_from(name_or_path: str, llm: Model, groups: dict, seed: int):
     """(config, bound params) of a trained drafter for ``llm``, to continue training it on this corpus."""
     from specjax.io.feature_checkpoint import read_feature_meta
     from specjax.speculation.drafters.feature import feature_drafter_path, load_feature_drafter
 
     bound = load_feature_drafter(name_or_path, llm)  # checks that it was trained for this LLM
-    _check_split(name_or_path, read_feature_meta(feature_drafter_path(name_or_path))[2].get("trained"), groups, seed)
+    check_split(name_or_path, read_feature_meta(feature_drafter_path(name_or_path))[2].get("trained"), groups, seed)
     params = jax.tree.map(lambda a: a.astype(llm.params["embed"].dtype), bound.params)
     return bound.drafter.config, params
 
 
-def _check_split(name: str, trained: dict | None, groups: dict, seed: int) -> None:
+def check_split(name: str, trained: dict | None, groups: dict, seed: int) -> None:
     """Refuse to continue a drafter whose training run split its sequences otherwise than this run does
     (another seed, --held-out or corpus): its training sequences could be held out here and flatter it.
     Its run covered its ``train_groups``, or (without them) the template parts and each round of requests and of

@@ -62,6 +62,7 @@ def test_a_deepened_drafter_drafts_exactly_as_the_trained_one(llama, trained, tm
     cfg, _, params, _ = trained
     deep_cfg, exact, moved = _deep(llama, trained)
     assert deep_cfg.layer_config.num_layers == 2 and exact["layers"]["wq"].shape[0] == 2
+    assert FeatureDrafter(deep_cfg, **DRAFTING).describe() == "feature(2 layers, depth 4, beam 3, nodes 8)"
     rng = np.random.RandomState(2)
     tokens = jnp.asarray(rng.randint(0, cfg.llm.vocab_size, (2, 6)), jnp.int32)
     prev = jnp.asarray(rng.randn(2, 6, cfg.llm.hidden_size), jnp.float32)

@@ -101,7 +101,8 @@ class FeatureDrafter(Drafter):
         return self.config.hidden_layers
 
     def describe(self) -> str:
-        return f"feature(depth {self.depth}, beam {self.beam}, nodes {self.nodes})"
+        layers = f"{self.config.layers} layers, " if self.config.layers > 1 else ""
+        return f"feature({layers}depth {self.depth}, beam {self.beam}, nodes {self.nodes})"
 
     def budget_ladder(self) -> tuple[int, ...]:
         return tuple(self.ladder)

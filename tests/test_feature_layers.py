@@ -111,6 +111,12 @@ def test_deepen_and_layers_refuse_what_they_cannot_do(llama, trained):  # noqa: 
         FeatureConfig.from_dict({**cfg.to_dict(), "layers": "2"})
     with pytest.raises(InputError, match="cannot start from the LLM's last layers"):
         init_trained(llama.params, dataclasses.replace(cfg, layers=llama.config.num_layers + 1), jax.random.key(0))
+    from specjax.boost.feature_tune import resolve_layers
+
+    assert resolve_layers(llama, None, None) == 1 and resolve_layers(llama, None, 2) == 2
+    for bad in (0, llama.config.num_layers + 1, True):
+        with pytest.raises(InputError, match="--layers must be an integer"):
+            resolve_layers(llama, None, bad)
     # a fresh two-layer start: the LLM's last two layers, each passing its residual stream on
     fresh = init_trained(llama.params, two, jax.random.key(0))
     last = take_layers(llama.params, range(llama.config.num_layers - 2, llama.config.num_layers))

@@ -58,7 +58,7 @@ def main(argv=None) -> None:
     from specjax.io.prompts import read_prompts_file
     from specjax.speculation.drafters.feature import feature_drafter_path
 
-    _, _, meta = read_feature_meta(feature_drafter_path(args.drafter))
+    saved_cfg, _, meta = read_feature_meta(feature_drafter_path(args.drafter))
     trained = meta.get("trained") or {}
     if not {"plan", "train"} <= set(trained):
         sys.exit(f"{args.drafter}: its metadata does not record its training run (plan, seed)")
@@ -68,12 +68,10 @@ def main(argv=None) -> None:
                for p in read_prompts_file(path, flag="--exclude-prompts", allow_token_ids=False, plain_lines=True)]
     llm = specjax.load_model("smollm2-135m-instruct", progress=False)
     seed = trained["train"]["seed"]
-    cfg_meta = meta["config"]
-    raw = tuple(i for i in cfg_meta.get("fused", []) if i != llm.config.num_layers)
     dots = args.teacher_dots or trained.get("teacher_dots", "float32")
     train, held, counts = corpus_split(llm, args.corpus, plan, exclude=exclude, held_out=args.held_out, seed=seed,
-                                       raw_layers=raw, teacher_dots=dots, train_groups=groups, progress=False,
-                                       log=lambda *a: None)
+                                       raw_layers=saved_cfg.raw_layers, teacher_dots=dots, train_groups=groups,
+                                       progress=False, log=lambda *a: None)
     cfg, params = start_from(args.drafter, llm, counts, seed)  # refuses a drafter trained under another split
     pick = np.sort(np.random.default_rng(args.seed).choice(len(train), min(args.train_sample, len(train)),
                                                            replace=False))

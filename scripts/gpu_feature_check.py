@@ -17,6 +17,7 @@ meet new batch widths and checkpoint saves.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -29,6 +30,9 @@ def main() -> None:
     ap.add_argument("--corpus", required=True, help="a feature corpus directory (parts with shard-*.npz)")
     ap.add_argument("--parts", default="tasks-greedy,requests", help="parts whose first shard is used")
     ap.add_argument("--init-from", default="smollm2-feature", help="the drafter to continue")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers of the drafter to time (more than --init-from's: deepened, as feature-tune "
+                         "--layers does; default: its own)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--steps", type=int, default=40, help="timed training steps")
     ap.add_argument("--out", required=True, help="scratch directory (features, run, export)")
@@ -40,15 +44,24 @@ def main() -> None:
 
     from specjax.boost.feature_loading import load_feature_set
     from specjax.boost.feature_train import FeatureTrainConfig, depth_agreement, split_params, train_feature
-    from specjax.boost.feature_tune import BatchShapes
+    from specjax.boost.feature_tune import BatchShapes, resolve_layers
     from specjax.io.feature_checkpoint import save_feature_drafter
     from specjax.io.loader import load_model
+    from specjax.models.feature import bind, deepen
     from specjax.speculation.drafters.feature import load_feature_drafter
 
     report = {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()], "jax": jax.__version__}
     stage = time.perf_counter()
     llm = load_model(args.model, progress=False)
     report["load_s"] = time.perf_counter() - stage
+    bound = load_feature_drafter(args.init_from, llm)
+    cfg = bound.drafter.config
+    params = jax.tree.map(lambda a: a.astype(llm.params["embed"].dtype), bound.params)
+    layers = resolve_layers(llm, args.init_from, args.layers)
+    if layers != cfg.layers:
+        shallow, cfg = cfg, dataclasses.replace(cfg, layers=layers)
+        params = bind(deepen(split_params(params, shallow)[0], shallow, cfg), llm.params, cfg)
+    report["drafter_layers"] = cfg.layers
     shapes = BatchShapes.gpu()
     parts = {}
     stage = time.perf_counter()
@@ -56,12 +69,11 @@ def main() -> None:
         shards = sorted(glob.glob(os.path.join(args.corpus, name, "shard-*.npz")))[:1]
         if not shards:
             raise SystemExit(f"{args.corpus}/{name}: no shards")
-        parts[name] = (shards, shapes.features(llm, shards, os.path.join(args.out, "features", name), False, print))
+        # a fused drafter trains on the raw layers it reads, stored beside g
+        parts[name] = (shards, shapes.features(llm, shards, os.path.join(args.out, "features", name), False, print,
+                                               cfg.raw_layers))
     report["features_s"] = time.perf_counter() - stage
     data = load_feature_set(parts)
-    bound = load_feature_drafter(args.init_from, llm)
-    cfg = bound.drafter.config
-    params = jax.tree.map(lambda a: a.astype(llm.params["embed"].dtype), bound.params)
     tc = FeatureTrainConfig(epochs=max(1.0, (args.steps + 60) * args.batch_size / len(data)),
                             batch_size=args.batch_size, learning_rate=3e-4, window=172, checkpoint_every=20,
                             eval_every=10_000)

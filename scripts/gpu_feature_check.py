@@ -24,7 +24,7 @@ import os
 import time
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="the LLM (a registered name or a directory)")
     ap.add_argument("--corpus", required=True, help="a feature corpus directory (parts with shard-*.npz)")
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="timed training steps")
     ap.add_argument("--out", required=True, help="scratch directory (features, run, export)")
     ap.add_argument("--json-out", help="also write the JSON line here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import jax
     import numpy as np

@@ -269,6 +269,16 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
                      init_from=str(tmp_path / "deep"), drafter_layers=1, **kw)
     assert not os.path.exists(tmp_path / "run-shallow")  # refused before any work
 
+    # scripts/gpu_feature_check.py (the GPU run's rehearsal and step timer) on the fused drafter, deepened:
+    # it computes the raw layer the fusion reads beside g, trains, evaluates and exports
+    check = _load_script("gpu_feature_check")
+    check.main(["--model", "smollm2-135m-instruct", "--corpus", corpus, "--parts", "tasks-greedy", "--init-from",
+                str(tmp_path / "fused"), "--layers", "2", "--batch-size", "2", "--steps", "1",
+                "--out", str(tmp_path / "check"), "--json-out", str(tmp_path / "check.json")])
+    with open(tmp_path / "check.json") as f:
+        report = json.load(f)
+    assert report["drafter_layers"] == 2 and report["step_s"] > 0 and len(report["agreement"]) == 6
+
     bound = from_arg(str(tmp_path / "final"), smollm2, load=True, expansion=None, draft="topk")
     prompts = specjax.api.encode_prompts(smollm2, ["Name three rivers in Europe.", "Write a haiku about rain."])
     ref = specjax.generate(smollm2, prompts, max_new_tokens=12, mode="incremental")

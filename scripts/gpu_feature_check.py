@@ -17,7 +17,6 @@ meet new batch widths and checkpoint saves.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import glob
 import json
 import os
@@ -44,10 +43,9 @@ def main(argv=None) -> None:
 
     from specjax.boost.feature_loading import load_feature_set
     from specjax.boost.feature_train import FeatureTrainConfig, depth_agreement, split_params, train_feature
-    from specjax.boost.feature_tune import BatchShapes, resolve_layers
+    from specjax.boost.feature_tune import BatchShapes, deepen_bound, resolve_layers
     from specjax.io.feature_checkpoint import save_feature_drafter
     from specjax.io.loader import load_model
-    from specjax.models.feature import bind, deepen
     from specjax.speculation.drafters.feature import load_feature_drafter
 
     report = {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()], "jax": jax.__version__}
@@ -57,10 +55,7 @@ def main(argv=None) -> None:
     bound = load_feature_drafter(args.init_from, llm)
     cfg = bound.drafter.config
     params = jax.tree.map(lambda a: a.astype(llm.params["embed"].dtype), bound.params)
-    layers = resolve_layers(llm, args.init_from, args.layers)
-    if layers != cfg.layers:
-        shallow, cfg = cfg, dataclasses.replace(cfg, layers=layers)
-        params = bind(deepen(split_params(params, shallow)[0], shallow, cfg), llm.params, cfg)
+    cfg, params = deepen_bound(params, cfg, resolve_layers(llm, args.init_from, args.layers), llm)
     report["drafter_layers"] = cfg.layers
     shapes = BatchShapes.gpu()
     parts = {}

@@ -140,9 +140,7 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
         elif fused != cfg.fused:  # a fusion that reads more layers from here on, starting as itself
             narrow, cfg = cfg, dataclasses.replace(cfg, fused=fused)
             params = bind(widen_fusion(split_params(params, narrow)[0], narrow, cfg), llm.params, cfg)
-        if drafter_layers != cfg.layers:  # a deeper drafter from here on, starting as itself
-            shallow, cfg = cfg, dataclasses.replace(cfg, layers=drafter_layers)
-            params = bind(deepen(split_params(params, shallow)[0], shallow, cfg), llm.params, cfg)
+        cfg, params = deepen_bound(params, cfg, drafter_layers, llm)  # a deeper drafter from here on, as itself
         start = weights_digest(split_params(params, cfg)[0])
         coverage = vocabulary_coverage(train, cfg.draft_vocab)
     evaluated = evaluation_indices(len(held), max_eval)
@@ -348,6 +346,15 @@ def resolve_layers(llm, init_from: str | None, layers: int | None) -> int:
         raise InputError(f"--init-from {init_from} has {own} decoder layers; --layers {layers} would drop some: a "
                          f"trained drafter can only be deepened")
     return layers
+
+
+def deepen_bound(params: dict, cfg: FeatureConfig, layers: int, llm: Model) -> tuple[FeatureConfig, dict]:
+    """(config, bound params) of the bound drafter ``params`` with ``layers`` decoder layers, starting as
+    exactly itself (``deepen``); unchanged where it has as many already."""
+    if layers == cfg.layers:
+        return cfg, params
+    deeper = dataclasses.replace(cfg, layers=layers)
+    return deeper, bind(deepen(split_params(params, cfg)[0], cfg, deeper), llm.params, deeper)
 
 
 def start_from(name_or_path: str, llm: Model, groups: dict, seed: int):

@@ -53,7 +53,7 @@ def main(argv=None) -> None:
     import specjax
     from specjax.boost.feature_corpus import CorpusPlan
     from specjax.boost.feature_train import sequence_agreement, summarise_agreement
-    from specjax.boost.feature_tune import check_train_groups, corpus_split, start_from
+    from specjax.boost.feature_tune import check_train_groups, corpus_split, plan_groups, start_from
     from specjax.io.feature_checkpoint import read_feature_meta
     from specjax.io.prompts import read_prompts_file
     from specjax.speculation.drafters.feature import feature_drafter_path
@@ -64,6 +64,10 @@ def main(argv=None) -> None:
         sys.exit(f"{args.drafter}: its metadata does not record its training run (plan, seed)")
     plan = CorpusPlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in trained["plan"].items()})
     groups = check_train_groups(plan, tuple(args.groups.split(",")))
+    covered = trained.get("train_groups") or plan_groups(plan)  # what its last run trained on
+    if any(g not in covered for g in groups):
+        sys.exit(f"--groups {args.groups}: {args.drafter}'s last run trained on {', '.join(covered)} only; the "
+                 f"sequences of other groups were not its training sequences, so their gap would read as underfitting")
     exclude = [p for path in args.exclude_prompts
                for p in read_prompts_file(path, flag="--exclude-prompts", allow_token_ids=False, plain_lines=True)]
     llm = specjax.load_model("smollm2-135m-instruct", progress=False)

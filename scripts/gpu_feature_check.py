@@ -43,7 +43,7 @@ def main(argv=None) -> None:
 
     from specjax.boost.feature_loading import load_feature_set
     from specjax.boost.feature_train import FeatureTrainConfig, depth_agreement, split_params, train_feature
-    from specjax.boost.feature_tune import BatchShapes, deepen_bound, resolve_layers
+    from specjax.boost.feature_tune import BatchShapes, deepen_bound, resolve_layers, weights_digest
     from specjax.io.feature_checkpoint import save_feature_drafter
     from specjax.io.loader import load_model
     from specjax.speculation.drafters.feature import load_feature_drafter
@@ -74,8 +74,9 @@ def main(argv=None) -> None:
                             eval_every=10_000)
     held = data.subset(np.arange(min(16, len(data))))
     run_dir = os.path.join(args.out, "run")
+    # the starting weights are part of the run's recipe: an --out reused with another drafter is refused, not resumed
     common = dict(held_out=held, progress=False, width_multiple=shapes.width_multiple,
-                  full_batches=shapes.full_batches)
+                  full_batches=shapes.full_batches, start=weights_digest(split_params(params, cfg)[0]))
     stage = time.perf_counter()
     params, _ = train_feature(params, data, cfg, tc, run_dir, stop_after=5, **common)  # compiles, checkpoints
     report["first_steps_s"] = time.perf_counter() - stage

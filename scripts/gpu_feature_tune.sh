@@ -24,6 +24,9 @@
 # LAYERS=2 deepens run A's drafter (feature-tune --layers: the added layer starts passing its input on, so A
 # starts from the shipped drafter's drafts. Stop 88: the one-layer drafter agrees on its own training sequences
 # barely more than on held-out ones (underfitting: capacity or training steps limit it, not data alone).
+# STEP_SECONDS must then be a step of that depth (`gpu_feature_check.py --layers 2`): by XLA's cost analysis a
+# two-layer step is 1.48x a one-layer step's FLOPs (batch 8, width 236; stop 89), so a one-layer timing would
+# plan more steps than fit and --time-budget would stop the run with its learning rate still high.
 # $PLAN is the corpus's plan; unset, the whole corpus of stops 77-87 (the template parts, both request rounds
 # and the written rounds a-g, whose prompt files are tracked and travel with the tree). scripts/gpu_feature_bundle.sh
 # builds the carried folders and prints the device calls (stop 87: three, for 15 device-minutes in all).

@@ -107,8 +107,14 @@ def test_deepen_and_layers_refuse_what_they_cannot_do(llama, trained):  # noqa: 
     for bad in (0, True, 1.5):
         with pytest.raises(InputError, match="layers"):
             dataclasses.replace(cfg, layers=bad)
-    with pytest.raises(InputError, match="layers must be an integer"):
-        FeatureConfig.from_dict({**cfg.to_dict(), "layers": "2"})
+    for bad in ("2", 0):  # the file's message names it
+        with pytest.raises(InputError, match="drafter.json: layers must be an integer >= 1"):
+            FeatureConfig.from_dict({**cfg.to_dict(), "layers": bad}, source="drafter.json")
+    with pytest.raises(InputError, match="expected keys llm and draft_vocab"):
+        FeatureConfig.from_dict({"llm": cfg.to_dict()["llm"]})
+    # params of two layers under a one-layer config: refused, not trained or drafted on their first layer only
+    with pytest.raises(InputError, match=r"hold \[2\] decoder layers .* config says 1"):
+        bind(deepen(part, cfg, two), llama.params, cfg)
     with pytest.raises(InputError, match="cannot start from the LLM's last layers"):
         init_trained(llama.params, dataclasses.replace(cfg, layers=llama.config.num_layers + 1), jax.random.key(0))
     from specjax.boost.feature_tune import resolve_layers
@@ -153,7 +159,9 @@ def test_step_params_pack_every_layer_and_keep_the_features(llama, trained, monk
     (packed,) = programs.step_drafter_params((d,), (moved,))
     assert len(packed["layers"]) == 2
     assert all(isinstance(layer["wqkv"], PackedWeight) for layer in packed["layers"])
-    assert packed["layers"][0]["wqkv"].packed is not packed["layers"][1]["wqkv"].packed
+    # layer 2's output projection is the LLM's last layer's, layer 1's the trained one: each packed from its own
+    wo = [np.asarray(layer["wo"].packed) for layer in packed["layers"]]
+    assert not np.array_equal(wo[0], wo[1])
 
     rng = np.random.RandomState(3)
     tokens = jnp.asarray(rng.randint(0, deep_cfg.llm.vocab_size, (1, 6)), jnp.int32)

@@ -278,6 +278,16 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
     with open(tmp_path / "check.json") as f:
         report = json.load(f)
     assert report["drafter_layers"] == 2 and report["step_s"] > 0 and len(report["agreement"]) == 6
+    # its --out reused with another drafter of the same shape: refused, not resumed from the first one's weights
+    from specjax.io.feature_checkpoint import save_feature_drafter
+
+    fused_cfg, fused_trained, fused_drafting = restore_feature_drafter(str(tmp_path / "fused"))
+    save_feature_drafter(str(tmp_path / "fused-moved"), fused_cfg, {**fused_trained, "fc": fused_trained["fc"] * 0.5},
+                         fused_drafting)
+    with pytest.raises(InputError, match="holds a run with another recipe"):
+        check.main(["--model", "smollm2-135m-instruct", "--corpus", corpus, "--parts", "tasks-greedy", "--init-from",
+                    str(tmp_path / "fused-moved"), "--layers", "2", "--batch-size", "2", "--steps", "1",
+                    "--out", str(tmp_path / "check")])
 
     bound = from_arg(str(tmp_path / "final"), smollm2, load=True, expansion=None, draft="topk")
     prompts = specjax.api.encode_prompts(smollm2, ["Name three rivers in Europe.", "Write a haiku about rain."])
@@ -439,6 +449,8 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
     assert len(gap["gap"]) == 2 and gap["held_out"]["positions"] == done["held_out_agreement"]["positions"]
     with pytest.raises(InputError, match="its held-out sequences may be in this run's training set"):
         fit_gap.main([*argv[:-6], "--held-out", "0.4", *argv[-4:]])  # another split: refused
+    with pytest.raises(SystemExit, match="last run trained on requests only"):  # not its training sequences
+        fit_gap.main(["--drafter", str(tmp_path / "alone"), *argv[2:]])
 
 
 def _load_script(name):

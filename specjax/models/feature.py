@@ -116,11 +116,11 @@ class FeatureConfig:
     @classmethod
     def from_dict(cls, d: dict, source: str = "feature drafter config") -> "FeatureConfig":
         if not isinstance(d, dict) or not {"llm", "draft_vocab"} <= set(d) <= {"llm", "draft_vocab", "fused", "layers"}:
-            raise InputError(f"{source}: expected keys llm, draft_vocab, fused and layers, got "
+            raise InputError(f"{source}: expected keys llm and draft_vocab (fused and layers optional), got "
                              f"{sorted(d) if isinstance(d, dict) else d}")
         layers = d.get("layers", 1)
-        if isinstance(layers, bool) or not isinstance(layers, int):
-            raise InputError(f"{source}: layers must be an integer, got {layers!r}")
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise InputError(f"{source}: layers must be an integer >= 1, got {layers!r}")
         return cls(ModelConfig.from_dict(d["llm"], source=f"{source}: llm"), tuple(int(t) for t in d["draft_vocab"]),
                    tuple(int(i) for i in d.get("fused", ())), layers)
 
@@ -143,6 +143,10 @@ def bind(trained: dict, llm_params: dict, cfg: FeatureConfig) -> dict:
     missing = [k for k in cfg.trained_keys if k not in trained]
     if missing:
         raise InputError(f"feature drafter params lack {missing}")
+    held = sorted({a.shape[0] for a in jax.tree.leaves(trained["layers"])})
+    if held != [cfg.layers]:  # unrolled training and drafting would use only the config's first layers
+        raise InputError(f"feature drafter params hold {held} decoder layers (their layers' leading axis), but the "
+                         f"config says {cfg.layers}")
     return {**{k: trained[k] for k in cfg.trained_keys}, "embed": llm_params["embed"],
             "final_norm": llm_params["final_norm"],
             "head": head_columns(llm_params, cfg)}

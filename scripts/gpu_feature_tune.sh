@@ -23,7 +23,8 @@
 #
 # LAYERS=2 deepens run A's drafter (feature-tune --layers: the added layer starts passing its input on, so A
 # starts from the shipped drafter's drafts. Stop 88: the one-layer drafter agrees on its own training sequences
-# barely more than on held-out ones (underfitting: capacity or training steps limit it, not data alone).
+# barely more than on held-out ones (not data alone: capacity and training steps, or its inputs, limit it; a
+# second layer trained 0.32 epoch on a CPU ended level with it, stop 89).
 # STEP_SECONDS must then be a step of that depth (`gpu_feature_check.py --layers 2`): by XLA's cost analysis a
 # two-layer step is 1.48x a one-layer step's FLOPs (batch 8, width 236; stop 89), so a one-layer timing would
 # plan more steps than fit and --time-budget would stop the run with its learning rate still high.

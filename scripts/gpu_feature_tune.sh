@@ -3,8 +3,11 @@
 # `specjax feature-tune` command; the run is mostly launch-bound, so they share it cheaply):
 #   A  the shipped drafter continued (--init-from $INIT_FROM, default smollm2-feature) on the grown corpus;
 #   B  a fresh drafter trained from scratch on it, one command from nothing (RUNS="a b"; the default, RUNS=a,
-#      leaves it out: with 15 device-minutes a session, a fresh drafter gets minutes of training at most).
-# A computes the LLM's features (B reuses them) and first evaluates the shipped drafter on the held-out
+#      leaves it out: with 15 device-minutes a session, a fresh drafter gets minutes of training at most);
+#   C  A's control (RUNS="a c"): the same start, epochs, batches and learning rate at the drafter's own depth,
+#      so that LAYERS=2 in A against C measures a second layer alone (stop 89: on a CPU it ended level after a
+#      third of an epoch; several epochs are what this run can give).
+# A computes the LLM's features (B or C reuses them) and first evaluates the shipped drafter on the held-out
 # sequences and dev prompts (the baseline); both train until END_SECONDS before the deadline.
 #
 # Needs, from the repository root there: Python with jax (CUDA), flax, optax, orbax, transformers (the
@@ -20,6 +23,13 @@
 #
 #   WHEELS=/root/stash CORPUS=feature-out/feature-corpus DEV_PROMPTS=/root/stash/dev_prompts.jsonl \
 #     STEP_SECONDS=0.05 TOTAL_SECONDS=540 OUT=gpu_out scripts/gpu_feature_tune.sh
+#
+# Rehearsed on a CPU (stop 89, RUNS="a c" LAYERS=2, 282 s) with a tiny corpus and a drafter trained on it:
+#   specjax feature-tune --corpus /tmp/tiny --out /tmp/tiny-run --export /tmp/tiny-drafter --passages 4 --tasks 16 \
+#     --grounded 4 --fused 15,30 --epochs 12 --batch-size 4 --depth 4 --exclude-prompts /tmp/dev2.jsonl
+#   PLAN="--passages 4 --tasks 16 --grounded 4" CORPUS=/tmp/tiny DEV_PROMPTS=/tmp/dev2.jsonl \
+#     INIT_FROM=/tmp/tiny-drafter STEP_SECONDS=1.5 TOTAL_SECONDS=420 RUNS="a c" LAYERS=2 BATCH=4 \
+#     OUT=/tmp/gpu-out PYTHON=python scripts/gpu_feature_tune.sh
 #
 # LAYERS=2 deepens run A's drafter (feature-tune --layers: the added layer starts passing its input on, so A
 # starts from the shipped drafter's drafts. Stop 88: the one-layer drafter agrees on its own training sequences
@@ -37,7 +47,8 @@ STEP_SECONDS=${STEP_SECONDS:?the seconds of one training step, from scripts/gpu_
 CORPUS=${CORPUS:?the feature corpus directory}
 DEV_PROMPTS=${DEV_PROMPTS:?the dev prompts file (held out, and the second evaluation set)}
 RUNS=${RUNS:-a}
-case "$RUNS" in a) TWO=0 ;; "a b") TWO=1 ;; *) echo "RUNS must be 'a' or 'a b', got '$RUNS'"; exit 1 ;; esac
+case "$RUNS" in a) TWO=0 ;; "a b" | "a c") TWO=1 ;; *) echo "RUNS must be 'a', 'a b' or 'a c', got '$RUNS'"; exit 1 ;; esac
+SECOND=${RUNS#a}; SECOND=${SECOND# }  # b or c where two runs share the GPU; empty for A alone
 SLOWDOWN=${SLOWDOWN:-$([ $TWO = 1 ] && echo 1.5 || echo 1)}  # two runs share the GPU
 LR_A=${LR_A:-5e-4}
 LAYERS=${LAYERS:-}  # run A's decoder layers; empty: the --init-from drafter's
@@ -100,7 +111,7 @@ left() { local t=$(( DEADLINE - $(date +%s) - END )); echo $(( t > 1 ? t : 1 ));
 echo "=== $(date +%T) $EPOCH_STEPS steps an epoch at batch $BATCH: $E epochs"
 # a rerun on the same machine resumes the run directories; the exports are written afresh, and a watchdog
 # (timeout) stops a run that overruns the deadline, so the call still returns its logs
-rm -rf feature-out/smollm2-feature-gpu-a feature-out/smollm2-feature-gpu-b
+rm -rf feature-out/smollm2-feature-gpu-a feature-out/smollm2-feature-gpu-b feature-out/smollm2-feature-gpu-c
 guard() { echo $(( DEADLINE - $(date +%s) - 10 )); }
 timeout -k 5 "$(guard)" $PY -m specjax feature-tune "${COMMON[@]}" ${INIT[@]+"${INIT[@]}"} --epochs "$E" \
   ${LAYERS:+--layers "$LAYERS"} --learning-rate "$LR_A" --out feature-out/run-gpu-a --export feature-out/smollm2-feature-gpu-a \
@@ -113,16 +124,21 @@ if [ $TWO = 1 ]; then
     kill -0 $A 2>/dev/null || break  # A failed: B computes the features itself
     sleep 2
   done
-  echo "=== $(date +%T) features written after $(( $(date +%s) - START )) s; B starts"
-  timeout -k 5 "$(guard)" $PY -m specjax feature-tune "${COMMON[@]}" --epochs "$E" --learning-rate 1e-3 \
-    --out feature-out/run-gpu-b --export feature-out/smollm2-feature-gpu-b \
-    --time-budget "$(left)" > "$OUT/b.log" 2>&1 &
+  echo "=== $(date +%T) features written after $(( $(date +%s) - START )) s; ${SECOND^^} starts"
+  if [ "$SECOND" = b ]; then  # fresh
+    RECIPE=(--learning-rate 1e-3)
+  else  # A's control: its start and learning rate, the start's own depth
+    RECIPE=(${INIT[@]+"${INIT[@]}"} --learning-rate "$LR_A")
+  fi
+  timeout -k 5 "$(guard)" $PY -m specjax feature-tune "${COMMON[@]}" "${RECIPE[@]}" --epochs "$E" \
+    --out feature-out/run-gpu-$SECOND --export feature-out/smollm2-feature-gpu-$SECOND \
+    --time-budget "$(left)" > "$OUT/$SECOND.log" 2>&1 &
   B=$!
 fi
 wait $A; RA=$?
 if [ $TWO = 1 ]; then wait $B; RB=$?; fi
-echo "=== $(date +%T) A exit $RA, B exit $RB ($RUNS), $(( $(date +%s) - START )) s"
-for v in a b; do
+echo "=== $(date +%T) A exit $RA${SECOND:+, ${SECOND^^} exit $RB} ($RUNS), $(( $(date +%s) - START )) s"
+for v in a b c; do
   [ -d feature-out/smollm2-feature-gpu-$v ] || continue
   cp feature-out/run-gpu-$v/summary.json feature-out/smollm2-feature-gpu-$v/run_summary.json
   tar -cf "$OUT/$v.tar" -C feature-out smollm2-feature-gpu-$v

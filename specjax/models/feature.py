@@ -143,9 +143,9 @@ def bind(trained: dict, llm_params: dict, cfg: FeatureConfig) -> dict:
     missing = [k for k in cfg.trained_keys if k not in trained]
     if missing:
         raise InputError(f"feature drafter params lack {missing}")
-    held = sorted({a.shape[0] for a in jax.tree.leaves(trained["layers"])})
-    if held != [cfg.layers]:  # unrolled training and drafting would use only the config's first layers
-        raise InputError(f"feature drafter params hold {held} decoder layers (their layers' leading axis), but the "
+    stacked = sorted({a.shape[0] for a in jax.tree.leaves(trained["layers"])})
+    if stacked != [cfg.layers]:  # unrolled training and drafting would use only the config's first layers
+        raise InputError(f"feature drafter params hold {stacked} decoder layers (their layers' leading axis), but the "
                          f"config says {cfg.layers}")
     return {**{k: trained[k] for k in cfg.trained_keys}, "embed": llm_params["embed"],
             "final_norm": llm_params["final_norm"],

@@ -6,12 +6,16 @@ tokens per pass (CDF), and, for the configurations in ``SAMPLED``, tokens per pa
 with seeded verification. Every greedy output is checked against incremental decoding and every
 seeded one against seeded incremental sampling (identical tokens required; mismatches are printed and
 fail the script). Configurations at equal node budget: feature drafter (N nodes), lookup (N nodes),
-SSM (a chain of min(N, 8) nodes), merged feature + lookup (N/2 + N/2); then the default (lookup under
-the tree budget) and the candidate default (feature + lookup under the tree budget). One
-configuration runs over all prompts at a time, compiled programs dropped in between.
+SSM (a chain of min(N, 8) nodes), merged feature + lookup (N/2 + N/2); then lookup alone under the tree
+budget (the default before stop 58) and **the default** itself: ``specjax.generate`` given no mode,
+drafter or SSM (for SmolLM2 the shipped feature drafter merged with lookup under the tree budget,
+``registry.default_drafters``), so the row measures whatever the default is. One configuration runs
+over all prompts at a time, compiled programs dropped in between.
 
-Part ``budget``: tokens/s against the feature drafter's node budget at batch 1, 2, 4, 8 (whole tree
-every step, no tree budget), with incremental decoding at the same batch sizes as the reference.
+Part ``budget``: tokens/s and tokens per LLM pass against the feature drafter's node budget at batch 1,
+2, 4, 8 (whole tree every step, no tree budget), with incremental decoding at the same batch sizes as
+the reference. Tokens per pass at large budgets say what the drafter gives where an LLM pass of many
+nodes costs about one of a single node (an accelerator); on a CPU the tree budget picks smaller trees.
 
     python scripts/eval_feature.py --drafter feature:auto --max-new-tokens 128 --out bench_out/feature
 """
@@ -48,14 +52,15 @@ def _configs(llm, feature_arg: str, nodes: int, ssm_name: str):
         f"SSM chain ({min(nodes, 8)} nodes)": {"ssms": [ssm], "expansion": (1,) * min(nodes, 8)},
         f"feature + lookup ({half} + {half})": {"drafters": [feat_half,
                                                              specjax.Bound(LookupDrafter(depth=half, branches=1))]},
-        # the current default (lookup:auto under the tree budget) and the candidate default
+        # the default before stop 58, and the default itself (no drafting arguments at all)
         "lookup + budget": {"drafters": [specjax.Bound(LookupDrafter())], "budget": "auto"},
-        "feature + lookup + budget": {"drafters": [feat, specjax.Bound(LookupDrafter())], "budget": "auto"},
+        DEFAULT: {},
     }
 
 
+DEFAULT = "the default"
 # configurations also run at temperature 1 (seeded verification against seeded incremental sampling)
-SAMPLED = ("incremental", "feature", "feature + lookup + budget")
+SAMPLED = ("incremental", "feature", DEFAULT)
 
 
 def part_kinds(llm, records, configs, n: int, results: dict) -> None:
@@ -145,29 +150,40 @@ def _add(a, b):
     return np.pad(a, (0, n - len(a))) + np.pad(b, (0, n - len(b)))
 
 
-def part_budget(llm, records, feature_arg: str, n: int, batches, node_counts, results: dict) -> None:
+def part_budget(llm, records, feature_arg: str, n: int, batches, node_counts, results: dict, save) -> None:
+    import jax
+
     import specjax
     from specjax.speculation.drafters.feature import from_arg
 
     prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in records])
-    rows = {}
+    rows, tpp = {}, {}
     print(f"\n# tokens/s vs node budget (whole tree every step), {len(prompts)} prompts, {n} new tokens")
     for b in batches:
         groups = [prompts[i:i + b] for i in range(0, len(prompts), b)]
-        row = {}
+        row, per_pass = {}, {}
         for nodes in [0] + list(node_counts):
             kw = {"mode": "incremental"} if nodes == 0 else {
                 "drafters": [from_arg(f"{feature_arg},nodes={nodes}", llm, load=True, expansion=None, draft="topk")]}
             specjax.generate(llm, groups[0], max_new_tokens=8, **kw)
-            tokens, seconds = 0, 0.0
+            tokens, seconds, passes = 0, 0.0, 0
             for g in groups:
                 res = specjax.generate(llm, g, max_new_tokens=n, on_tokens=lambda i, t: None, **kw)
                 tokens += sum(len(t) for t in res.token_ids)
                 seconds += res.stats["seconds"]
+                # per request (prefill included), as the kinds part counts them: requests of a batch end apart
+                passes += sum(r["llm_passes"] for r in res.stats["requests"])
             row[nodes] = tokens / seconds
-        rows[b] = row
-        print(f"batch {b}: " + ", ".join(f"{k} nodes {v:.1f}" for k, v in row.items()) + " tok/s", flush=True)
+            per_pass[nodes] = tokens / passes
+            # as in part_kinds: every executable kept would exhaust XLA:CPU's memory maps (stop 90 failed at
+            # batch 8, "LLVM compilation error: Cannot allocate memory", with those of 21 settings kept)
+            jax.clear_caches()
+        rows[b], tpp[b] = row, per_pass
+        save()
+        print(f"batch {b}: " + ", ".join(f"{k} nodes {v:.1f} tok/s ({per_pass[k]:.2f} per pass)"
+                                         for k, v in row.items()), flush=True)
     results["budget"] = rows
+    results["budget_tokens_per_pass"] = tpp
 
 
 def plot(results: dict, path: str) -> None:
@@ -176,10 +192,14 @@ def plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [p for p in ("kinds", "depth", "cdf", "budget") if p in results or (p in ("depth", "cdf")
-                                                                                    and "kinds" in results)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
+    panels = [p for p in ("kinds", "depth", "cdf", "budget", "budget_tokens_per_pass")
+              if p in results or (p in ("depth", "cdf") and "kinds" in results)]
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.2 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, panel in zip(axes.flat, panels):
         if panel == "kinds":
             r = results["kinds"]
             names = [k for k in r["tokens_per_pass"] if k != "incremental"]
@@ -204,10 +224,10 @@ def plot(results: dict, path: str) -> None:
             ax.set_ylabel("CDF over passes")
             ax.legend(fontsize=6)
         else:
-            for b, row in results["budget"].items():
+            for b, row in results[panel].items():
                 ax.plot([int(k) for k in row], list(row.values()), marker="o", label=f"batch {b}")
             ax.set_xlabel("feature drafter node budget (0 = incremental)")
-            ax.set_ylabel("tokens/s")
+            ax.set_ylabel("tokens/s" if panel == "budget" else "tokens per LLM pass (greedy)")
             ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.suptitle(f"SmolLM2-135M-Instruct, float32, {common.machine().split(';')[0]}", fontsize=9)
@@ -224,7 +244,7 @@ def main() -> None:
     ap.add_argument("--ssm", default="smollm2-ssm-a")
     ap.add_argument("--parts", default="kinds,budget")
     ap.add_argument("--batch-sizes", default="1,2,4,8")
-    ap.add_argument("--budget-nodes", default="2,4,8,16,24")
+    ap.add_argument("--budget-nodes", default="2,4,8,16,32,48")
     ap.add_argument("--budget-tokens", type=int, default=64)
     ap.add_argument("--out", default="bench_out/feature")
     args = ap.parse_args()
@@ -236,14 +256,19 @@ def main() -> None:
     arg = args.drafter.split(":", 1)[1] if args.drafter.startswith("feature:") else args.drafter
     results = {"machine": common.machine(), "command": sys.argv}
     parts = set(args.parts.split(","))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+
+    def save():  # after every part (and every batch size): a later failure keeps what was measured
+        with open(args.out + ".json", "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
     if "kinds" in parts:
         part_kinds(llm, records, _configs(llm, arg, args.nodes, args.ssm), args.max_new_tokens, results)
+        save()
     if "budget" in parts:
         part_budget(llm, records, arg, args.budget_tokens, [int(b) for b in args.batch_sizes.split(",")],
-                    [int(x) for x in args.budget_nodes.split(",")], results)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(results, f, indent=1, default=str)
+                    [int(x) for x in args.budget_nodes.split(",")], results, save)
+    save()
     plot(results, args.out + ".png")
     print(f"# results: {args.out}.json, plot: {args.out}.png")
     if results.get("kinds", {}).get("mismatches"):

@@ -13,6 +13,9 @@
 # the CPU first (the corpus's eval-* directory: generating them on the GPU compiles for minutes), e.g. with
 # a feature-tune run of the same plan and --eval-prompts, --stop-after 0.
 #
+# STEP_SECONDS (default 0.5: a guess until scripts/gpu_feature_check.py has timed a step there, in an earlier
+# session), RUNS and LAYERS, where set, pass into the printed call (gpu_feature_tune.sh's header says what they do).
+#
 #   CORPUS=feature-out/feature-corpus DEV_PROMPTS=../shared/data/dev_prompts.jsonl scripts/gpu_feature_bundle.sh
 set -euo pipefail
 CORPUS=${CORPUS:?the feature corpus directory (made by specjax feature-tune)}
@@ -66,4 +69,5 @@ echo "# the device calls, after moving $SLIM out of the tree (the machine stays 
 for i in $(seq 1 $(( n - 1 ))); do
   echo "#   carry [.carry$i]: mkdir -p /root/stash && cp .carry$i/* /root/stash/"
 done
-echo "#   carry [.carry$n]: mkdir -p /root/stash feature-out && cp .carry$n/* /root/stash/ && tar -xJf /root/stash/corpus.tar.xz -C feature-out && WHEELS=/root/stash CORPUS=feature-out/$(basename "$CORPUS") DEV_PROMPTS=/root/stash/dev_prompts.jsonl STEP_SECONDS=0.5 TOTAL_SECONDS=540 OUT=\$OUT scripts/gpu_feature_tune.sh"
+settings="STEP_SECONDS=${STEP_SECONDS:-0.5}${RUNS:+ RUNS=\"$RUNS\"}${LAYERS:+ LAYERS=$LAYERS}"
+echo "#   carry [.carry$n]: mkdir -p /root/stash feature-out && cp .carry$n/* /root/stash/ && tar -xJf /root/stash/corpus.tar.xz -C feature-out && WHEELS=/root/stash CORPUS=feature-out/$(basename "$CORPUS") DEV_PROMPTS=/root/stash/dev_prompts.jsonl $settings TOTAL_SECONDS=540 OUT=\$OUT scripts/gpu_feature_tune.sh"

@@ -2,16 +2,20 @@
 
 Runs what ``specjax feature-tune`` runs after its corpus, on a few corpus shards: the LLM's features
 (``BatchShapes.gpu()``), a continued drafter's training steps (orbax checkpoints, resume), held-out
-agreement and the export. The LLM can be SmolLM2's architecture with random weights
-(``scripts/random_weights_model.py``: its GGUF takes two calls to reach the GPU machine), since a
-pass costs the same whatever the weights. Prints one JSON line: seconds per training step at
-``--batch-size`` and what each stage took, so the real run's ``--epochs`` can be sized to the time
-it has (``scripts/gpu_feature_tune.sh``'s STEP_SECONDS). The step time is an upper bound: the timed
-call follows a first call of 5 steps but compiles its step function again (one per call), and may
-meet new batch widths and checkpoint saves.
+agreement and the export. The LLM can be SmolLM2's architecture with random weights, built on the GPU
+machine from the tracked config in one step (``scripts/random_weights_model.py``, first line below;
+SmolLM2's GGUF takes two calls to reach that machine), since a pass costs the same whatever the weights.
+Prints one JSON line: seconds per training step at ``--batch-size`` and what each stage took, so the real
+run's ``--epochs`` can be sized to the time it has (``scripts/gpu_feature_tune.sh``'s STEP_SECONDS, in a
+later session: this check's compiles take minutes). Matmuls run at the precision the training run uses
+(``JAX_DEFAULT_MATMUL_PRECISION``, default "highest" as there). The step time is an upper bound: the timed
+call follows a first call of 5 steps but compiles its step function again (one per call), and may meet new
+batch widths and checkpoint saves. From the repository root there (specjax importable: installed, or
+``PYTHONPATH=$PWD``; $OUT is what comes back):
 
-    python scripts/gpu_feature_check.py --model /tmp/smollm2-random --corpus feature-out/feature-corpus \
-        --init-from smollm2-feature --out /tmp/feature-check --json-out gpu_out/check.json
+    python scripts/random_weights_model.py --config scripts/data/smollm2-135m-config.json --out /tmp/smollm2-random
+    PYTHONPATH=$PWD python scripts/gpu_feature_check.py --model /tmp/smollm2-random \
+        --corpus feature-out/feature-corpus --init-from smollm2-feature --out /tmp/feature-check --json-out $OUT/check.json
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True, help="scratch directory (features, run, export)")
     ap.add_argument("--json-out", help="also write the JSON line here")
     args = ap.parse_args(argv)
+    # what gpu_feature_tune.sh's runs use: a step timed at TF32 (XLA's GPU default) would plan too many steps
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
     import jax
     import numpy as np

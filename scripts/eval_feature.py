@@ -158,6 +158,8 @@ def part_budget(llm, records, feature_arg: str, n: int, batches, node_counts, re
 
     prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in records])
     rows, tpp = {}, {}
+    # filled in place, so each save() below writes the batch sizes measured so far
+    results["budget"], results["budget_tokens_per_pass"] = rows, tpp
     print(f"\n# tokens/s vs node budget (whole tree every step), {len(prompts)} prompts, {n} new tokens")
     for b in batches:
         groups = [prompts[i:i + b] for i in range(0, len(prompts), b)]
@@ -182,8 +184,6 @@ def part_budget(llm, records, feature_arg: str, n: int, batches, node_counts, re
         save()
         print(f"batch {b}: " + ", ".join(f"{k} nodes {v:.1f} tok/s ({per_pass[k]:.2f} per pass)"
                                          for k, v in row.items()), flush=True)
-    results["budget"] = rows
-    results["budget_tokens_per_pass"] = tpp
 
 
 def plot(results: dict, path: str) -> None:

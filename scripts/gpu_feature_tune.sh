@@ -22,9 +22,12 @@
 # Stop 49 on an H200: the features took 137 s (3.1M tokens, about FEATURE_RATE=22000 tokens/s), and two
 # evaluations of the shipped drafter 220 s, nearly all compiling (before evaluation batches were padded full):
 # budget compiles generously. FEATURES_SECONDS defaults to the training shards' tokens at FEATURE_RATE plus
-# 30 s: about 360 s for the whole corpus of stops 77-89 (7.3M tokens), so a 540 s call then trains for only
-# about 90 s. The script refuses a plan that leaves under MIN_TRAIN_SECONDS (default 60) to train: name a
-# smaller $PLAN or a longer TOTAL_SECONDS.
+# 30 s: about 370 s for the whole corpus of stops 77-89 (7.4M tokens with the held-out sequences); EVAL_SECONDS
+# (default 60) is the baseline evaluation at step 0, which runs inside the deadline. The script refuses a plan
+# that leaves under MIN_TRAIN_SECONDS (default 60) to train, and so refuses the whole corpus in a 540 s call
+# (about 20 s would be left): name a smaller $PLAN or a longer TOTAL_SECONDS. (Not built: the features in one
+# call and the training in the next, the machine kept warm between them; or the features computed inside the
+# training step.)
 #
 #   WHEELS=/root/stash CORPUS=feature-out/feature-corpus DEV_PROMPTS=/root/stash/dev_prompts.jsonl \
 #     STEP_SECONDS=0.05 TOTAL_SECONDS=540 OUT=gpu_out scripts/gpu_feature_tune.sh
@@ -57,8 +60,14 @@ SECOND=${RUNS#a}; SECOND=${SECOND# }  # b or c where two runs share the GPU; emp
 SLOWDOWN=${SLOWDOWN:-$([ $TWO = 1 ] && echo 1.5 || echo 1)}  # two runs share the GPU
 LR_A=${LR_A:-5e-4}
 LAYERS=${LAYERS:-}  # run A's decoder layers; empty: the --init-from drafter's
-# without LAYERS, C would repeat A exactly (same start, batches, learning rate and depth): GPU time for nothing
-if [ "$SECOND" = c ] && [ -z "$LAYERS" ]; then echo "RUNS='a c' needs LAYERS (A's depth; C keeps the start's)"; exit 1; fi
+case "$LAYERS" in "" | [1-9]) ;; *) echo "LAYERS must be a decoder layer count 1-9, got '$LAYERS'"; exit 1 ;; esac
+for v in FEATURE_RATE FEATURES_SECONDS EVAL_SECONDS MIN_TRAIN_SECONDS END_SECONDS TOTAL_SECONDS; do
+  case "${!v:-0}" in *[!0-9]*) echo "$v must be a whole number of seconds (or tokens/s), got '${!v}'"; exit 1 ;; esac
+done
+# without a deeper A, C would repeat A exactly (same start, batches, learning rate and depth): GPU time for nothing
+if [ "$SECOND" = c ] && [ "${LAYERS:-1}" -lt 2 ]; then
+  echo "RUNS='a c' needs LAYERS >= 2 (A's depth; C keeps the start's, one layer for the shipped drafter)"; exit 1
+fi
 # a file over 16 MiB does not come back from the device machine: a two-layer export's tar is 15.6 MB (stop 89)
 if [ -n "$LAYERS" ] && [ "$LAYERS" -gt 2 ]; then echo "LAYERS=$LAYERS: the export's tar would exceed the 16 MiB a file"; exit 1; fi
 BATCH=${BATCH:-32}
@@ -106,7 +115,8 @@ print(math.ceil(n * 0.98 / batch), len(shards), sum(len(z["tokens"]) for z in lo
 EOF
 ) || exit 1
 [ "${EPOCH_STEPS:-0}" -gt 0 ] || { echo "$CORPUS: no corpus shards"; exit 1; }
-epochs() { $PY -c "print(round(max(0.25, $1 / ($STEP_SECONDS * $SLOWDOWN) / $EPOCH_STEPS), 2))"; }
+# no floor: a larger planned epoch count than the time allows would stop the run with its learning rate high
+epochs() { $PY -c "print(round($1 / ($STEP_SECONDS * $SLOWDOWN) / $EPOCH_STEPS, 4))"; }
 INIT=(--init-from "${INIT_FROM-smollm2-feature}"); [ -n "${INIT_FROM-smollm2-feature}" ] || INIT=()
 COMMON=(--corpus "$CORPUS" --exclude-prompts "$DEV_PROMPTS" --exclude-prompts scripts/data/task_kinds.jsonl
         --exclude-prompts scripts/data/other_tasks.jsonl --eval-prompts "$DEV_PROMPTS"
@@ -117,11 +127,12 @@ COMMON=(--corpus "$CORPUS" --exclude-prompts "$DEV_PROMPTS" --exclude-prompts sc
 # them). Each stops training END_SECONDS before the deadline, to evaluate, export and be packed.
 END=${END_SECONDS:-90}
 FEATURES_SECONDS=${FEATURES_SECONDS:-$(( TOKENS / ${FEATURE_RATE:-22000} + 30 ))}
-TRAIN_SECONDS=$(( TOTAL - END - FEATURES_SECONDS ))
+EVAL=${EVAL_SECONDS:-60}
+TRAIN_SECONDS=$(( TOTAL - END - FEATURES_SECONDS - EVAL ))
 echo "=== $TOKENS tokens in $SHARDS training shards: features about $FEATURES_SECONDS s, $TRAIN_SECONDS s to train"
 if [ "$TRAIN_SECONDS" -lt "${MIN_TRAIN_SECONDS:-60}" ]; then
-  echo "TOTAL_SECONDS=$TOTAL leaves $TRAIN_SECONDS s to train after the features (FEATURES_SECONDS=$FEATURES_SECONDS)" \
-       "and END_SECONDS=$END: name a smaller PLAN or a longer TOTAL_SECONDS"
+  echo "TOTAL_SECONDS=$TOTAL leaves $TRAIN_SECONDS s to train after the features (FEATURES_SECONDS=$FEATURES_SECONDS)," \
+       "the baseline evaluation (EVAL_SECONDS=$EVAL) and END_SECONDS=$END: name a smaller PLAN or a longer TOTAL_SECONDS"
   exit 1
 fi
 E=$(epochs "$TRAIN_SECONDS")
@@ -139,6 +150,7 @@ timeout -k 5 "$(guard)" $PY -m specjax feature-tune "${COMMON[@]}" ${INIT[@]+"${
   --time-budget "$(left)" > "$OUT/a.log" 2>&1 &
 A=$!
 RB=0
+SKIP_SECOND=
 if [ $TWO = 1 ]; then
   # every training part's features (A writes them part by part; B must not compute them beside it)
   while [ "$(ls "$CORPUS"/features*/*/features-?????.npz 2>/dev/null | wc -l)" -lt "$SHARDS" ]; do
@@ -146,14 +158,16 @@ if [ $TWO = 1 ]; then
     sleep 2
   done
   echo "=== $(date +%T) features written after $(( $(date +%s) - START )) s; ${SECOND^^} starts"
-  # timeout 0 would mean no limit at all, and a run started this late could not train anyway
-  [ "$(guard)" -ge 30 ] || { echo "=== ${SECOND^^} skipped: $(guard) s left before the deadline"; SKIP=1; }
+  # a run started with under 30 s to train before END_SECONDS would only evaluate, beside A's own end (and
+  # timeout 0, were guard to reach it, would mean no limit at all)
+  [ $(( DEADLINE - $(date +%s) - END )) -ge 30 ] || {
+    echo "=== ${SECOND^^} skipped: $(( DEADLINE - $(date +%s) - END )) s left to train"; SKIP_SECOND=1; }
   if [ "$SECOND" = b ]; then  # fresh
     RECIPE=(--learning-rate 1e-3)
   else  # A's control: its start and learning rate, the start's own depth
     RECIPE=(${INIT[@]+"${INIT[@]}"} --learning-rate "$LR_A")
   fi
-  if [ -z "${SKIP:-}" ]; then
+  if [ -z "$SKIP_SECOND" ]; then
     timeout -k 5 "$(guard)" $PY -m specjax feature-tune "${COMMON[@]}" "${RECIPE[@]}" --epochs "$E" \
       --out feature-out/run-gpu-$SECOND --export feature-out/smollm2-feature-gpu-$SECOND \
       --time-budget "$(left)" > "$OUT/$SECOND.log" 2>&1 &
@@ -162,7 +176,7 @@ if [ $TWO = 1 ]; then
 fi
 wait $A; RA=$?
 if [ $TWO = 1 ]; then
-  if [ -n "${SKIP:-}" ]; then RB=1; else wait $B; RB=$?; fi
+  if [ -n "$SKIP_SECOND" ]; then RB=1; else wait $B; RB=$?; fi
 fi
 echo "=== $(date +%T) A exit $RA${SECOND:+, ${SECOND^^} exit $RB} ($RUNS), $(( $(date +%s) - START )) s"
 for v in a b c; do

@@ -15,6 +15,8 @@
 #
 # STEP_SECONDS (default 0.5: a guess until scripts/gpu_feature_check.py has timed a step there, in an earlier
 # session), RUNS and LAYERS, where set, pass into the printed call (gpu_feature_tune.sh's header says what they do).
+# For the whole corpus of stops 77-89 the printed call is refused as it stands (stop 90): in 540 s its features,
+# the baseline evaluation and the export leave about 20 s to train (gpu_feature_tune.sh's header).
 #
 #   CORPUS=feature-out/feature-corpus DEV_PROMPTS=../shared/data/dev_prompts.jsonl scripts/gpu_feature_bundle.sh
 set -euo pipefail

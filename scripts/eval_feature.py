@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _bench_common as common  # noqa: E402
 
 TASKS = os.path.join(os.path.dirname(__file__), "data", "task_kinds.jsonl")
+DEFAULT = "the default"  # the configuration with no drafting arguments: whatever specjax.generate defaults to
 
 
 def _configs(llm, feature_arg: str, nodes: int, ssm_name: str):
@@ -58,7 +59,6 @@ def _configs(llm, feature_arg: str, nodes: int, ssm_name: str):
     }
 
 
-DEFAULT = "the default"
 # configurations also run at temperature 1 (seeded verification against seeded incremental sampling)
 SAMPLED = ("incremental", "feature", DEFAULT)
 

@@ -7,8 +7,9 @@ machine from the tracked config in one step (``scripts/random_weights_model.py``
 SmolLM2's GGUF takes two calls to reach that machine), since a pass costs the same whatever the weights.
 Prints one JSON line: seconds per training step at ``--batch-size`` and what each stage took, so the real
 run's ``--epochs`` can be sized to the time it has (``scripts/gpu_feature_tune.sh``'s STEP_SECONDS, in a
-later session: this check's compiles take minutes). Matmuls run at the precision the training run uses
-(``JAX_DEFAULT_MATMUL_PRECISION``, default "highest" as there). The step time is an upper bound: the timed
+later session: this check's compiles take minutes). Run as a script, its matmuls run at the precision the
+training run uses (``JAX_DEFAULT_MATMUL_PRECISION``, default "highest" as there; a caller that imported jax
+first keeps its own). The step time is an upper bound: the timed
 call follows a first call of 5 steps but compiles its step function again (one per call), and may meet new
 batch widths and checkpoint saves. From the repository root there (specjax importable: installed, or
 ``PYTHONPATH=$PWD``; $OUT is what comes back):

@@ -6,6 +6,7 @@ with a mutation the law test must catch)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import chex
 import jax
@@ -232,12 +233,14 @@ def test_one_pass_gives_the_agreement_of_every_subset(trained, corpus):
 def test_training_resumes_bit_exactly(llama, corpus, tmp_path, monkeypatch):
     cfg = FeatureConfig(llama.config, tuple(range(llama.config.vocab_size)))
     start = bind(init_trained(llama.params, cfg, jax.random.key(2)), llama.params, cfg)
-    tc = FeatureTrainConfig(epochs=1, batch_size=8, window=48, warmup_steps=1, unrolled_steps=2, eval_every=1000,
+    tc = FeatureTrainConfig(epochs=1, batch_size=8, window=48, warmup_steps=1, unrolled_steps=2, eval_every=2,
                             checkpoint_every=2)
-    straight, _ = train_feature(start, corpus, cfg, tc, str(tmp_path / "a"), progress=False)
+    straight, straight_history = train_feature(start, corpus, cfg, tc, str(tmp_path / "a"), progress=False)
     train_feature(start, corpus, cfg, tc, str(tmp_path / "b"), progress=False, stop_after=2)
-    resumed, _ = train_feature(start, corpus, cfg, tc, str(tmp_path / "b"), progress=False)
+    resumed, resumed_history = train_feature(start, corpus, cfg, tc, str(tmp_path / "b"), progress=False)
     chex.assert_trees_all_equal(resumed, straight)
+    # the history written at every evaluation resumes as it was: no row lost or repeated
+    assert [r["step"] for r in resumed_history] == [r["step"] for r in straight_history]
     # a deadline passed after the first step (a clock that ticks once a step, checked before each): that
     # step is checkpointed though it is not a checkpoint step, and the rest resumes to the same weights
     import specjax.boost.feature_train as feature_train
@@ -249,6 +252,9 @@ def test_training_resumes_bit_exactly(llama, corpus, tmp_path, monkeypatch):
     # a deadline already passed when training would start (after the step-0 evaluation): no step
     train_feature(start, corpus, cfg, tc, str(tmp_path / "d"), progress=False, deadline=-1.0)
     assert _steps_done(str(tmp_path / "d")) == 0
+    # its step-0 evaluation is on disk without a checkpoint (a watchdog that stops a run early returns it)
+    with open(tmp_path / "d" / "history.json") as f:
+        assert [row["step"] for row in json.load(f)] == [0]
     resumed, _ = train_feature(start, corpus, cfg, tc, str(tmp_path / "c"), progress=False)
     chex.assert_trees_all_equal(resumed, straight)
     with pytest.raises(InputError, match="another recipe"):

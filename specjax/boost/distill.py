@@ -345,6 +345,11 @@ class RunDir:
         self.manager.save(step, args=self.ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
                           force=True)
         self.manager.wait_until_finished()
+        self.write_history(history)
+
+    def write_history(self, history: list) -> None:
+        """The evaluations so far, also between checkpoints: a run stopped from outside (a watchdog) before
+        its first checkpoint still leaves its baseline. ``resume`` keeps only rows up to the checkpoint."""
         with open(self.history_path + ".tmp", "w") as f:
             json.dump(history, f)
         os.replace(self.history_path + ".tmp", self.history_path)

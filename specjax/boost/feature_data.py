@@ -140,7 +140,9 @@ def feature_shards(model, shard_paths, out_dir: str, batch_size: int = 8, progre
         sequences = read_shard(shard)
         results = teacher_features(model, sequences, batch_size, run, width_multiple=width_multiple,
                                    full_batches=full_batches)
-        tmp = path + ".tmp.npz"
+        # a name of this process's own: two runs sharing a corpus (gpu_feature_tune.sh's second run beside the
+        # first) may compute the same file at once, each replacing it whole with the same content
+        tmp = f"{path}.{os.getpid()}.tmp.npz"
         np.savez(tmp, features=np.concatenate(results),
                  offsets=np.cumsum([0] + [len(s) for s, _ in sequences]).astype(np.int64),
                  fingerprint=np.str_(fingerprint), shard=np.str_(os.path.abspath(shard)))

@@ -358,6 +358,7 @@ def train_feature(params: dict, data: FeatureSet, cfg: FeatureConfig, tc: Featur
             row["eval_prompts"] = depth_agreement({**frozen, **trained}, eval_prompts, cfg, eval_steps, tc.window,
                                                   tc.batch_size, width_multiple, full_batches)
         history.append(row)
+        run.write_history(history)
 
     bar = tqdm(total=total, initial=step, desc="train feature drafter", disable=not progress)
     if step == 0:

@@ -27,6 +27,12 @@ LIMIT=$(( 64 * 1024 * 1024 ))
 MARGIN=${MARGIN:-$(( 2 * 1024 * 1024 ))}  # the tree may grow a little between bundling and the calls
 [ -d "$CORPUS" ] || { echo "CORPUS=$CORPUS: no such directory"; exit 1; }
 [ -f "$DEV_PROMPTS" ] || { echo "DEV_PROMPTS=$DEV_PROMPTS: no such file"; exit 1; }
+# the dev prompts' continuations travel with the corpus (generated on the GPU they compile for minutes); a
+# corpus with none has not been through a feature-tune run with --eval-prompts (this checks that some exist,
+# not that they are these prompts': their directory is named by a hash of the prompts and the LLM's config)
+ls "$CORPUS"/eval-*/continuations/shard-*.npz > /dev/null 2>&1 || {
+  echo "$CORPUS has no evaluation continuations (eval-*/continuations): make them here first, with the corpus's" \
+       "feature-tune command plus --eval-prompts $DEV_PROMPTS --stop-after 0"; exit 1; }
 rm -rf .carry[0-9]*
 grep -qxF "/.carry*/" .git/info/exclude || echo "/.carry*/" >> .git/info/exclude
 # bytes that travel in every call: the tree as the device tool copies it, less the paths moved out

@@ -1,6 +1,7 @@
 """Check the feature drafter's training path on a GPU machine before a long run there, and time it.
 
-Runs what ``specjax feature-tune`` runs after its corpus, on a few corpus shards: the LLM's features
+Runs what ``specjax feature-tune`` runs after its corpus, on the few corpus shards that hold two batches
+of the width 99% of the run's batches stay within (a step's cost follows its width): the LLM's features
 (``BatchShapes.gpu()``), a continued drafter's training steps (orbax checkpoints, resume), held-out
 agreement and the export. The LLM can be SmolLM2's architecture with random weights, built on the GPU
 machine from the tracked config in one step (``scripts/random_weights_model.py``, first line below;
@@ -9,10 +10,10 @@ Prints one JSON line: seconds per training step at ``--batch-size`` and what eac
 run's ``--epochs`` can be sized to the time it has (``scripts/gpu_feature_tune.sh``'s STEP_SECONDS, in a
 later session: this check's compiles take minutes). Run as a script, its matmuls run at the precision the
 training run uses (``JAX_DEFAULT_MATMUL_PRECISION``, default "highest" as there; a caller that imported jax
-first keeps its own). The step time is an upper bound: the timed
-call follows a first call of 5 steps but compiles its step function again (one per call), and may meet new
-batch widths and checkpoint saves. From the repository root there (specjax importable: installed, or
-``PYTHONPATH=$PWD``; $OUT is what comes back):
+first keeps its own). The step time is an upper bound for batches of its width or less (the JSON has
+the run's share of each width, ``run_widths``): the timed call follows a first call of 5 steps but compiles its step
+function again (one per call), and meets checkpoint saves. From the repository root there (specjax
+importable: installed, or ``PYTHONPATH=$PWD``; $OUT is what comes back):
 
     python scripts/random_weights_model.py --config scripts/data/smollm2-135m-config.json --out /tmp/smollm2-random
     PYTHONPATH=$PWD python scripts/gpu_feature_check.py --model /tmp/smollm2-random \
@@ -28,12 +29,88 @@ import json
 import os
 import time
 
+import numpy as np
+
+
+def shards_of(corpus: str, parts: str) -> list[tuple[str, np.ndarray]]:
+    """(path, sequence lengths) of every shard of ``parts`` ("auto": every training part: not the requests
+    the LLM wrote, the evaluation sets or the features)."""
+    if parts == "auto":
+        names = [d for d in sorted(os.listdir(corpus)) if os.path.isdir(os.path.join(corpus, d))
+                 and not d.endswith("-written") and not d.startswith(("eval-", "features"))]
+    else:
+        names = parts.split(",")
+    found = []
+    for name in names:
+        paths = sorted(glob.glob(os.path.join(corpus, name, "shard-*.npz")))
+        if not paths and parts != "auto":
+            raise SystemExit(f"{corpus}/{name}: no shards")
+        for path in paths:
+            with np.load(path) as z:
+                found.append((path, np.diff(z["offsets"])))
+    if not found:
+        raise SystemExit(f"{corpus}: no corpus shards")
+    return found
+
+
+class _Lengths:
+    """What ``distill.epoch_batches`` reads of a training set: its size and its sequences' lengths."""
+
+    def __init__(self, lengths: np.ndarray):
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+
+def run_widths(lengths: list, batch_size: int, window: int, width_multiple: int, seed: int = 0,
+               epochs: int = 4) -> dict:
+    """The widths of the training run's batches over ``epochs`` epochs, batched as the run batches
+    (``epoch_batches``: shuffled, similar lengths together): each width's share, their mean, and the width
+    99% of them stay within."""
+    from specjax.boost.distill import epoch_batches
+    from specjax.boost.feature_train import batch_width
+
+    examples = _Lengths(np.concatenate(lengths))
+    drawn = np.array([batch_width(int(examples.lengths[b].max()), window, width_multiple)
+                      for epoch in range(epochs) for b in epoch_batches(examples, batch_size, seed, epoch)])
+    if not len(drawn):
+        raise SystemExit(f"{len(examples)} sequences: fewer than a batch ({batch_size})")
+    values, counts = np.unique(drawn, return_counts=True)
+    return {"share": {int(v): round(c / len(drawn), 4) for v, c in zip(values, counts)}, "mean": float(drawn.mean()),
+            "p99": int(np.percentile(drawn, 99, method="higher"))}
+
+
+def choose_shards(shards: list, width: int, batch_size: int, window: int, width_multiple: int) -> list[str]:
+    """The fewest shards that hold two batches of sequences exactly ``width`` wide (all that hold any, where
+    fewer), refused where they hold less than one batch: checked before the LLM loads."""
+    from specjax.boost.feature_train import batch_width
+
+    if width <= 0 or width % width_multiple:
+        raise SystemExit(f"--width {width}: a batch width is a positive multiple of {width_multiple}")
+    counted = sorted(((sum(batch_width(int(n), window, width_multiple) == width for n in lengths), path)
+                      for path, lengths in shards), key=lambda item: -item[0])
+    chosen, found = [], 0
+    for count, path in counted:
+        if found >= 2 * batch_size or count == 0:
+            break
+        chosen.append(path)
+        found += count
+    if found < batch_size:
+        raise SystemExit(f"{found} sequences make batches {width} wide, fewer than a batch ({batch_size}); "
+                         f"name another --width")
+    return chosen
+
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="the LLM (a registered name or a directory)")
     ap.add_argument("--corpus", required=True, help="a feature corpus directory (parts with shard-*.npz)")
-    ap.add_argument("--parts", default="tasks-greedy,requests", help="parts whose first shard is used")
+    ap.add_argument("--parts", default="auto",
+                    help="comma-separated parts whose sequences are timed (default: every training part)")
+    ap.add_argument("--width", type=int, default=None,
+                    help="the batch width to time (default: the width that 99%% of the training run's batches "
+                         "stay within, from the parts' sequence lengths)")
     ap.add_argument("--init-from", default="smollm2-feature", help="the drafter to continue")
     ap.add_argument("--layers", type=int, default=None,
                     help="decoder layers of the drafter to time (more than --init-from's: deepened, as feature-tune "
@@ -47,16 +124,34 @@ def main(argv=None) -> None:
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
     import jax
-    import numpy as np
 
+    from specjax.boost.feature_corpus import CorpusPlan
     from specjax.boost.feature_loading import load_feature_set
-    from specjax.boost.feature_train import FeatureTrainConfig, depth_agreement, split_params, train_feature
-    from specjax.boost.feature_tune import BatchShapes, deepen_bound, resolve_layers, weights_digest
+    from specjax.boost.feature_train import (
+        FeatureTrainConfig,
+        batch_width,
+        depth_agreement,
+        split_params,
+        train_feature,
+    )
+    from specjax.boost.feature_tune import BatchShapes, deepen_bound, resolve_layers, training_window, weights_digest
     from specjax.io.feature_checkpoint import save_feature_drafter
     from specjax.io.loader import load_model
     from specjax.speculation.drafters.feature import load_feature_drafter
 
-    report = {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()], "jax": jax.__version__}
+    shapes = BatchShapes.gpu()
+    window = training_window(CorpusPlan(), FeatureTrainConfig().unrolled_steps)  # gpu_feature_tune.sh's runs'
+    # A step's cost follows its batch's width, the longest of its sequences padded: time the width that
+    # nearly every batch of the run stays within, with sequences of that width only, so STEP_SECONDS bounds
+    # the run's steps and --epochs never plans more than fit. (Until stop 91 the check read the first shard
+    # of two parts, which hold their shortest prompts: 256-column batches, where the whole corpus's batches
+    # of 32 are mostly 512 or 768 columns wide.) Chosen before the LLM loads: a bad --width costs nothing.
+    shards = shards_of(args.corpus, args.parts)
+    widths = run_widths([lengths for _, lengths in shards], args.batch_size, window, shapes.width_multiple)
+    width = widths["p99"] if args.width is None else args.width
+    chosen = choose_shards(shards, width, args.batch_size, window, shapes.width_multiple)
+    report = {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()], "jax": jax.__version__,
+              "width": width, "run_widths": widths["share"], "run_mean_width": widths["mean"]}
     stage = time.perf_counter()
     llm = load_model(args.model, progress=False)
     report["load_s"] = time.perf_counter() - stage
@@ -65,20 +160,18 @@ def main(argv=None) -> None:
     params = jax.tree.map(lambda a: a.astype(llm.params["embed"].dtype), bound.params)
     cfg, params = deepen_bound(params, cfg, resolve_layers(llm, args.init_from, args.layers), llm)
     report["drafter_layers"] = cfg.layers
-    shapes = BatchShapes.gpu()
-    parts = {}
     stage = time.perf_counter()
-    for name in args.parts.split(","):
-        shards = sorted(glob.glob(os.path.join(args.corpus, name, "shard-*.npz")))[:1]
-        if not shards:
-            raise SystemExit(f"{args.corpus}/{name}: no shards")
-        # a fused drafter trains on the raw layers it reads, stored beside g
-        parts[name] = (shards, shapes.features(llm, shards, os.path.join(args.out, "features", name), False, print,
+    parts = {}
+    for path in chosen:  # a fused drafter trains on the raw layers it reads, stored beside g
+        name = os.path.relpath(path, args.corpus).replace(os.sep, "-")
+        parts[name] = ([path], shapes.features(llm, [path], os.path.join(args.out, "features", name), False, print,
                                                cfg.raw_layers))
     report["features_s"] = time.perf_counter() - stage
     data = load_feature_set(parts)
+    data = data.subset(np.flatnonzero([batch_width(int(n), window, shapes.width_multiple) == width
+                                       for n in data.lengths]))  # every batch exactly `width` wide
     tc = FeatureTrainConfig(epochs=max(1.0, (args.steps + 60) * args.batch_size / len(data)),
-                            batch_size=args.batch_size, learning_rate=3e-4, window=172, checkpoint_every=20,
+                            batch_size=args.batch_size, learning_rate=3e-4, window=window, checkpoint_every=20,
                             eval_every=10_000)
     held = data.subset(np.arange(min(16, len(data))))
     run_dir = os.path.join(args.out, "run")
@@ -101,6 +194,7 @@ def main(argv=None) -> None:
     load_feature_drafter(os.path.join(args.out, "export"), llm)  # what was exported loads back
     report["eval_export_s"] = time.perf_counter() - stage
     report["sequences"] = len(data)
+    report["shards"] = [os.path.relpath(path, args.corpus) for path in chosen]
     line = json.dumps(report)
     print(line)
     if args.json_out:

@@ -176,9 +176,10 @@ if [ $TWO = 1 ]; then
 fi
 wait $A; RA=$?
 if [ $TWO = 1 ]; then
-  if [ -n "$SKIP_SECOND" ]; then RB=1; else wait $B; RB=$?; fi
+  [ -n "$SKIP_SECOND" ] || { wait $B; RB=$?; }
 fi
-echo "=== $(date +%T) A exit $RA${SECOND:+, ${SECOND^^} exit $RB} ($RUNS), $(( $(date +%s) - START )) s"
+SECOND_SAYS=${SECOND:+, ${SECOND^^} $([ -n "$SKIP_SECOND" ] && echo skipped || echo "exit $RB")}
+echo "=== $(date +%T) A exit $RA$SECOND_SAYS ($RUNS), $(( $(date +%s) - START )) s"
 for v in a b c; do
   # the evaluations so far, also where the watchdog stopped a run before its export
   [ -f feature-out/run-gpu-$v/history.json ] && cp feature-out/run-gpu-$v/history.json "$OUT/$v-history.json"
@@ -187,4 +188,6 @@ for v in a b c; do
   tar -cf "$OUT/$v.tar" -C feature-out smollm2-feature-gpu-$v
 done
 for v in $RUNS; do [ -f "$OUT/$v.log" ] && tail -n 3 "$OUT/$v.log"; done
-[ "$RA" -eq 0 ] && [ "$RB" -eq 0 ]
+# exit 0: every run trained and exported; 1: a run failed; 3: A did, the second run was skipped (no time left)
+[ "$RA" -eq 0 ] && [ "$RB" -eq 0 ] || exit 1
+[ -z "$SKIP_SECOND" ] || { echo "=== ${SECOND^^} was skipped: only A came back"; exit 3; }

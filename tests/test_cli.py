@@ -350,6 +350,9 @@ def test_feature_tune_training_flags_reach_the_training_config(tiny_llama_dir, t
     assert checked()[1].reg_weight == 0.5  # the recipe every shipped drafter was trained with
     tc = checked("--reg-weight", "0", "--unrolled-steps", "3")[1]
     assert tc.reg_weight == 0.0 and tc.unrolled_steps == 3
+    # the loss window: the longest continuation (passages, 160) + the unrolled steps + 8 (feature_tune.training_window,
+    # which scripts/gpu_feature_check.py times with): 172 for every shipped drafter's 4 steps
+    assert checked()[1].window == 172 and tc.window == 171
     written = tmp_path / "written.jsonl"
     written.write_text(json.dumps({"prompt": "Plan a picnic for six."}) + "\n")
     plan = checked("--written-prompts", written, "--written-prompts", written)[0]

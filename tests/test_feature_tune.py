@@ -278,6 +278,8 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
     with open(tmp_path / "check.json") as f:
         report = json.load(f)
     assert report["drafter_layers"] == 2 and report["step_s"] > 0 and len(report["agreement"]) == 6
+    # it timed batches of the width nearly all of the run's reach (str: JSON's keys), on sequences of that width
+    assert str(report["width"]) in report["run_widths"] and report["sequences"] >= 2 and report["shards"]
     # its --out reused with another drafter of the same shape: refused, not resumed from the first one's weights
     from specjax.io.feature_checkpoint import save_feature_drafter
 

@@ -72,6 +72,14 @@ class FeatureTrainConfig:
             raise InputError(f"step_decay in (0, 1], a finite reg_weight >= 0 and noise >= 0 required, got {self}")
 
 
+def batch_width(longest: int, window: int, width_multiple: int = WIDTH_MULTIPLE) -> int:
+    """The columns of a training batch whose longest sequence has ``longest`` tokens (``make_batch``)."""
+    width = max(-(-longest // width_multiple) * width_multiple, window + WIDTH_MULTIPLE)
+    if width_multiple > WIDTH_MULTIPLE:  # the minimum rounded too: one shape for all short batches
+        width = -(-width // width_multiple) * width_multiple
+    return width
+
+
 def make_batch(data: FeatureSet, index: np.ndarray, window: int,
                width_multiple: int = WIDTH_MULTIPLE) -> dict[str, np.ndarray]:
     """Left-padded arrays of sequences ``index``: every sequence ends at the last column; the width is a
@@ -81,10 +89,7 @@ def make_batch(data: FeatureSet, index: np.ndarray, window: int,
     unknown: ``FeatureSet.greedy``), features
     [B, W, D] float32 (0 at padding), start [B] (first real column), loss [B, W] float32 (1 where the
     next token is a continuation token)."""
-    lengths = data.lengths[index]
-    width = max(-(-int(lengths.max()) // width_multiple) * width_multiple, window + WIDTH_MULTIPLE)
-    if width_multiple > WIDTH_MULTIPLE:  # the minimum rounded too: one shape for all short batches
-        width = -(-width // width_multiple) * width_multiple
+    width = batch_width(int(data.lengths[index].max()), window, width_multiple)
     batch, dim = len(index), data.features.shape[1]
     tokens = np.zeros((batch, width), np.int32)
     top = np.full((batch, width), -1, np.int32)

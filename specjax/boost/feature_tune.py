@@ -76,6 +76,12 @@ class BatchShapes:
 _DOTS_SUFFIX = {"float32": "", "bfloat16": "-bf16dots"}  # one per feature_data.TEACHER_DOTS
 
 
+def training_window(plan: CorpusPlan, unrolled_steps: int) -> int:
+    """The right-most columns a training batch's loss covers (``FeatureTrainConfig.window``): the longest
+    continuation the plan generates, the unrolled steps beyond it and a margin."""
+    return max(plan.max_new_tokens, plan.passage_tokens) + unrolled_steps + 8
+
+
 def features_dir(layers: tuple[int, ...], dots: str = "float32") -> str:
     """Where a corpus keeps its LLM features: ``features`` (g only), ``features-l15`` (layer 15's raw input
     beside g), ``features-l15-bf16dots`` (the same from bfloat16 dots, ``feature_data.TEACHER_DOTS``): each

@@ -126,7 +126,7 @@ def check_args(args):
     evaluation prompts: ``feature_tune`` holds these out of training too)."""
     from specjax.boost.feature_corpus import WRITTEN_ROUNDS, CorpusPlan, written_prompts
     from specjax.boost.feature_train import FeatureTrainConfig
-    from specjax.boost.feature_tune import check_train_groups, resolve_fusion, resolve_layers
+    from specjax.boost.feature_tune import check_train_groups, resolve_fusion, resolve_layers, training_window
     from specjax.cli.boost import _writable_dir
     from specjax.io.checkpoint import check_destination
     from specjax.io.loader import describe_model
@@ -153,7 +153,7 @@ def check_args(args):
                       **{r.files_field: tuple(getattr(args, r.files_field)) for r in WRITTEN_ROUNDS.values()})
     tc = FeatureTrainConfig(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
                             unrolled_steps=args.unrolled_steps, reg_weight=args.reg_weight, seed=args.seed,
-                            window=max(plan.max_new_tokens, plan.passage_tokens) + args.unrolled_steps + 8)
+                            window=training_window(plan, args.unrolled_steps))
     llm_cfg = describe_model(args.model).config
     if args.draft_vocab > llm_cfg.vocab_size:
         raise InputError(f"--draft-vocab {args.draft_vocab} exceeds the LLM's vocabulary ({llm_cfg.vocab_size})")

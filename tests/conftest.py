@@ -151,6 +151,17 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a module's own order is kept
 
 
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (the scripts are not a package), for tests of its functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), os.pardir, "scripts",
+                                                                     f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def random_ids(rng: np.random.RandomState, vocab: int, length: int) -> list[int]:
     return rng.randint(0, vocab, size=length).tolist()
 

@@ -2,22 +2,16 @@
 its exact per-draw probability must be the recursive-rejection-sampling law, checked in closed form on a small
 vocabulary and against a float64 simulation of the rule."""
 
-import importlib.util
-import os
-
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "coupled_drafts.py")
+from tests.conftest import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("coupled_drafts", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("coupled_drafts")
 
 
 def _laws(seed, vocab=12, draft=8):

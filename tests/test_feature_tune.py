@@ -20,7 +20,7 @@ from specjax.boost.request_prompts import extract_request, meta_prompts
 from specjax.boost.task_prompts import passage_prompts, stage1_prompts
 from specjax.errors import InputError
 from specjax.io.feature_checkpoint import restore_feature_drafter
-from tests.conftest import requires_smollm2
+from tests.conftest import load_script, requires_smollm2
 
 
 def test_stage1_prompts_are_seeded_distinct_and_keep_held_out_prompts_out():
@@ -271,7 +271,7 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
 
     # scripts/gpu_feature_check.py (the GPU run's rehearsal and step timer) on the fused drafter, deepened:
     # it computes the raw layer the fusion reads beside g, trains, evaluates and exports
-    check = _load_script("gpu_feature_check")
+    check = load_script("gpu_feature_check")
     check.main(["--model", "smollm2-135m-instruct", "--corpus", corpus, "--parts", "tasks-greedy", "--init-from",
                 str(tmp_path / "fused"), "--layers", "2", "--batch-size", "2", "--steps", "1",
                 "--out", str(tmp_path / "check"), "--json-out", str(tmp_path / "check.json")])
@@ -441,7 +441,7 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
     # from its metadata, as --init-from checks it), its held-out sequences and a sample of its training ones
     held_file = tmp_path / "held.jsonl"
     held_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in held))
-    fit_gap = _load_script("feature_fit_gap")
+    fit_gap = load_script("feature_fit_gap")
     argv = ["--drafter", str(tmp_path / "final"), "--corpus", corpus, "--exclude-prompts", str(held_file),
             "--groups", "templates", "--held-out", "0.2", "--train-sample", "3", "--depths", "2"]
     fit_gap.main(argv + ["--out", str(tmp_path / "gap.json")])
@@ -453,16 +453,6 @@ def test_feature_tune_resumes_exports_and_the_drafter_is_lossless(smollm2, tmp_p
         fit_gap.main([*argv[:-6], "--held-out", "0.4", *argv[-4:]])  # another split: refused
     with pytest.raises(SystemExit, match="last run trained on requests only"):  # not its training sequences
         fit_gap.main(["--drafter", str(tmp_path / "alone"), *argv[2:]])
-
-
-def _load_script(name):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), "..", "scripts",
-                                                                     f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _files(root):

@@ -13,6 +13,8 @@ import sys
 import numpy as np
 import pytest
 
+from tests.conftest import load_script
+
 SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "gpu_feature_tune.sh")
 
 
@@ -71,20 +73,10 @@ def test_the_bundle_refuses_a_corpus_without_the_dev_prompts_continuations(tmp_p
     assert not list(tmp_path.glob(".carry*"))  # refused before bundling
 
 
-def _load_check():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_feature_check", os.path.join(os.path.dirname(SCRIPT),
-                                                                                   "gpu_feature_check.py"))
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
-    return check
-
-
 def test_the_gpu_check_times_the_width_of_the_runs_batches_not_of_the_first_shards(tmp_path):
     """A corpus's first shards hold its shortest prompts: the check must time the width that the run's
     batches reach (until stop 91 it timed 256 columns where the whole corpus's batches are 512-768 wide)."""
-    check = _load_check()
+    check = load_script("gpu_feature_check")
     rng = np.random.default_rng(1)
     for part, low, high in (("tasks-greedy", 120, 200), ("written-greedy", 150, 700)):
         for index in range(3):  # shards in prompt-length order, as the corpus writes them

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -95,6 +96,9 @@ def reference_estimate(proposals, probs, level, b: int) -> float:
     return sum(best.values())
 
 
+_jitted_estimate = jax.jit(expected_by_level, static_argnums=(0, 1, 4))
+
+
 class TestMergedEstimate(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_equals_the_reference(self):
@@ -118,13 +122,15 @@ class TestMergedEstimate(chex.TestCase):
                 for i, lv in enumerate(levels):
                     want = reference_estimate(proposals, [np.asarray(p) for p in probs], lv, b)
                     np.testing.assert_allclose(got[b, i], want, rtol=1e-6, atol=1e-6, err_msg=f"{lv} row {b}")
-            # merging never estimates less than its best member, nor more than the members' sum
-            for i, lv in enumerate(levels):
-                alone = [np.asarray(expected_by_level(drafters, ((),) * len(sizes), tuple(probs), proposals,
-                                                      Budget((tuple(m if t == s else 0 for t, m in enumerate(lv)),))))
-                         for s in range(len(sizes))]
-                assert (got[:, i] >= np.max(alone, axis=0)[:, 0] - 1e-6).all()
-                assert (got[:, i] <= np.sum(alone, axis=0)[:, 0] + 1e-6).all()
+            # merging never estimates less than its best member, nor more than the members' sum. Each
+            # member's estimates at every level come from one jitted call (a budget of the levels cut to
+            # that member): op by op, one call per level and member had cost 34 of this test's 45 s.
+            alone = np.stack([np.asarray(_jitted_estimate(
+                drafters, ((),) * len(sizes), tuple(probs), proposals,
+                Budget(tuple(tuple(m if t == s else 0 for t, m in enumerate(lv)) for lv in levels))))
+                for s in range(len(sizes))])  # [member, batch, level]
+            assert (got >= alone.max(axis=0) - 1e-6).all()
+            assert (got <= alone.sum(axis=0) + 1e-6).all()
 
 
 def test_paths_match_by_path_not_by_token():

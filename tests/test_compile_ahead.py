@@ -56,6 +56,11 @@ def test_the_first_budgeted_run_compiles_each_program_once_beside_the_measuremen
         return real_clock()
 
     monkeypatch.setattr(cost, "_clock", clock)
+    from specjax import api
+
+    ahead_args = []
+    monkeypatch.setattr(api, "AheadCompile",
+                        lambda *a, **k: ahead_args.append((a, k)) or host_step.AheadCompile(*a, **k))
     prompts = _prompts(llama.config.vocab_size)
     reference = specjax.generate(llama, prompts, max_new_tokens=12, mode="incremental", chat_template=False,
                                  parallel=parallel)
@@ -74,8 +79,11 @@ def test_the_first_budgeted_run_compiles_each_program_once_beside_the_measuremen
     if streamed:
         assert streamed_ids == result.token_ids
     assert not _ahead_alive()
-    from specjax import api
-
+    # The loop compiled ahead is the program a later run (costs cached) lowers from the real state: else the
+    # first run's persistent-cache entry is never read and the second run compiles the loop again.
+    [((init, then), kwargs)] = ahead_args
+    ahead_text = host_step.lower_partial(then, host_step._abstract_output(init), **kwargs).as_text()
+    assert ahead_text == host_step.lower_partial(then, init(), **kwargs).as_text()
     made = []
     monkeypatch.setattr(api, "AheadCompile", lambda *a, **k: made.append(a) or host_step.AheadCompile(*a, **k))
     again = specjax.generate(llama, prompts, max_new_tokens=12, chat_template=False,

@@ -168,7 +168,7 @@ class AheadCompile:
         self._error = None
         self._compiled = None
         self._fns = init, then
-        lowered = lower_partial(init), lower_partial(then, jax.eval_shape(init), **kwargs)
+        lowered = lower_partial(init), lower_partial(then, _abstract_output(init), **kwargs)
         self._thread = threading.Thread(target=self._compile, args=lowered, daemon=True, name="specjax-compile-ahead")
         self._thread.start()
 
@@ -197,6 +197,21 @@ class AheadCompile:
         self.result()
         return tuple(_call_compiled(compiled, fn, ahead)
                      for compiled, fn, ahead in zip(self._compiled, (init, then), self._fns))
+
+
+def _abstract_output(init: functools.partial):
+    """What ``init`` returns, as the abstract values ``jax.jit`` will see when the real ones are passed on.
+    A jitted program's outputs are committed to the device of its committed inputs (the placed weights)
+    and are lowered with that sharding; ``jax.eval_shape`` has none. A loop lowered from it was another
+    program than the one a later run, whose costs are cached, lowers from the real state: a first run
+    wrote a persistent-cache entry no later run read, and the second run compiled the loop again (30 s
+    for SmolLM2's greedy default on 2 AMD EPYC cores)."""
+    shapes = jax.eval_shape(init)
+    committed = [x.sharding for x in jax.tree.leaves((init.args, init.keywords))
+                 if isinstance(x, jax.Array) and x.committed]
+    if not committed:
+        return shapes
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=committed[0]), shapes)
 
 
 def _call_compiled(compiled, fn: functools.partial, ahead: functools.partial) -> functools.partial:

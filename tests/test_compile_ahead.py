@@ -42,7 +42,8 @@ def test_the_first_budgeted_run_compiles_each_program_once_beside_the_measuremen
     once each, the run after the measurement compiling nothing again; the tokens are incremental
     decoding's. ``placed``: "device", weights put on a device (``jax.device_put``, as a caller's own arrays
     may be), so the state is committed too, which the compilation ahead (from shapes) cannot know. A second
-    run reads the table: nothing is measured or compiled ahead."""
+    run reads the table: nothing is measured or compiled ahead, and it lowers the very modules compiled ahead
+    (so the persistent cache serves it what the first run compiled)."""
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
     parallel = None
     if placed == "device":
@@ -58,12 +59,19 @@ def test_the_first_budgeted_run_compiles_each_program_once_beside_the_measuremen
     monkeypatch.setattr(cost, "_clock", clock)
     from specjax import api
 
-    ahead_args = []
-    monkeypatch.setattr(api, "AheadCompile",
-                        lambda *a, **k: ahead_args.append((a, k)) or host_step.AheadCompile(*a, **k))
+    made, lowered, real_lower = [], [], host_step.lower_partial
+    monkeypatch.setattr(api, "AheadCompile", lambda *a, **k: made.append(a) or host_step.AheadCompile(*a, **k))
+
+    def lower_and_record(fn, *args, **kwargs):  # every program lowered: (its function, its module)
+        out = real_lower(fn, *args, **kwargs)
+        lowered.append((fn.func, out.as_text()))
+        return out
+
+    monkeypatch.setattr(host_step, "lower_partial", lower_and_record)
     prompts = _prompts(llama.config.vocab_size)
     reference = specjax.generate(llama, prompts, max_new_tokens=12, mode="incremental", chat_template=False,
                                  parallel=parallel)
+    lowered.clear()  # the incremental reference's own programs
     streamed_ids = [[] for _ in prompts]
     result = specjax.generate(llama, prompts, max_new_tokens=12, chat_template=False,
                               drafters=[specjax.Bound(LookupDrafter(depth=3, branches=2, max_ngram=2), None)],
@@ -79,18 +87,16 @@ def test_the_first_budgeted_run_compiles_each_program_once_beside_the_measuremen
     if streamed:
         assert streamed_ids == result.token_ids
     assert not _ahead_alive()
-    # The loop compiled ahead is the program a later run (costs cached) lowers from the real state: else the
-    # first run's persistent-cache entry is never read and the second run compiles the loop again.
-    [((init, then), kwargs)] = ahead_args
-    ahead_text = host_step.lower_partial(then, host_step._abstract_output(init), **kwargs).as_text()
-    assert ahead_text == host_step.lower_partial(then, init(), **kwargs).as_text()
-    made = []
-    monkeypatch.setattr(api, "AheadCompile", lambda *a, **k: made.append(a) or host_step.AheadCompile(*a, **k))
+    assert len(made) == 1 and len(lowered) == 2  # the prefill and the loop, lowered ahead
+    ahead = list(lowered)
     again = specjax.generate(llama, prompts, max_new_tokens=12, chat_template=False,
                              drafters=[specjax.Bound(LookupDrafter(depth=3, branches=2, max_ngram=2), None)],
-                             budget="auto", parallel=parallel)
-    assert "measured earlier" in again.stats["budget"]["costs_source"] and made == []
+                             budget="auto", parallel=parallel, on_tokens=(lambda i, ids: None) if streamed else None)
+    assert "measured earlier" in again.stats["budget"]["costs_source"] and len(made) == 1
     assert again.token_ids == reference.token_ids
+    # The programs compiled ahead are those this run lowers from the real state: else the first run's
+    # persistent-cache entries are never read and every later run compiles the loop again.
+    assert lowered[2:] == ahead
     jax.clear_caches()
 
 

@@ -159,6 +159,7 @@ def test_non_positive_max_new_tokens(model, bad):
     (dict(top_k=-1), "top_k must be"),
     (dict(top_p=0.0), "top_p must be in"),
     (dict(top_p=1.5), "top_p must be in"),
+    (dict(top_p=1e-46), "float32's smallest normal"),  # 0 on the device: no token kept
     (dict(seed=-1), "seed must be"),
 ])
 def test_invalid_sampling_params(kwargs, match):

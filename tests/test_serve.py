@@ -280,6 +280,13 @@ BAD = [  # (path, body, status, param or code in the error)
     ("completions", {"model": NAME, "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ("completions", {"model": NAME, "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("completions", {"model": NAME, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("completions", {"model": NAME, "prompt": "hi", "top_p": 1e-46}, 400, "top_p"),  # 0 as a float32
+    ("completions", {"model": NAME, "prompt": "hi", "temperature": 10**400}, 400, "temperature"),  # past float
+    ("completions", b"[" * 100_000, 400, None),  # nested past the parser's recursion
+    ("completions", b'{"model": "tiny-chat", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", 400, None),
+    ("completions", {"model": None, "prompt": "hi"}, 400, "model"),  # null is "not given", so: required
+    ("completions", {"model": NAME, "prompt": None}, 400, "prompt"),
+    ("chat/completions", {"model": NAME, "messages": None}, 400, "messages"),
     ("completions", {"model": NAME, "prompt": ""}, 400, "prompt"),
     ("completions", {"model": NAME, "prompt": []}, 400, "prompt"),
     ("completions", {"model": NAME, "prompt": [1, 49152]}, 400, "prompt"),
@@ -494,6 +501,32 @@ def test_an_engine_failure_while_admitting_fails_only_that_request(chat_model, m
     for (ids, end), tokens in zip(ok, want):
         assert isinstance(end, Finished) and ids == [int(t) for t in tokens[:len(ids)]] and ids
     assert scheduler.counts() == (0, 0)
+
+
+class _ByteFallbackTokenizer:
+    """Token i < 256 is byte i; decoding gives one U+FFFD per byte of an unfinished UTF-8 character at the end,
+    as the byte-fallback tokenizers of LLaMA-2 and Mistral do (SmolLM2's gives one for the whole character)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        data = bytes(ids)
+        for cut in range(len(data), max(len(data) - 4, -1), -1):
+            try:
+                return data[:cut].decode("utf-8") + "\ufffd" * (len(data) - cut)
+            except UnicodeDecodeError:
+                continue
+        raise AssertionError(f"not UTF-8 before its last 3 bytes: {data!r}")
+
+
+@pytest.mark.parametrize("stops", [(), ("zz",)])
+def test_text_holds_back_every_byte_of_an_unfinished_character(stops):
+    from specjax.serving.protocol import TextTracker
+
+    text = "a中b€c😀d"
+    ids = list(text.encode("utf-8"))
+    for chunk in (1, 2, 3):  # tokens arrive one, two or three at a time
+        tracker = TextTracker(_ByteFallbackTokenizer(), stops)
+        deltas = [tracker.feed(ids[i:i + chunk]) for i in range(0, len(ids), chunk)] + [tracker.finish()]
+        assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas), (chunk, deltas)
 
 
 class _RefusingTokenizer:

@@ -33,6 +33,9 @@ from specjax.errors import InputError
 MIN_TEMPERATURE = 1e-6  # below it, float32 logits / temperature can overflow to inf
 
 
+MIN_TOP_P = float(np.finfo(np.float32).tiny)  # top_p is a float32 on the device; CPUs may flush subnormals to 0
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings. temperature=0 means greedy (top_k/top_p then ignored)."""
@@ -52,6 +55,9 @@ class SamplingParams:
             raise InputError(f"top_k must be an int in [0, 2**31) (0 = off), got {k!r}")
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
             raise InputError(f"top_p must be in (0, 1], got {p!r}")
+        if p < MIN_TOP_P:
+            raise InputError(f"top_p must be in (0, 1] and at least {MIN_TOP_P:.3g} (float32's smallest normal "
+                             f"number: a smaller one is 0 on the device, where it would keep no token), got {p!r}")
         if isinstance(s, bool) or not isinstance(s, int) or not (0 <= s < 2**31):
             raise InputError(f"seed must be an int in [0, 2**31), got {s!r}")
 

@@ -199,7 +199,8 @@ def create_app(server: ServerState, lifespan=None) -> FastAPI:
         except Exception as e:  # noqa: BLE001 - whatever goes wrong with one request, the server answers and lives on
             server.metrics.requests.labels("rejected").inc()
             if not isinstance(e, (APIError, QueueFull, ShuttingDown)):
-                server.scheduler.log(f"# specjax serve: a request failed before admission:\n{traceback.format_exc()}")
+                server.scheduler.log_safely(
+                    f"# specjax serve: a request failed before admission:\n{traceback.format_exc()}")
                 e = APIError(500, f"the server failed to read the request: {type(e).__name__}: {e}",
                              type="server_error", code="internal_error")
             elif isinstance(e, QueueFull):

@@ -12,8 +12,9 @@ import dataclasses
 import json
 import math
 import secrets
+import sys
 
-from specjax.decoding.sampling import MIN_TEMPERATURE, SamplingParams
+from specjax.decoding.sampling import MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
 from specjax.serving.scheduler import Submission
 
 
@@ -62,8 +63,10 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default max_tokens 
 def parse_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError) as e:  # ValueError: JSONDecodeError, and ints past 4300 digits
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:  # nesting deeper than the parser's recursion
+        raise APIError(400, "the request body is not valid JSON (nested too deeply)") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -80,12 +83,15 @@ def _int(body: dict, key: str):
     return v
 
 
+_FLOAT_MAX = sys.float_info.max
+
+
 def _number(body: dict, key: str):
     v = body.get(key)
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
         raise _type_error(key, "a number", v)
-    if v is not None and not math.isfinite(v):
-        raise APIError(400, f"'{key}' must be finite, got {v}", param=key)
+    if v is not None and (abs(v) > _FLOAT_MAX or not math.isfinite(v)):  # an int past float's range
+        raise APIError(400, f"'{key}' must be finite, got {json.dumps(v)[:80]}", param=key)
     return v
 
 
@@ -115,7 +121,7 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
 
 
 def _model(body: dict, limits: Limits) -> None:
-    if "model" not in body:
+    if body.get("model") is None:  # null means "not given", as for every field
         raise APIError(400, "'model' is required", param="model")
     name = body["model"]
     if not isinstance(name, str):
@@ -146,6 +152,9 @@ def _sampling(body: dict) -> SamplingParams:
                        param="temperature")
     if top_p is not None and not 0 < top_p <= 1:
         raise APIError(400, f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
+    if top_p is not None and top_p < MIN_TOP_P:  # 0 as the device's float32: no token would be kept
+        raise APIError(400, f"'top_p' must be at least {MIN_TOP_P:.3g} (float32's smallest normal number), got "
+                            f"{top_p}", param="top_p")
     if top_k is not None and not 0 <= top_k < 2**31:
         raise APIError(400, f"'top_k' must be in [0, 2**31) (0 = off), got {top_k}", param="top_k")
     if seed is not None and not 0 <= seed < 2**31:
@@ -157,7 +166,7 @@ def _sampling(body: dict) -> SamplingParams:
 
 
 def _completion_prompt(body: dict, tokenizer) -> list[int]:
-    if "prompt" not in body:
+    if body.get("prompt") is None:  # null means "not given", as for every field
         raise APIError(400, "'prompt' is required", param="prompt")
     p = body["prompt"]
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
@@ -187,7 +196,7 @@ _ROLES = ("system", "user", "assistant")
 
 
 def _chat_prompt(body: dict, tokenizer) -> list[int]:
-    if "messages" not in body:
+    if body.get("messages") is None:  # null means "not given", as for every field
         raise APIError(400, "'messages' is required", param="messages")
     messages = body["messages"]
     if not isinstance(messages, list):
@@ -310,8 +319,9 @@ class TextTracker:
         return min(hits) if hits else None
 
     def _safe(self, text: str) -> str:
-        if text.endswith("\ufffd"):  # the last token ends inside a UTF-8 character
-            text = text[:-1]
+        # The last token ends inside a UTF-8 character: byte-fallback tokenizers (LLaMA-2, Mistral) decode each
+        # byte of it as a U+FFFD of its own, so all of them wait for the rest of the character.
+        text = text.rstrip("\ufffd")
         hold = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(text)), hold, -1):

@@ -181,7 +181,6 @@ class Scheduler:
             while self._iteration():
                 pass
         except Exception as e:  # noqa: BLE001 - any engine failure ends every request with its message
-            self.log(f"# specjax serve: the engine failed:\n{traceback.format_exc()}")
             message = f"the engine failed: {type(e).__name__}: {e}"
             with self._lock:
                 self._accepting = False
@@ -189,8 +188,9 @@ class Scheduler:
                 self._queue.clear()
                 self._slots, self._admitting = [None] * len(self._slots), []
                 self._gauges()
-            for t in tickets:
+            for t in tickets:  # before the log: a log that fails (stderr a closed pipe) must not leave them waiting
                 t._push(Failed(message, "engine_error"))
+            self.log_safely(f"# specjax serve: the engine failed:\n{traceback.format_exc()}")
             return
         with self._lock:
             running = [t for t in self._slots if t is not None]
@@ -199,16 +199,24 @@ class Scheduler:
         for t in running:
             t._push(Failed(self._stop_message, "shutting_down"))
 
+    def log_safely(self, text: str) -> None:
+        """The log, where it cannot fail the scheduler: a server whose stderr went away (a closed pipe) goes on."""
+        try:
+            self.log(text)
+        except Exception:  # noqa: BLE001, S110 - nowhere left to report it
+            pass
+
     def _iteration(self) -> bool:
         with self._lock:
             while not (self._stopping or self._queue or self._cancels or any(self._slots)):
                 self._wake.wait()
             if self._stopping:
                 return False
-            cancels, self._cancels = self._cancels, []
+            # Only a cancel whose ticket still holds its slot frees it: one that ended at the step after its
+            # cancel (EOS, max_tokens) was released and counted by _deliver already.
+            cancels, self._cancels = [t for t in self._cancels if t.slot is not None and self._slots[t.slot] is t], []
             for t in cancels:
-                if t.slot is not None and self._slots[t.slot] is t:
-                    self._slots[t.slot] = None
+                self._slots[t.slot] = None
             running = any(t is not None for t in self._slots)
             free = [i for i, t in enumerate(self._slots) if t is None]
             admit = []
@@ -217,19 +225,18 @@ class Scheduler:
             self._admitting = list(admit)
             self._gauges()
         for t in cancels:
-            if t.slot is not None:
-                self.state = self.engine.release(self.state, t.slot)
-                self._observe(t.hist)
+            self.state = self.engine.release(self.state, t.slot)
+            self._observe(t.hist)
         for t, slot in zip(admit, free):
             try:
                 self._admit(t, slot)
             except Exception as e:  # noqa: BLE001 - one request's failure (say, its prompt) is not everyone's
-                self.log(f"# specjax serve: admitting a request failed:\n{traceback.format_exc()}")
                 with self._lock:
                     if self._slots[slot] is t:
                         self._slots[slot] = None
                     self._gauges()
                 t._push(Failed(f"the engine could not start the request: {type(e).__name__}: {e}", "engine_error"))
+                self.log_safely(f"# specjax serve: admitting a request failed:\n{traceback.format_exc()}")
             finally:
                 with self._lock:
                     self._admitting.remove(t)

@@ -503,6 +503,63 @@ def test_an_engine_failure_while_admitting_fails_only_that_request(chat_model, m
     assert scheduler.counts() == (0, 0)
 
 
+class _FailingDecoder:
+    """Decoding (the text of an admitted request) fails."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        raise RuntimeError("injected decode failure")
+
+
+def test_an_error_after_admission_is_a_500_in_openai_shape():
+    """The app called in-process (ASGI) over a scheduler with a scripted engine: a whole response whose text
+    cannot be decoded answers 500 with OpenAI's error object, as every other error does."""
+    import asyncio
+
+    from specjax.serving.app import ServerState, create_app
+    from specjax.serving.metrics import Metrics
+    from specjax.serving.protocol import Limits
+    from specjax.serving.scheduler import Scheduler
+    from tests.test_scheduler import ScriptedEngine
+
+    scheduler = Scheduler(ScriptedEngine(end_at=3), max_queue=4)
+    state = ServerState(scheduler=scheduler, metrics=Metrics(1), tokenizer=_FailingDecoder(), vocab=100,
+                        stop_ids=(2,), limits=Limits(model_name=NAME, max_prompt_tokens=16, max_tokens=8,
+                                                     context_window=64, max_stop_tokens=1))
+    app = create_app(state)
+    body = json.dumps({"model": NAME, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}).encode()
+    sent = []
+
+    async def call():
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await asyncio.Event().wait()  # the client stays connected
+
+        async def send(message):
+            sent.append(message)
+
+        await app(scope, receive, send)
+
+    scheduler.start()
+    try:
+        with pytest.raises(RuntimeError, match="injected decode failure"):  # re-raised for the server's log
+            asyncio.run(asyncio.wait_for(call(), 60))
+    finally:
+        scheduler.stop()
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert start["status"] == 500 and dict(start["headers"]).get(b"content-type") == b"application/json", body
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "internal_error" and "injected decode failure" in error["message"]
+
+
 class _ByteFallbackTokenizer:
     """Token i < 256 is byte i; decoding gives one U+FFFD per byte of an unfinished UTF-8 character at the end,
     as the byte-fallback tokenizers of LLaMA-2 and Mistral do (SmolLM2's gives one for the whole character)."""

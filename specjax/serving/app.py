@@ -189,6 +189,13 @@ def create_app(server: ServerState, lifespan=None) -> FastAPI:
     async def validation_error(request, exc: RequestValidationError):
         return _error(APIError(422, str(exc), code="invalid_type"))
 
+    @app.exception_handler(Exception)
+    async def unexpected_error(request, exc: Exception):
+        """Anything raised after admission (a whole response's text, say): a 500 in OpenAI's shape, not
+        Starlette's plain text. Starlette re-raises it afterwards, so the server's log has the traceback."""
+        return _error(APIError(500, f"the server failed: {type(exc).__name__}: {exc}", type="server_error",
+                               code="internal_error"))
+
     async def generate(request: Request, chat: bool):
         arrived = time.perf_counter()
         try:

@@ -9,6 +9,7 @@ cheap passes); its outputs are nonsense words, which is all the equality checks 
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -17,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx2 as httpx  # the HTTP client the openai package is built on
@@ -435,6 +437,7 @@ def test_full_queue_answers_429_and_sigterm_ends_everything_cleanly(one_slot):
 @pytest.mark.parametrize("args,message", [
     (["--slots", "0"], "--slots must be >= 1, got 0"),
     (["--max-queue", "0"], "--max-queue must be >= 1"),
+    (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1, got 0"),
     (["--port", "70000"], "--port must be in [1, 65535]"),
     (["--drafter", "none", "--drafter", "lookup:4"], "--drafter none turns speculation off"),
     (["--drafter", "none", "--budget", "auto"], "--drafter none drafts nothing"),
@@ -503,6 +506,49 @@ def test_an_engine_failure_while_admitting_fails_only_that_request(chat_model, m
     assert scheduler.counts() == (0, 0)
 
 
+async def _asgi(app, method: str, path: str, chunks=(), headers=(), sent=None) -> dict:
+    """One request to the app in-process (ASGI). ``chunks``: the body's parts as they arrive (after them
+    the client stays connected). Returns the status, headers and body, and how many parts the app read;
+    ``sent`` collects the response's messages even if the app raises."""
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"), *headers],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    parts = [{"type": "http.request", "body": c, "more_body": i + 1 < len(chunks)} for i, c in enumerate(chunks)]
+    parts = parts or [{"type": "http.request", "body": b"", "more_body": False}]
+    read, sent = [], [] if sent is None else sent
+
+    async def receive():
+        if len(read) < len(parts):
+            read.append(parts[len(read)])
+            return read[-1]
+        await asyncio.Event().wait()  # the client stays connected
+
+    async def send(message):
+        sent.append(message)
+
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    return {"status": start["status"], "headers": dict(start["headers"]), "parts_read": len(read),
+            "body": b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")}
+
+
+def _scripted_app(tokenizer, **limits):
+    """The app over a scheduler (not started) with a scripted engine: no model, no compilation."""
+    from specjax.serving.app import ServerState, create_app
+    from specjax.serving.metrics import Metrics
+    from specjax.serving.protocol import Limits
+    from specjax.serving.scheduler import Scheduler
+    from tests.test_scheduler import ScriptedEngine
+
+    scheduler = Scheduler(ScriptedEngine(end_at=3), max_queue=4)
+    limits = Limits(**{"model_name": NAME, "max_prompt_tokens": 16, "max_tokens": 8, "context_window": 64,
+                       "max_stop_tokens": 1, **limits})
+    state = ServerState(scheduler=scheduler, metrics=Metrics(1), tokenizer=tokenizer, vocab=100, stop_ids=(2,),
+                        limits=limits)
+    return create_app(state), scheduler
+
+
 class _FailingDecoder:
     """Decoding (the text of an admitted request) fails."""
 
@@ -511,45 +557,15 @@ class _FailingDecoder:
 
 
 def test_an_error_after_admission_is_a_500_in_openai_shape():
-    """The app called in-process (ASGI) over a scheduler with a scripted engine: a whole response whose text
-    cannot be decoded answers 500 with OpenAI's error object, as every other error does."""
-    import asyncio
-
-    from specjax.serving.app import ServerState, create_app
-    from specjax.serving.metrics import Metrics
-    from specjax.serving.protocol import Limits
-    from specjax.serving.scheduler import Scheduler
-    from tests.test_scheduler import ScriptedEngine
-
-    scheduler = Scheduler(ScriptedEngine(end_at=3), max_queue=4)
-    state = ServerState(scheduler=scheduler, metrics=Metrics(1), tokenizer=_FailingDecoder(), vocab=100,
-                        stop_ids=(2,), limits=Limits(model_name=NAME, max_prompt_tokens=16, max_tokens=8,
-                                                     context_window=64, max_stop_tokens=1))
-    app = create_app(state)
+    """A whole response whose text cannot be decoded answers 500 with OpenAI's error object, as every other
+    error does."""
+    app, scheduler = _scripted_app(_FailingDecoder())
     body = json.dumps({"model": NAME, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}).encode()
     sent = []
-
-    async def call():
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
-                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
-        messages = [{"type": "http.request", "body": body, "more_body": False}]
-
-        async def receive():
-            if messages:
-                return messages.pop()
-            await asyncio.Event().wait()  # the client stays connected
-
-        async def send(message):
-            sent.append(message)
-
-        await app(scope, receive, send)
-
     scheduler.start()
     try:
         with pytest.raises(RuntimeError, match="injected decode failure"):  # re-raised for the server's log
-            asyncio.run(asyncio.wait_for(call(), 60))
+            asyncio.run(asyncio.wait_for(_asgi(app, "POST", "/v1/completions", [body], sent=sent), 60))
     finally:
         scheduler.stop()
     start = next(m for m in sent if m["type"] == "http.response.start")
@@ -558,6 +574,82 @@ def test_an_error_after_admission_is_a_500_in_openai_shape():
     error = json.loads(body)["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == "internal_error" and "injected decode failure" in error["message"]
+
+
+class _BlockingTokenizer:
+    """Encoding waits until the test releases it (``timed_out`` if nobody did: the event loop was blocked)."""
+
+    def __init__(self):
+        self.entered, self.release, self.timed_out = threading.Event(), threading.Event(), None
+
+    def __call__(self, text):
+        self.entered.set()
+        self.timed_out = not self.release.wait(20)
+        return {"input_ids": [5, 6, 7]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "x" * len(ids)
+
+
+def test_a_prompt_tokenizes_off_the_event_loop():
+    """While one request's prompt is being tokenized (10M characters take seconds), the server still answers:
+    here /health, sent after the tokenizer started and answered before it is let go."""
+    tokenizer = _BlockingTokenizer()
+    app, scheduler = _scripted_app(tokenizer)
+    body = json.dumps({"model": NAME, "prompt": "a long prompt", "max_tokens": 2, "temperature": 0}).encode()
+
+    async def scenario():
+        first = asyncio.create_task(_asgi(app, "POST", "/v1/completions", [body]))
+        assert await asyncio.to_thread(tokenizer.entered.wait, 20)
+        health = await asyncio.wait_for(_asgi(app, "GET", "/health"), 20)
+        tokenizer.release.set()
+        return health, await asyncio.wait_for(first, 60)
+
+    scheduler.start()
+    try:
+        health, done = asyncio.run(scenario())
+    finally:
+        scheduler.stop()
+    assert tokenizer.timed_out is False, "the event loop waited for the tokenizer"
+    assert health["status"] == 200 and json.loads(health["body"])["status"] == "ok"
+    # the scripted engine ends every request at 3 tokens
+    assert done["status"] == 200 and json.loads(done["body"])["choices"][0]["text"] == "xxx", done
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_the_byte_limit_is_refused_unread(chunked):
+    """413 in OpenAI's shape, from Content-Length before a byte is read, or as soon as a chunked body passes
+    the limit; a body of exactly the limit is served."""
+    tokenizer = _BlockingTokenizer()
+    tokenizer.release.set()
+    ok = json.dumps({"model": NAME, "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}).encode()
+    cap = len(ok)
+    app, scheduler = _scripted_app(tokenizer, max_request_bytes=cap)
+    big = ok[:-1] + b" " * 30 + b"}"  # cap + 30 bytes, in 10-byte parts when chunked
+    parts = [big[i:i + 10] for i in range(0, len(big), 10)] if chunked else [big]
+    headers = () if chunked else [(b"content-length", str(len(big)).encode())]
+    scheduler.start()
+    try:
+        refused = asyncio.run(asyncio.wait_for(_asgi(app, "POST", "/v1/completions", parts, headers), 20))
+        served = asyncio.run(asyncio.wait_for(_asgi(app, "POST", "/v1/completions", [ok[:10], ok[10:]]), 60))
+    finally:
+        scheduler.stop()
+    assert refused["status"] == 413, refused
+    error = json.loads(refused["body"])["error"]
+    assert error["code"] == "request_too_large" and f"at most {cap} bytes" in error["message"]
+    assert "--max-request-bytes" in error["message"]
+    assert refused["parts_read"] == (cap // 10 + 1 if chunked else 0)  # stopped at the first part past the limit
+    assert served["status"] == 200 and json.loads(served["body"])["choices"][0]["text"] == "xxx", served
+
+
+def test_the_request_byte_limit_default_is_the_one_the_help_names():
+    from specjax.serving.protocol import DEFAULT_MAX_REQUEST_BYTES, Limits
+
+    assert DEFAULT_MAX_REQUEST_BYTES == 16 * 2**20
+    assert Limits(NAME, 1, 1, 2, 1).max_request_bytes == DEFAULT_MAX_REQUEST_BYTES
+    r = subprocess.run([sys.executable, "-m", "specjax", "serve", "--help"], capture_output=True, text=True,
+                       timeout=300)
+    assert "(default: 16 MiB)" in " ".join(r.stdout.split()), r.stdout
 
 
 class _ByteFallbackTokenizer:

@@ -18,7 +18,8 @@ NO_SPECULATION = "none"
 
 def _check(args) -> None:
     for flag, value in (("--slots", args.slots), ("--max-queue", args.max_queue), ("--max-tokens", args.max_tokens),
-                        ("--max-prompt-tokens", args.max_prompt_tokens)):
+                        ("--max-prompt-tokens", args.max_prompt_tokens),
+                        ("--max-request-bytes", args.max_request_bytes)):
         if value is not None and value < 1:
             raise InputError(f"{flag} must be >= 1, got {value}")
     if not 0 < args.port < 65536:
@@ -94,7 +95,8 @@ def _cmd_serve(args, out) -> int:
     bound = _drafters(args, model, load=True)
     state = build_state(model, model_name=args.served_model_name or args.model, slots=args.slots,
                         max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
-                        max_queue=args.max_queue, drafters=bound, budget=budget, log=log)
+                        max_queue=args.max_queue, drafters=bound, budget=budget, log=log,
+                        **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
     warm_up(state.scheduler.engine, log=log)  # the prefill and the step compile before the server listens
     run(state, host=args.host, port=args.port, shutdown_grace=args.shutdown_grace, log=log)
     return 0
@@ -126,6 +128,10 @@ def add_parser(sub, fmt, compile_cache_default: str) -> None:
                    help=f"most tokens one request may generate; the default max_tokens of chat requests "
                         f"(completions: 16, as OpenAI's) (default: {DEFAULT_MAX_TOKENS}, at most half the model's "
                         f"context window)")
+    s.add_argument("--max-request-bytes", type=int, default=None,  # default: the protocol's (not imported here:
+                   # it would load FastAPI for every specjax command)
+                   help="largest request body accepted, in bytes; a larger one is refused unread with HTTP 413 "
+                        "(default: 16 MiB)")
     s.add_argument("--drafter", action="append", default=None, metavar="NAME:ARG",
                    help="as in `specjax generate` (corpus:auto, feature:auto, lookup:auto, lookup:D, ssm:PATH, ...; "
                         f"repeat to merge), or '{NO_SPECULATION}' for plain decoding (default: "

@@ -46,6 +46,25 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
+async def _read_body(request: Request, cap: int) -> bytes:
+    """The body, refused (413) past ``cap`` bytes: by its Content-Length before a byte is read, else as it
+    streams in (chunked), so an oversized body is never held whole."""
+    def too_large(size: str) -> APIError:
+        return APIError(413, f"the request body is {size}; this server takes at most {cap} bytes (specjax serve "
+                             f"--max-request-bytes)", code="request_too_large")
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > cap:
+        raise too_large(f"{int(declared)} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise too_large(f"over {cap} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class _Run:
     """One admitted request as the client sees it: text deltas, then a finish reason or an error."""
 
@@ -199,8 +218,12 @@ def create_app(server: ServerState, lifespan=None) -> FastAPI:
     async def generate(request: Request, chat: bool):
         arrived = time.perf_counter()
         try:
-            parsed = parse_request(parse_body(await request.body()), chat=chat, limits=server.limits,
-                                   tokenizer=server.tokenizer, vocab=server.vocab, stop_ids=server.stop_ids)
+            body = await _read_body(request, server.limits.max_request_bytes)
+            # Off the event loop: tokenizing a long prompt (10M characters: about 7.5 s) would stall every
+            # stream and health check meanwhile. The tokenizer releases the GIL while it encodes.
+            parsed = await asyncio.to_thread(
+                lambda: parse_request(parse_body(body), chat=chat, limits=server.limits, tokenizer=server.tokenizer,
+                                      vocab=server.vocab, stop_ids=server.stop_ids))
             ticket = Ticket(parsed.submission, asyncio.get_running_loop())
             server.scheduler.submit(ticket)
         except Exception as e:  # noqa: BLE001 - whatever goes wrong with one request, the server answers and lives on

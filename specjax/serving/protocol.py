@@ -3,7 +3,8 @@ token-level ``Submission``; errors in OpenAI's shape.
 
 Status codes: 400 for a malformed body or a value out of range (and unsupported features such as
 ``n`` > 1, refused by name, never ignored), 422 for a field of the wrong JSON type, 404 for an
-unknown model, 429 for a full queue, 503 while shutting down. Every message names the field.
+unknown model, 413 for a body over the server's byte limit, 429 for a full queue, 503 while shutting
+down. Every message names the field.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # far above any prompt of --max-prompt-tokens' default 2048 tokens
+
+
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """What this server takes: the engine's sizes and the model's context window."""
@@ -37,6 +41,9 @@ class Limits:
     max_tokens: int  # the engine's max_new_tokens
     context_window: int
     max_stop_tokens: int  # the engine's stop-id slots
+    # A body past it is refused unread (413): reading and tokenizing it would cost memory and a worker's
+    # time before the prompt's token count could refuse it (10M characters take about 7.5 s to tokenize).
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 @dataclasses.dataclass(frozen=True)

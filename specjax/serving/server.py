@@ -17,14 +17,14 @@ import uvicorn
 from specjax.engine import Engine
 from specjax.serving.app import ServerState, create_app
 from specjax.serving.metrics import Metrics
-from specjax.serving.protocol import Limits
+from specjax.serving.protocol import DEFAULT_MAX_REQUEST_BYTES, Limits
 from specjax.serving.scheduler import Scheduler
 from specjax.types import Model
 
 
 def build_state(model: Model, *, model_name: str, slots: int, max_prompt_tokens: int, max_tokens: int,
-                max_queue: int, drafters=(), budget: str | None = "auto", impl: str = "xla",
-                log=lambda *a: None) -> ServerState:
+                max_queue: int, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, drafters=(),
+                budget: str | None = "auto", impl: str = "xla", log=lambda *a: None) -> ServerState:
     """The engine, its scheduler (not started) and the HTTP side's state. ``drafters``: ``Bound`` pairs
     (none: plain decoding); ``budget``: "auto" (measured tree budget) or None (whole tree)."""
     from specjax.api import eos_ids_of
@@ -41,7 +41,8 @@ def build_state(model: Model, *, model_name: str, slots: int, max_prompt_tokens:
                                                           f"batch {slots} (once per machine; cached)"))
     metrics = Metrics(slots)
     limits = Limits(model_name=model_name, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens,
-                    context_window=model.config.max_positions, max_stop_tokens=len(stop_ids))
+                    context_window=model.config.max_positions, max_stop_tokens=len(stop_ids),
+                    max_request_bytes=max_request_bytes)
     return ServerState(scheduler=Scheduler(engine, max_queue=max_queue, metrics=metrics, log=log), metrics=metrics,
                        limits=limits, tokenizer=model.tokenizer, vocab=model.config.vocab_size, stop_ids=stop_ids)
 

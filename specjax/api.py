@@ -16,7 +16,7 @@ from specjax.decoding.incremental import decode_host_step, decode_init_jit, fini
 from specjax.decoding.programs import step_drafter_params, step_matmuls, step_program
 from specjax.decoding.sampling import SamplingArrays, SamplingParams
 from specjax.errors import GenerationError, InputError
-from specjax.io.prompts import normalize_prompts
+from specjax.io.prompts import normalize_prompts, prompt_labels
 from specjax.speculation.choices import MODES
 from specjax.speculation.cost import pass_head, with_costs
 from specjax.speculation.drafters.ssm import SSMDrafter
@@ -34,15 +34,17 @@ class GenerationResult:
     stats: dict  # batch: llm_passes, generated_tokens, seconds, tokens_per_s, ...; "requests": one dict each
 
 
-def encode_prompts(model: Model, prompts, chat_template: bool = True) -> list[list[int]]:
-    """Strings (chat template applied by default) or token-id lists -> list of token-id lists."""
+def encode_prompts(model: Model, prompts, chat_template: bool = True, labels=None) -> list[list[int]]:
+    """Strings (chat template applied by default) or token-id lists -> list of token-id lists.
+    ``labels``: what errors call each prompt (default "prompt i")."""
     out = []
     vocab = model.config.vocab_size
-    for i, p in enumerate(normalize_prompts(prompts)):
+    prompts = normalize_prompts(prompts, labels)
+    for label, p in zip(prompt_labels(labels, len(prompts)), prompts):
         if isinstance(p, str):
             tok = model.tokenizer
             if tok is None:
-                raise InputError(f"prompt {i} is a string but the model has no tokenizer; pass token ids")
+                raise InputError(f"{label} is a string but the model has no tokenizer; pass token ids")
             if chat_template and getattr(tok, "chat_template", None):
                 ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                               tokenize=True, return_dict=True)["input_ids"]
@@ -52,9 +54,9 @@ def encode_prompts(model: Model, prompts, chat_template: bool = True) -> list[li
             ids = p
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise InputError(f"prompt {i}: token id {bad[0]} is not in [0, {vocab}) (the vocabulary)")
+                raise InputError(f"{label}: token id {bad[0]} is not in [0, {vocab}) (the vocabulary)")
         if len(ids) == 0:
-            raise InputError(f"prompt {i} is empty")
+            raise InputError(f"{label} is empty")
         out.append([int(t) for t in ids])
     return out
 
@@ -104,16 +106,18 @@ class GenerationPlan:
 
 def plan_generation(model: Model, prompts, max_new_tokens: int = 128, sampling=None, chat_template: bool = True,
                     ignore_eos: bool = False, mode: str | None = None, ssms=(), expansion=None, impl: str = "auto",
-                    verifier: str = "auto", draft: str = "auto", drafters=(), budget=None) -> GenerationPlan:
+                    verifier: str = "auto", draft: str = "auto", drafters=(), budget=None,
+                    labels=None) -> GenerationPlan:
     """Validate a generation request and prepare it (see ``generate``). Reads only the configs and
     tokenizers of ``model`` and ``ssms`` (and the drafters' static parts), so it can run before their
     weights are loaded. Unlike ``generate``, it chooses no drafters: with no mode, SSMs or drafters the
-    plan is incremental decoding (``generate`` passes the default drafters it chose)."""
+    plan is incremental decoding (``generate`` passes the default drafters it chose). ``labels``: what
+    errors call each prompt (default "prompt i"; the CLI passes a prompts file's ``path:line``)."""
     mode = mode or ("tree" if ssms or drafters else "incremental")
     if mode not in MODES:
         raise InputError(f"mode must be one of {MODES}, got {mode!r}")
     _check_max_new_tokens(max_new_tokens)
-    n = len(normalize_prompts(prompts))
+    n = len(normalize_prompts(prompts, labels))
     samplings = _sampling_list(sampling, n)
     spec = verifier_name = draft_name = None
     extra_slots = 0
@@ -125,11 +129,17 @@ def plan_generation(model: Model, prompts, max_new_tokens: int = 128, sampling=N
         raise InputError(f"mode 'incremental' takes no SSMs or drafters, got {len(ssms) + len(drafters)}")
     elif budget is not None:
         raise InputError("mode 'incremental' drafts nothing, so it takes no tree budget")
-    ids = encode_prompts(model, prompts, chat_template)
+    else:
+        given = {k: v for k, v in (("verifier", verifier), ("draft", draft), ("expansion", expansion),
+                                   ("impl", impl)) if v not in ("auto", None)}
+        if given:  # they shape speculation only; taking them silently would hide a request that is not run
+            raise InputError(f"mode 'incremental' neither drafts nor verifies, so it takes no "
+                             f"{', '.join(f'{k}={v!r}' for k, v in given.items())}")
+    ids = encode_prompts(model, prompts, chat_template, labels)
     limit = model.config.max_positions
-    for i, p in enumerate(ids):
+    for label, p in zip(prompt_labels(labels, len(ids)), ids):
         if len(p) + max_new_tokens > limit:
-            raise InputError(f"prompt {i}: {len(p)} prompt tokens + max_new_tokens={max_new_tokens} = "
+            raise InputError(f"{label}: {len(p)} prompt tokens + max_new_tokens={max_new_tokens} = "
                              f"{len(p) + max_new_tokens} exceeds the context window of {limit}")
     lens = np.array([len(p) for p in ids], np.int32)
     max_out = output_bucket(max_new_tokens)
@@ -191,6 +201,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
     A request whose LLM logits turn non-finite (NaN weights, overflow) stops without emitting a
     token from that pass: ``GenerationError`` names it, with the whole result attached.
     """
+    _check_run_args(parallel, on_tokens)
     default = mode is None and not ssms and not drafters
     if default:
         if expansion is not None:
@@ -206,11 +217,25 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
     return run_plan(model, plan, list(ssms), parallel=parallel, on_tokens=on_tokens, drafters=drafters)
 
 
+def _check_run_args(parallel, on_tokens) -> None:
+    """Before anything compiles: a wrong one would otherwise fail after it (``on_tokens`` at the first
+    chunk's tokens)."""
+    from specjax.sharding.parallel import Parallel
+
+    if parallel is not None and not isinstance(parallel, Parallel):
+        raise InputError(f"parallel must be a specjax.sharding.Parallel (or None), got {type(parallel).__name__} "
+                         f"{parallel!r:.60}")
+    if on_tokens is not None and not callable(on_tokens):
+        raise InputError(f"on_tokens must be a callable on_tokens(request_index, new_token_ids) (or None), got "
+                         f"{type(on_tokens).__name__}")
+
+
 def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_tokens=None,
              drafters=(), progress=None) -> GenerationResult:
     """Execute a validated plan (``plan_generation``) with loaded weights (the SSMs' and drafters'
     params in the plan's drafter order: SSMs first). ``progress``: called with each tree size the budget
     measures, if it measures (``measure_pass_costs``)."""
+    _check_run_args(parallel, on_tokens)
     n = len(plan.ids)
     drafter_params = tuple(s.params for s in ssms) + tuple(as_bound(d).params for d in drafters)
     params, drafter_params, inputs, host = _place(parallel, model, plan, drafter_params)

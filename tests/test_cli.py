@@ -190,6 +190,10 @@ def test_stdout_is_protected_from_native_writes():
     (["--temperature", "0.5", "--verifier", "rrs", "--draft", "iid", "--ssm", "derived:1"],
      "verifier 'rrs' is not lossless"),
     (["--draft", "iid"], "--draft shapes SSM drafts, but no SSM drafts here"),
+    (["--mode", "incremental", "--verifier", "mss"], "--mode incremental neither drafts nor verifies"),
+    (["--mode", "incremental", "--draft", "iid"], "--mode incremental neither drafts nor verifies"),
+    (["--drafter", "lookup:depth=4,depth=8"], "--drafter lookup:depth=4,depth=8: depth given twice"),
+    (["--drafter", "feature:auto,beam=2,beam=3"], "--drafter feature:auto,beam=2,beam=3: beam given twice"),
     (["--max-new-tokens", "2000"], "exceeds the context window of 1024"),
 ])
 def test_bad_generate_flags_fail_fast_with_status_2(tiny_llama_dir, args, message):
@@ -212,6 +216,14 @@ def test_bad_generate_flags_fail_fast_with_status_2(tiny_llama_dir, args, messag
     (b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n', "p.jsonl:2: not valid UTF-8"),
     (b"\n\n", "no prompts in the file"),
     (b'{"prompt": [1, 99999]}\n', "token id 99999 is not in [0, 128)"),
+    # the prompt's own line, though each batch (--batch-size 1) is checked apart
+    (b'{"prompt": [1]}\n{"prompt": [2]}\n{"prompt": [1, 99999]}\n', "p.jsonl:3: token id 99999 is not in [0, 128)"),
+    (b'{"prompt": [1]}\n{"prompt": [' + b"1, " * 1000 + b'1]}\n', "p.jsonl:2: 1001 prompt tokens + max_new_tokens"),
+    (b'{"prompt": "bad \\ud800 x"}\n', "p.jsonl:1: 'prompt' is not valid UTF-8 text (lone surrogate U+D800 at "
+                                       "character 4)"),
+    (b'{"prompt": [' + b"1" * 5000 + b']}\n', "p.jsonl:1: expected a JSON object whose 'prompt' is a non-empty string "
+                                             "or a list of token ids (ints); the line is not valid JSON (Exceeds"),
+    (b'{"prompt": "a",}\n', "the line is not valid JSON (Expecting property name"),
 ])
 def test_bad_prompts_files(tiny_llama_dir, tmp_path, content, message):
     path = tmp_path / "p.jsonl"
@@ -219,6 +231,26 @@ def test_bad_prompts_files(tiny_llama_dir, tmp_path, content, message):
     r = cli("generate", "--model", tiny_llama_dir, "--prompts-file", str(path), "--no-chat-template")
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("flags,unused", [
+    (dict(top_k=50, seed=7), ["--top-k", "--seed"]),
+    (dict(top_p=0.9), ["--top-p"]),
+    (dict(top_p=0.9, temperature=0.7), []),
+    (dict(seed=7, ssm=["derived:1"], draft="iid"), []),  # the seed draws the SSM's sampled children
+    (dict(seed=7, ssm=["derived:1"]), ["--seed"]),  # greedy drafts: top-k children, nothing drawn
+    (dict(seed=7, mode="sequence", verifier="seeded"), []),  # seeded's coupled drafts draw
+    (dict(seed=7, mode="incremental"), ["--seed"]),
+])
+def test_sampling_flags_that_change_nothing_at_temperature_0_are_named(flags, unused):
+    from specjax.cli import build_parser
+    from specjax.cli.generate import _unused_sampling_flags
+
+    args = build_parser().parse_args(["generate"])
+    assert (args.top_k, args.top_p, args.seed) == (None, None, None)  # so that "given" can be told apart
+    for k, v in flags.items():
+        setattr(args, k, v)
+    assert _unused_sampling_flags(args) == unused
 
 
 def test_prompts_file_that_is_a_directory_or_missing(tiny_llama_dir, tmp_path):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import specjax
+from specjax.api import plan_generation
 from specjax.errors import CheckpointError, ConfigError, InputError
 from specjax.io.safetensors import SafetensorsFile
 
@@ -167,6 +168,18 @@ def test_invalid_sampling_params(kwargs, match):
         specjax.SamplingParams(**kwargs)
 
 
+def test_sampling_params_take_numpy_numbers_as_their_python_values():
+
+    got = specjax.SamplingParams(temperature=np.float32(0.5), top_k=np.int32(4), top_p=np.float64(0.25),
+                                 seed=np.int64(3))
+    assert got == specjax.SamplingParams(temperature=0.5, top_k=4, top_p=0.25, seed=3)
+    assert type(got.temperature) is float and type(got.seed) is int
+    with pytest.raises(InputError, match="temperature must be a finite number"):
+        specjax.SamplingParams(temperature=np.float32("nan"))
+    with pytest.raises(InputError, match="seed must be an int"):
+        specjax.SamplingParams(seed=np.float32(3))
+
+
 def test_bad_prompts(model):
     with pytest.raises(InputError, match="prompt 0 is empty"):
         specjax.generate(model, [[]], max_new_tokens=2)
@@ -176,6 +189,39 @@ def test_bad_prompts(model):
         specjax.generate(model, ["hello"], max_new_tokens=2)
     with pytest.raises(InputError, match="sampling must be"):
         specjax.generate(model, [[1], [2]], max_new_tokens=2, sampling=[specjax.SamplingParams()])
+    # an empty string is refused before any chat template could wrap it into a conversation
+    with pytest.raises(InputError, match="prompt 1 is empty"):
+        specjax.generate(model, [[1], ""], max_new_tokens=2)
+    with pytest.raises(InputError, match=r"prompt 0 is not valid UTF-8 text \(lone surrogate U\+D800 at character 1"):
+        specjax.generate(model, ["a\ud800b"], max_new_tokens=2)
+
+
+def test_labels_name_the_prompts_in_errors(model):
+    with pytest.raises(InputError, match=r"p.jsonl:9: token id 9999 is not in \[0, 128\)"):
+        plan_generation(model, [[1], [2, 9999]], max_new_tokens=2, labels=["p.jsonl:4", "p.jsonl:9"])
+    ctx = model.config.max_positions
+    with pytest.raises(InputError, match=f"p.jsonl:4: {ctx} prompt tokens"):
+        plan_generation(model, [[1] * ctx], max_new_tokens=2, labels=["p.jsonl:4"])
+    with pytest.raises(InputError, match="labels must be a list of 2 strings"):
+        plan_generation(model, [[1], [2]], max_new_tokens=2, labels=["p.jsonl:4"])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(on_tokens=5), "on_tokens must be a callable"),
+    (dict(parallel="tp=2"), "parallel must be a specjax.sharding.Parallel"),
+    (dict(verifier="mss"), "mode 'incremental' neither drafts nor verifies, so it takes no verifier='mss'"),
+    (dict(draft="iid", impl="xla"), "takes no draft='iid', impl='xla'"),
+    (dict(expansion=(1, 2)), "takes no expansion=\\(1, 2\\)"),
+])
+def test_arguments_incremental_decoding_would_ignore_are_refused_before_compiling(model, kwargs, match):
+    with pytest.raises(InputError, match=match):
+        specjax.generate(model, [[1, 2]], max_new_tokens=2, mode="incremental", **kwargs)
+
+
+def test_an_expansion_without_ssms_is_refused(model):
+    with pytest.raises(InputError, match="expansion shapes the drafts of ssms"):
+        plan_generation(model, [[1, 2]], max_new_tokens=2, drafters=[specjax.Bound(specjax.LookupDrafter(), ())],
+                        expansion=(1, 1, 3, 1))
 
 
 def _cli(*args):

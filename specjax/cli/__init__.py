@@ -80,9 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
                                           "(default: none; give --prompt or --prompts-file)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed gives the same tokens)")
+    g.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k most likely tokens (default: 0 = off; needs --temperature > 0)")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling mass (default: 1 = off; needs --temperature > 0)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="sampling seed: the same seed gives the same tokens (default: 0; at --temperature 0 it "
+                        "only draws sampled SSM drafts)")
     g.add_argument("--mode", default="tree", choices=list(MODES),
                    help="tree/sequence speculation, or the incremental reference decoder")
     g.add_argument("--verifier", default="auto", choices=list(VERIFIER_CHOICES),

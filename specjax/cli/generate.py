@@ -20,18 +20,45 @@ def _positive(name: str, value, allow_none: bool = False):
         raise InputError(f"{name} must be >= 1, got {value}")
 
 
-def _read_prompts(args) -> list:
-    from specjax.io.prompts import check_text, read_prompts_file
+def _read_prompts(args) -> tuple[list, list[str]]:
+    """(prompts, labels): each label names the prompt in errors (``--prompt``, or the file's ``path:line``)."""
+    from specjax.io.prompts import check_text, read_labelled_prompts
 
     if args.prompt is not None and args.prompts_file is not None:
         raise InputError("give either --prompt or --prompts-file, not both")
     if args.prompt is not None:
         if not args.prompt:
             raise InputError("--prompt is empty")
-        return [check_text(args.prompt, "--prompt")]
+        return [check_text(args.prompt, "--prompt")], ["--prompt"]
     if args.prompts_file is None:
         raise InputError("give --prompt TEXT or --prompts-file FILE.jsonl")
-    return read_prompts_file(args.prompts_file, flag="--prompts-file")
+    return read_labelled_prompts(args.prompts_file, flag="--prompts-file")
+
+
+def _sampling_kw(args) -> dict:
+    """SamplingParams' arguments from the flags (unset ones at their defaults: off, and seed 0)."""
+    return dict(temperature=args.temperature, top_k=args.top_k or 0, top_p=1.0 if args.top_p is None else args.top_p,
+                seed=args.seed or 0)
+
+
+def _has_ssm_drafts(args) -> bool:
+    """An SSM drafts here: --mode sequence (the default SSM), --ssm, or --drafter ssm:ARG."""
+    return args.mode != "incremental" and bool(args.mode == "sequence" or args.ssm or any(
+        t.startswith("ssm:") for t in args.drafter or ()))
+
+
+def _unused_sampling_flags(args) -> list[str]:
+    """Sampling flags given for greedy decoding, where they change nothing: reported, not refused (a sweep
+    over temperatures may pass them throughout)."""
+    from specjax.speculation.request import resolve_verifier
+
+    if args.temperature > 0:
+        return []
+    unused = [flag for flag, v in (("--top-k", args.top_k), ("--top-p", args.top_p)) if v is not None]
+    sampled_drafts = _has_ssm_drafts(args) and resolve_verifier(args.verifier, args.draft, False)[1] != "topk"
+    if args.seed is not None and not sampled_drafts:
+        unused.append("--seed")
+    return unused
 
 
 def _check_generate_args(args) -> None:
@@ -42,7 +69,7 @@ def _check_generate_args(args) -> None:
     _positive("--max-new-tokens", args.max_new_tokens)
     _positive("--batch-size", args.batch_size)
     _positive("--microbatches", args.microbatches, allow_none=True)
-    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    SamplingParams(**_sampling_kw(args))
     if args.expansion is not None:
         Expansion.parse(args.expansion)
     if args.mode == "incremental" and (args.ssm or args.expansion or args.drafter):
@@ -50,13 +77,15 @@ def _check_generate_args(args) -> None:
                          "tree")
     if args.mode == "incremental" and args.budget is not None:
         raise InputError("--mode incremental drafts nothing, so it takes no --budget")
+    if args.mode == "incremental" and (args.verifier != "auto" or args.draft != "auto"):
+        raise InputError("--mode incremental neither drafts nor verifies: drop --verifier / --draft, or choose "
+                         "--mode tree")
     from specjax.speculation.drafters import parse_spec
 
     for text in args.drafter or ():
         parse_spec(text)
-    ssm_drafts = args.mode == "sequence" or args.ssm or any(t.startswith("ssm:") for t in args.drafter or ())
     for flag, given in (("--expansion", args.expansion is not None), ("--draft", args.draft != "auto")):
-        if given and args.mode == "tree" and not ssm_drafts:
+        if given and args.mode == "tree" and not _has_ssm_drafts(args):
             raise InputError(f"{flag} shapes SSM drafts, but no SSM drafts here (nor in the default drafters); "
                              f"add --ssm NAME or --drafter ssm:ARG, or drop {flag}")
     if args.layers == "split" and args.mesh is not None:
@@ -100,14 +129,16 @@ def _drafters(args, llm, load: bool, verifier: str, draft: str) -> list:
 
 
 def _ssm_specs(args) -> tuple[list[str], str | None]:
-    """(--ssm entries, --expansion): what --ssm names; --mode sequence without one drafts with the
-    shipped SSM for the default LLM, else the LLM's first layers (derived:auto)."""
+    """(--ssm entries, --expansion for them): what --ssm names; --mode sequence without one drafts with
+    the shipped SSM for the default LLM, else the LLM's first layers (derived:auto). Without SSMs the
+    expansion is None: it shaped the --drafter ssm:ARG entries when they were built."""
     if args.mode == "incremental":
-        return [], args.expansion
+        return [], None
     if args.mode == "sequence" and not args.ssm:
         return (list(registry.DEFAULT_SSMS) if args.model == registry.DEFAULT_MODEL else ["derived:auto"]), \
             args.expansion
-    return list(args.ssm or ()), args.expansion  # expansion None: the API's default (one place)
+    ssms = list(args.ssm or ())
+    return ssms, args.expansion if ssms else None  # expansion None: the API's default (one place)
 
 
 def _drafter_specs(args, llm_config) -> list[str]:
@@ -210,7 +241,7 @@ def _compile_cache(directory: str) -> None:
 
 def _cmd_generate(args, out) -> int:
     _check_generate_args(args)
-    prompts = _read_prompts(args)
+    prompts, labels = _read_prompts(args)
     parallel = _parallel(args)  # joins the cluster: must precede any other JAX use
     _compile_cache(args.compile_cache)
     import jax
@@ -220,18 +251,23 @@ def _cmd_generate(args, out) -> int:
 
     printing = jax.process_index() == 0  # every process computes; process 0 reports
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if printing else (lambda *a: None)
-    sampling = specjax.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                      seed=args.seed)
+    sampling = specjax.SamplingParams(**_sampling_kw(args))
+    unused = _unused_sampling_flags(args)
+    if unused:
+        log(f"# note: {', '.join(unused)} change{'s' if len(unused) == 1 else ''} nothing at --temperature 0 "
+            f"(greedy decoding)")
     ssm_specs, expansion = _ssm_specs(args)
     # Check the whole request against the configs and tokenizer before the weights load.
     light = specjax.describe_model(args.model)
     light_ssms = [_ssm(s, light, load=False) for s in ssm_specs]
     light_drafters = _drafters(args, light, False, args.verifier, args.draft)
     batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
+    batch_labels = [labels[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, chat_template=not args.no_chat_template,
               mode=args.mode, expansion=expansion, verifier=args.verifier, draft=args.draft,
               budget=_budget(args, ssm_specs, [b.drafter for b in light_drafters]))
-    plans = [plan_generation(light, batch, ssms=light_ssms, drafters=light_drafters, **kw) for batch in batches]
+    plans = [plan_generation(light, batch, ssms=light_ssms, drafters=light_drafters, labels=names, **kw)
+             for batch, names in zip(batches, batch_labels)]
     if parallel is not None:
         for batch in batches:
             extra = parallel.padding_for(len(batch))

@@ -46,6 +46,10 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
+        for name in ("temperature", "top_k", "top_p", "seed"):  # NumPy scalars (a value read from an array)
+            value = getattr(self, name)
+            if isinstance(value, (np.integer, np.floating)):
+                object.__setattr__(self, name, value.item())
         t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise InputError(f"temperature must be a finite number >= 0, got {t!r}")

@@ -32,13 +32,26 @@ def check_text(text: str, where: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        bad = text[e.start:e.end].encode("utf-8", "surrogateescape")
-        raise InputError(f"{where} is not valid UTF-8 text (bytes {bad!r} at character {e.start})") from None
+        try:  # undecodable bytes, carried as U+DC80..U+DCFF
+            bad = f"bytes {text[e.start:e.end].encode('utf-8', 'surrogateescape')!r}"
+        except UnicodeEncodeError:  # a lone surrogate of another kind (JSON's "\ud800", a str built in Python)
+            bad = "lone surrogate " + ", ".join(f"U+{ord(c):04X}" for c in text[e.start:e.end])
+        raise InputError(f"{where} is not valid UTF-8 text ({bad} at character {e.start})") from None
     return text
 
 
-def normalize_prompts(prompts) -> list:
-    """Strings or token-id lists -> a non-empty list of them (a single prompt is wrapped), checked."""
+def prompt_labels(labels, n: int) -> list[str]:
+    """What errors call each of ``n`` prompts: ``labels`` (a file's ``path:line``, say) or "prompt i"."""
+    if labels is None:
+        return [f"prompt {i}" for i in range(n)]
+    if isinstance(labels, str) or len(labels) != n or not all(isinstance(x, str) for x in labels):
+        raise InputError(f"labels must be a list of {n} strings (one per prompt), got {labels!r:.80}")
+    return list(labels)
+
+
+def normalize_prompts(prompts, labels=None) -> list:
+    """Strings or token-id lists -> a non-empty list of them (a single prompt is wrapped), checked.
+    ``labels``: what errors call each prompt (default "prompt i")."""
     if isinstance(prompts, str) or (_is_token_list(prompts) and len(prompts) > 0):
         prompts = [prompts]
     if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, (Sequence, np.ndarray)) \
@@ -46,18 +59,20 @@ def normalize_prompts(prompts) -> list:
         raise InputError(f"prompts must be a non-empty list of strings or of token-id lists, got "
                          f"{type(prompts).__name__}")
     out = []
-    for i, p in enumerate(prompts):
+    for label, p in zip(prompt_labels(labels, len(prompts)), prompts):
         if isinstance(p, str):
-            out.append(check_text(p, f"prompt {i}"))
+            if not p:  # a chat template would wrap it into a conversation nobody wrote
+                raise InputError(f"{label} is empty")
+            out.append(check_text(p, label))
         elif isinstance(p, (bytes, bytearray)):
-            raise InputError(f"prompt {i} is bytes: decode it to a str, or pass token ids as a list of ints")
+            raise InputError(f"{label} is bytes: decode it to a str, or pass token ids as a list of ints")
         elif _is_token_list(p):
             out.append([int(t) for t in p])
         elif isinstance(p, (list, tuple, np.ndarray)):
             bad = next((t for t in p if not _is_token_id(t)), None) if not isinstance(p, np.ndarray) else p.dtype
-            raise InputError(f"prompt {i}: a token-id list must hold ints only, found {bad!r}")
+            raise InputError(f"{label}: a token-id list must hold ints only, found {bad!r}")
         else:
-            raise InputError(f"prompt {i} must be a str or a list of token ids, got {type(p).__name__} {p!r}")
+            raise InputError(f"{label} must be a str or a list of token ids, got {type(p).__name__} {p!r}")
     return out
 
 
@@ -70,10 +85,19 @@ def read_prompts_file(path: str, *, flag: str = "--prompts-file", allow_token_id
                                                       plain_lines=plain_lines)]
 
 
+def read_labelled_prompts(path: str, *, flag: str = "--prompts-file") -> tuple[list, list[str]]:
+    """(prompts, labels) of a prompts file (see ``read_prompts_file``): each label is the prompt's
+    ``path:line``, for errors found later (a prompt too long for the context, an id outside the vocabulary)."""
+    lines = []
+    records = read_prompt_records(path, flag=flag, lines=lines)
+    return [r["prompt"] for r in records], [f"{path}:{n}" for n in lines]
+
+
 def read_prompt_records(path: str, *, flag: str = "--prompts-file", allow_token_ids: bool = True,
-                        plain_lines: bool = False) -> list[dict]:
+                        plain_lines: bool = False, lines: list | None = None) -> list[dict]:
     """The records of a prompts file (see ``read_prompts_file``): each a dict with a validated
-    ``"prompt"`` and whatever other keys the line holds (``id``, ``category``, ...)."""
+    ``"prompt"`` and whatever other keys the line holds (``id``, ``category``, ...). ``lines``: a list
+    that receives each record's line number."""
     where = f"{flag} {path}"
     if os.path.isdir(path):
         raise InputError(f"{where}: is a directory, expected a file")
@@ -94,21 +118,27 @@ def read_prompt_records(path: str, *, flag: str = "--prompts-file", allow_token_
                              f"{e.start + 1})") from None
         if not text.strip():
             continue
+        if lines is not None:
+            lines.append(n)
         if not jsonl:
             prompts.append({"prompt": text})
             continue
         try:
-            record = json.loads(text)
-        except (json.JSONDecodeError, RecursionError):
-            record = None
+            record, invalid = json.loads(text), None
+        except ValueError as e:  # JSONDecodeError, and integers of more than 4300 digits
+            record, invalid = None, f"the line is not valid JSON ({e})"
+        except RecursionError:
+            record, invalid = None, "the line is not valid JSON (nested too deeply)"
         prompt = record.get("prompt") if isinstance(record, dict) else None
         if isinstance(prompt, str) and prompt:
-            prompts.append(record)
+            prompts.append(dict(record, prompt=check_text(prompt, f"{path}:{n}: 'prompt'")))
         elif allow_token_ids and isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
             prompts.append(dict(record, prompt=[int(t) for t in prompt]))
         else:
             kinds = "a non-empty string or a list of token ids (ints)" if allow_token_ids else "a non-empty string"
-            if not isinstance(record, dict):
+            if invalid:
+                got = invalid
+            elif not isinstance(record, dict):
                 got = "the line is not a JSON object"
             elif "prompt" not in record:
                 got = "it has no 'prompt' key"

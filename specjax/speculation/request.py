@@ -99,6 +99,9 @@ def spec_config(model: Model, ssms: list, drafters: list, mode: str, expansion, 
                              f"{type(ssm).__name__}")
         check_compatible(model, ssm, name=f"SSM {i}")
     verifier, draft = resolve_verifier(verifier, draft, sampled)
+    if expansion is not None and not ssms:  # a drafter's shape is its own (built with it)
+        raise InputError("expansion shapes the drafts of ssms=[...], and none are given: drop it (a drafter in "
+                         "drafters=[...] takes its shape when it is built)")
     exps = expansions_of(mode, expansion, len(ssms)) if ssms else []
     bound = [as_bound(d) for d in drafters]
     drafter_objs = tuple(SSMDrafter(s.config, e, draft) for s, e in zip(ssms, exps)) + tuple(b.drafter for b in bound)

@@ -46,6 +46,7 @@ from specjax.errors import InputError
 from specjax.speculation.drafters.base import Bound, DraftContext, Proposal
 from specjax.speculation.drafters.corpus_index import SEPARATOR, build_index
 from specjax.speculation.drafters.lookup import LookupDrafter, find_chains
+from specjax.speculation.drafters.settings import parse_int_settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,15 +277,8 @@ def parse_arg(arg: str) -> tuple[str, dict]:
     if not path:
         raise InputError("--drafter corpus:PATH needs the corpus path (a .jsonl, a text file or a directory), "
                          "or auto / a shipped corpus's name")
-    values = {}
-    for item in items:
-        key, _, value = item.partition("=")
-        if key not in _NAMES or not (value.isascii() and value.isdigit()):
-            raise InputError(f"--drafter corpus:{arg}: expected corpus:PATH then comma-separated "
-                             f"{'/'.join(_NAMES)}=N items, got {item!r} (a path may not contain commas)")
-        if _NAMES[key] in values:
-            raise InputError(f"--drafter corpus:{arg}: {key} given twice")
-        values[_NAMES[key]] = int(value)
+    values = parse_int_settings(items, _NAMES, f"--drafter corpus:{arg}", f"corpus:PATH then comma-separated "
+                                f"{'/'.join(_NAMES)}=N items (a path may not contain commas)")
     CorpusDrafter(**values)  # settings checked before the corpus is read
     return path, values
 

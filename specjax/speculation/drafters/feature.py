@@ -45,6 +45,7 @@ from specjax.models.feature import FeatureConfig, feature_forward, init_feature_
 from specjax.models.params import fuse_layer
 from specjax.speculation.drafters.base import Accepted, Bound, DraftContext, Drafter, Proposal
 from specjax.speculation.drafters.merge import depths
+from specjax.speculation.drafters.settings import parse_int_settings
 from specjax.types import Model
 
 DECAY = 0.9  # per step: the calibration follows the request's recent agreement
@@ -410,13 +411,8 @@ def from_arg(arg: str, llm: Model, *, load: bool, expansion, draft: str) -> Boun
     from specjax.io import registry
 
     name, *items = arg.split(",")
-    settings = {}
-    for item in items:
-        key, _, value = item.partition("=")
-        if key not in ("depth", "beam", "nodes") or not (value.isascii() and value.isdigit()):
-            raise InputError(f"--drafter feature:{arg}: expected feature:NAME[,depth=D][,beam=K][,nodes=N], got "
-                             f"{item!r}")
-        settings[key] = int(value)
+    settings = parse_int_settings(items, {k: k for k in ("depth", "beam", "nodes")}, f"--drafter feature:{arg}",
+                                  "feature:NAME[,depth=D][,beam=K][,nodes=N]")
     if "nodes" in settings:  # a node budget of its own: the ladder spans it
         n = settings["nodes"]
         settings["ladder"] = tuple(sorted({0, 1, min(3, n), min(6, n), min(10, n), n}))

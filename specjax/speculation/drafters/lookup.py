@@ -34,6 +34,7 @@ import numpy as np
 
 from specjax.errors import InputError
 from specjax.speculation.drafters.base import Accepted, Bound, DraftContext, Drafter, Proposal
+from specjax.speculation.drafters.settings import parse_int_settings
 
 DECAY = 0.95  # per update: recent agreement counts more (text switches between copying and writing)
 PRIOR = (1.0, 1.0)  # pseudo-counts (right, wrong) before a request has been observed: alpha = 0.5
@@ -206,14 +207,8 @@ def parse_arg(arg: str) -> LookupDrafter:
     if arg.isascii() and arg.isdigit():
         return LookupDrafter(depth=int(arg))
     names = {"depth": "depth", "branches": "branches", "ngram": "max_ngram", "min-ngram": "min_ngram"}
-    values = {}
-    for item in arg.split(","):
-        key, _, value = item.partition("=")
-        if key not in names or not (value.isascii() and value.isdigit()):
-            raise InputError(f"--drafter lookup:{arg}: expected lookup:auto, lookup:D or comma-separated "
-                             f"{'/'.join(names)}=N items, got {item!r}")
-        values[names[key]] = int(value)
-    return LookupDrafter(**values)
+    return LookupDrafter(**parse_int_settings(arg.split(","), names, f"--drafter lookup:{arg}",
+                                              f"lookup:auto, lookup:D or comma-separated {'/'.join(names)}=N items"))
 
 
 def from_arg(arg: str, llm, *, load: bool, expansion, draft: str) -> Bound:

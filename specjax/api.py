@@ -50,6 +50,10 @@ def encode_prompts(model: Model, prompts, chat_template: bool = True, labels=Non
                                               tokenize=True, return_dict=True)["input_ids"]
             else:
                 ids = tok(p)["input_ids"]
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:  # a tokenizer with more (added) tokens than the model's embedding rows
+                raise InputError(f"{label}: the tokenizer gives token id {bad[0]}, outside the model's vocabulary "
+                                 f"[0, {vocab}) (the tokenizer has more tokens than the model's embedding)")
         else:
             ids = p
             bad = [t for t in ids if not 0 <= t < vocab]

@@ -16,6 +16,7 @@ import specjax
 from specjax.api import plan_generation
 from specjax.errors import CheckpointError, ConfigError, InputError
 from specjax.io.safetensors import SafetensorsFile
+from tests.conftest import requires_smollm2
 
 
 def _copy(src, tmp_path, name="m"):
@@ -194,6 +195,17 @@ def test_bad_prompts(model):
         specjax.generate(model, [[1], ""], max_new_tokens=2)
     with pytest.raises(InputError, match=r"prompt 0 is not valid UTF-8 text \(lone surrogate U\+D800 at character 1"):
         specjax.generate(model, ["a\ud800b"], max_new_tokens=2)
+
+
+@requires_smollm2
+def test_a_tokenizer_id_outside_the_models_vocabulary_is_refused_not_clamped(model):
+    """SmolLM2's tokenizer over the tiny model (128 embedding rows): its ids would index past the embedding."""
+    from specjax.types import Model
+
+    wide = Model(model.config, model.params, specjax.describe_model("smollm2-135m-instruct").tokenizer)
+    with pytest.raises(InputError, match=r"prompt 0: the tokenizer gives token id \d+, outside the model's "
+                                         r"vocabulary \[0, 128\)"):
+        plan_generation(wide, ["hello world"], max_new_tokens=2, chat_template=False)
 
 
 def test_labels_name_the_prompts_in_errors(model):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import chex
 import jax
@@ -79,6 +80,80 @@ def test_the_entry_follows_the_file_and_the_layout(tmp_path, monkeypatch):
     assert params_cache.entry_dir(str(f), "stacked") != first
     os.utime(f, ns=(1, 1))  # the same size, another modification time: another file as far as the cache knows
     assert params_cache.entry_dir(str(f), "split") != first
+
+
+def _tiny_gguf(path, seed: int, vocab: int, ffn: int, dim: int = 16) -> str:
+    """A one-layer LLaMA GGUF of random float32 weights (no tokenizer: the weights path needs none)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(64), w.add_embedding_length(dim), w.add_feed_forward_length(ffn), w.add_block_count(1)
+    w.add_head_count(2), w.add_head_count_kv(2), w.add_layer_norm_rms_eps(1e-5), w.add_vocab_size(vocab)
+    shapes = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,), "output.weight": (vocab, dim),
+              **{f"blk.0.{n}.weight": s for n, s in [
+                  ("attn_norm", (dim,)), ("ffn_norm", (dim,)), ("attn_q", (dim, dim)), ("attn_k", (dim, dim)),
+                  ("attn_v", (dim, dim)), ("attn_output", (dim, dim)), ("ffn_gate", (ffn, dim)), ("ffn_up", (ffn, dim)),
+                  ("ffn_down", (dim, ffn))]}}
+    rng = np.random.default_rng(seed)
+    for name, shape in shapes.items():
+        w.add_tensor(name, rng.normal(size=shape).astype(np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return str(path)
+
+
+def _converted(path, monkeypatch):
+    monkeypatch.setenv(params_cache.ENV, "0")
+    try:
+        return loader.gguf_params(path, False, progress=False)
+    finally:
+        monkeypatch.setenv(params_cache.ENV, "1")
+
+
+def test_a_file_rewritten_with_its_old_size_and_mtime_is_a_new_entry(tmp_path, monkeypatch):
+    """``cp -p``, ``rsync -a`` and ``touch -r`` restore the modification time: the weights served must still be
+    the new file's (they were the old entry's, of another shape than the new config)."""
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    path = _tiny_gguf(tmp_path / "m.gguf", seed=0, vocab=32, ffn=24)
+    loader.gguf_params(path, False, progress=False)  # cached
+    old = os.stat(path)
+    time.sleep(0.05)  # past the filesystem's timestamp granularity: the rewrite gets a new change time
+    _tiny_gguf(tmp_path / "m.gguf", seed=1, vocab=38, ffn=20)
+    os.utime(path, ns=(old.st_atime_ns, old.st_mtime_ns))
+    if os.path.getsize(path) != old.st_size:  # pad the tensor data's end: the same size as before
+        with open(path, "ab") as f:
+            f.write(b"\0" * (old.st_size - os.path.getsize(path)))
+        os.utime(path, ns=(old.st_atime_ns, old.st_mtime_ns))
+    assert (os.path.getsize(path), os.stat(path).st_mtime_ns) == (old.st_size, old.st_mtime_ns)
+    cfg, want = _converted(path, monkeypatch)
+    got_cfg, got = loader.gguf_params(path, False, progress=False)
+    assert (got_cfg.vocab_size, got_cfg.intermediate_size) == (38, 20)
+    _assert_same(got, want)
+
+
+def test_an_entry_that_does_not_fit_the_files_config_is_rebuilt(tmp_path, monkeypatch):
+    """Another model's weights under this file's key (a damaged or foreign entry): refused by the config
+    check, reported, and converted again."""
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    small = _tiny_gguf(tmp_path / "a.gguf", seed=0, vocab=32, ffn=24)
+    path = _tiny_gguf(tmp_path / "b.gguf", seed=1, vocab=38, ffn=20)
+    _, foreign = _converted(small, monkeypatch)
+    assert params_cache.write(params_cache.entry_dir(path, "stacked"), foreign)
+    with pytest.warns(UserWarning, match=r"weights cache entry .* is damaged .*has shape"):
+        _, got = loader.gguf_params(path, False, progress=False)
+    _assert_same(got, _converted(path, monkeypatch)[1])
+
+
+def test_a_manifest_naming_a_missing_leaf_is_damage_not_a_crash(tmp_path):
+    entry = str(tmp_path / "e")
+    assert params_cache.write(entry, {"a": np.ones(3, np.float32)})
+    manifest = os.path.join(entry, "manifest.json")
+    with open(manifest) as f:
+        text = f.read()
+    with open(manifest, "w") as f:
+        f.write(text.replace('"leaf": 0', '"leaf": 7'))
+    with pytest.warns(UserWarning, match="is damaged"):
+        assert params_cache.read(entry) is None
+    assert not os.path.exists(entry), "a damaged entry is removed, so the next load rebuilds it"
 
 
 def test_a_second_writer_of_the_same_entry_keeps_the_first(tmp_path):

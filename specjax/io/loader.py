@@ -116,9 +116,11 @@ def gguf_params(path: str, split: bool, progress: bool = True) -> tuple:
     (``specjax.io.params_cache``: read-only memory maps) when it holds them, else converted (and cached
     unless the cache is off)."""
     entry = params_cache.entry_dir(path, "split" if split else "stacked") if params_cache.enabled() else None
-    cached = params_cache.read(entry) if entry is not None else None
-    if cached is not None:
-        return gguf_config(*read_gguf_metadata(path)), cached
+    if entry is not None:  # the metadata is parsed once per process (``open_gguf``)
+        cfg = gguf_config(*read_gguf_metadata(path))
+        cached = params_cache.read(entry, check=lambda p: params_lib.check_params(cfg, p, source=entry))
+        if cached is not None:
+            return cfg, cached
     cfg, np_params = load_gguf(path, progress=progress)
     if split:
         np_params = params_lib.split_layers(np_params)

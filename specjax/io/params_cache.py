@@ -7,8 +7,10 @@ layout asked for: split or stacked layers) are written once under ``cache_root()
 ``.npy`` per leaf plus a manifest, and later loads map those files read-only: the pages come from the
 OS page cache, shared by every process that maps them, and nothing is converted again (load ~1 s).
 
-The entry's key is the GGUF file's absolute path, size and modification time, the layout and
-``FORMAT``: a changed file or a new conversion is a new entry. Entries are written into a temporary
+The entry's key is the GGUF file's absolute path, inode, size, modification and change times, the
+layout and ``FORMAT``: a changed file or a new conversion is a new entry (the change time and inode
+catch a file rewritten with its old size and modification time restored, as ``cp -p``, ``rsync -a`` or
+``touch -r`` leave it). A hit is checked against the file's config (every leaf's name and shape). Entries are written into a temporary
 directory and renamed into place, so a reader never sees half an entry, and an entry is never
 changed after it is written (a mapped file must not change under its readers). A damaged entry (a
 missing or truncated file, shapes that disagree with the manifest) is reported, removed and
@@ -28,7 +30,7 @@ import warnings
 import numpy as np
 
 from specjax.config import cache_root
-from specjax.errors import InputError
+from specjax.errors import CheckpointError, InputError
 
 # Bump when the conversion's output changes (key maps, layouts, fused groups): old entries are ignored.
 FORMAT = 1
@@ -46,7 +48,8 @@ def enabled() -> bool:
 def entry_dir(source: str, layout: str) -> str:
     """The cache entry of ``source`` (a file) converted to ``layout`` ("split" or "stacked")."""
     st = os.stat(source)
-    ident = json.dumps([os.path.abspath(source), st.st_size, st.st_mtime_ns, layout, FORMAT])
+    ident = json.dumps([os.path.abspath(source), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, layout,
+                        FORMAT])
     digest = hashlib.sha256(ident.encode()).hexdigest()[:20]
     return os.path.join(cache_root(), "params", f"{os.path.basename(source)}-{layout}-{digest}")
 
@@ -69,9 +72,11 @@ def _rebuild(node: dict, leaves: list):
     return leaves[node["leaf"]]
 
 
-def read(path: str):
+def read(path: str, check=None):
     """The params of the entry at ``path`` as read-only memory maps, or None when there is no entry.
-    A damaged entry is removed with a warning (the caller converts again and rewrites it)."""
+    A damaged entry (``check(params)`` raising a ``CheckpointError`` counts too: leaves missing or of
+    other shapes than the model's config asks) is removed with a warning (the caller converts again and
+    rewrites it)."""
     manifest_path = os.path.join(path, _MANIFEST)
     if not os.path.exists(manifest_path):
         return None
@@ -84,8 +89,11 @@ def read(path: str):
             if list(a.shape) != shape or a.dtype.name != dtype:
                 raise ValueError(f"leaf {i}: {a.shape} {a.dtype}, the manifest says {tuple(shape)} {dtype}")
             leaves.append(a)
-        return _rebuild(manifest["structure"], leaves)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        params = _rebuild(manifest["structure"], leaves)
+        if check is not None:
+            check(params)
+        return params
+    except (OSError, ValueError, KeyError, TypeError, IndexError, CheckpointError) as e:
         warnings.warn(f"specjax: the weights cache entry {path} is damaged ({e}); converting again", stacklevel=3)
         shutil.rmtree(path, ignore_errors=True)
         return None

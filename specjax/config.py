@@ -262,6 +262,10 @@ def _rope_from_hf(r: _Reader) -> tuple[float, RopeScaling | None]:
     theta = p.float("rope_theta", r.float("rope_theta", 10000.0, positive=True), positive=True)
     kind = p.str("rope_type", p.str("type", "default"))
     if kind == "default":
+        factor = p.float("factor")
+        if factor not in (None, 1.0):  # transformers would drop it; a factor says scaling was meant
+            raise ConfigError(f"{source}: a RoPE scaling factor of {factor} without a scaling type ('rope_type': "
+                              f"'linear', 'llama3', ...): say which scaling it is")
         return theta, None
     if kind == "linear":
         return theta, RopeScaling("linear", p.float("factor", required=True, positive=True))
@@ -378,6 +382,27 @@ def config_from_hf_file(path: str | os.PathLike) -> ModelConfig:
     return config_from_hf(d, source=str(path))
 
 
+def _rope_from_gguf(r: _Reader) -> RopeScaling | None:
+    """llama.cpp's reading: the factor is ``rope.scaling.factor``, else the older ``rope.scale_linear``; a
+    factor without a type is linear scaling. A factor other than 1 beside type "none" is refused, not
+    dropped: one of the two keys is wrong, and guessing would change every position's rotation."""
+    factor = r.float("rope.scaling.factor", positive=True)
+    if factor is None:
+        factor = r.float("rope.scale_linear", positive=True)
+    kind = r.str("rope.scaling.type", "linear" if factor not in (None, 1.0) else "none")
+    if kind == "linear":
+        if factor is None:
+            raise ConfigError(f"{r.source}: GGUF rope scaling type 'linear' needs 'llama.rope.scaling.factor' (or "
+                              f"'llama.rope.scale_linear')")
+        return RopeScaling("linear", factor)
+    if kind != "none":
+        raise ConfigError(f"{r.source}: GGUF rope scaling type {kind!r} is not supported (none, linear)")
+    if factor not in (None, 1.0):
+        raise ConfigError(f"{r.source}: GGUF rope scaling type 'none' beside a scaling factor of {factor}: one of "
+                          f"them is wrong")
+    return None
+
+
 def config_from_gguf(fields: Mapping[str, Any], source: str, vocab_size: int | None = None) -> ModelConfig:
     """Build a ModelConfig from GGUF metadata (already decoded to Python values)."""
     arch = fields.get("general.architecture")
@@ -387,12 +412,7 @@ def config_from_gguf(fields: Mapping[str, Any], source: str, vocab_size: int | N
     t = _Reader(fields, source, prefix="tokenizer.ggml.")
     heads = r.int("attention.head_count", required=True)
     hidden = r.int("embedding_length", required=True)
-    scaling = None
-    kind = r.str("rope.scaling.type", "none")
-    if kind == "linear":
-        scaling = RopeScaling("linear", r.float("rope.scaling.factor", required=True, positive=True))
-    elif kind != "none":
-        raise ConfigError(f"{source}: GGUF rope scaling type {kind!r} is not supported (none, linear)")
+    scaling = _rope_from_gguf(r)
     vocab = r.int("vocab_size") or vocab_size
     if vocab is None:
         raise ConfigError(f"{source}: neither 'llama.vocab_size' nor a token list gives the vocabulary size")

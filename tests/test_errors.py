@@ -131,6 +131,38 @@ def test_sharded_checkpoint_loads(tiny_llama_dir, tmp_path):
     np.testing.assert_array_equal(specjax.logits(sharded, [[1, 2, 3]])[0], specjax.logits(single, [[1, 2, 3]])[0])
 
 
+_GGUF = {"general.architecture": "llama", "llama.attention.head_count": 4, "llama.embedding_length": 32,
+         "llama.feed_forward_length": 48, "llama.block_count": 2, "llama.context_length": 128,
+         "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 64}
+
+
+@pytest.mark.parametrize("fields,scaling", [
+    ({}, None),
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, 4.0),
+    ({"llama.rope.scaling.factor": 4.0}, 4.0),  # no type: linear, as llama.cpp reads it
+    ({"llama.rope.scale_linear": 2.0}, 2.0),  # the older key
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scale_linear": 2.0}, 2.0),
+    ({"llama.rope.scaling.factor": 1.0}, None),
+])
+def test_gguf_rope_scaling_is_read_as_llama_cpp_reads_it(fields, scaling):
+    from specjax.config import config_from_gguf
+
+    got = config_from_gguf({**_GGUF, **fields}, "x.gguf").rope_scaling
+    assert (None if got is None else (got.kind, got.factor)) == (None if scaling is None else ("linear", scaling))
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, "type 'none' beside a scaling factor"),
+    ({"llama.rope.scaling.type": "linear"}, "type 'linear' needs 'llama.rope.scaling.factor'"),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, "type 'yarn' is not supported"),
+])
+def test_gguf_rope_scaling_that_cannot_be_read_is_refused(fields, message):
+    from specjax.config import config_from_gguf
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config_from_gguf({**_GGUF, **fields}, "x.gguf")
+
+
 def test_corrupt_gguf(tmp_path):
     p = tmp_path / "x.gguf"
     p.write_bytes(b"GGUF" + b"\x00" * 10)
@@ -264,6 +296,9 @@ def test_cli_errors(tiny_llama_dir, tmp_path):
     ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' must be true or false"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "required key 'low_freq_factor' is missing"),
     ({"num_hidden_layers": 2.5}, "'num_hidden_layers' must be an integer, got 2.5"),
+    ({"rope_parameters": None, "rope_scaling": {"factor": 4.0}}, "a RoPE scaling factor of 4.0 without a scaling "
+                                                                  "type"),  # a transformers 4 config
+    ({"rope_parameters": {"rope_theta": 1e4, "factor": 4.0}}, "a RoPE scaling factor of 4.0 without a scaling type"),
 ])
 def test_malformed_config_json(tiny_llama_dir, tmp_path, config, message):
     d = _copy(tiny_llama_dir, tmp_path)

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -99,6 +100,72 @@ def test_unexpected_key_is_named(tiny_llama_dir, tmp_path):
         specjax.load_model(str(d))
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.bool_])
+def test_integer_or_bool_weights_are_refused_not_cast(tiny_llama_dir, tmp_path, dtype):
+    d = _copy(tiny_llama_dir, tmp_path)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    _rewrite_safetensors(d, lambda t: t.__setitem__(key, t[key].astype(dtype)))
+    with pytest.raises(CheckpointError, match=f"'{key}' holds {np.dtype(dtype)} values; weights are floating point"):
+        specjax.load_model(str(d), progress=False)
+
+
+def test_a_tied_head_without_its_embedding_names_the_missing_key(tiny_llama_dir, tmp_path):
+    d = _copy(tiny_llama_dir, tmp_path)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(config, tie_word_embeddings=True)))
+
+    def drop_embedding(t):
+        t["lm_head.weight"] = t.pop("model.embed_tokens.weight")
+
+    _rewrite_safetensors(d, drop_embedding)
+    with pytest.raises(CheckpointError, match="missing key 'model.embed_tokens.weight'"):  # was a KeyError
+        specjax.load_model(str(d), progress=False)
+
+
+def test_a_broken_tokenizer_is_reported_before_the_weights_are_read(tiny_llama_dir, tmp_path, monkeypatch):
+    from specjax.io import loader
+
+    d = _copy(tiny_llama_dir, tmp_path)
+    (d / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+
+    def no_weights(*a, **k):
+        raise AssertionError("the weights were read before the tokenizer was checked")
+
+    monkeypatch.setattr(loader, "load_hf_dir", no_weights)
+    with pytest.raises(CheckpointError, match="cannot load the tokenizer"):
+        specjax.load_model(str(d), progress=False)
+
+
+def _safetensors_bytes(header: str, data: bytes) -> bytes:
+    raw = header.encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+@pytest.mark.parametrize("header,message", [
+    ('{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+     '"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}', "key 'w' appears twice"),
+    ('{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+     '"b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}', "the data of keys 'a' and 'b' overlap"),
+])
+def test_a_safetensors_header_naming_a_tensor_twice_or_overlapping_is_refused(tmp_path, header, message):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(_safetensors_bytes(header, np.arange(4, dtype=np.float32).tobytes()))
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        SafetensorsFile(path)
+
+
+def test_gguf_arrays_nested_past_the_recursion_limit_are_refused(tmp_path):
+    from specjax.io.gguf_file import GGUFFile
+
+    nested = struct.pack("<IQ", 9, 1) * 5000 + struct.pack("<IQ", 0, 0)  # ARRAY of ARRAY of ... of no uint8
+    key = b"x.nested"
+    path = tmp_path / "n.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+                     + struct.pack("<I", 9) + nested)
+    with pytest.raises(CheckpointError, match="not a readable GGUF file .RecursionError"):
+        GGUFFile(str(path))
+
+
 def test_duplicate_key_across_shards(tiny_llama_dir, tmp_path):
     from safetensors.numpy import save_file
 
@@ -161,6 +228,19 @@ def test_gguf_rope_scaling_that_cannot_be_read_is_refused(fields, message):
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         config_from_gguf({**_GGUF, **fields}, "x.gguf")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bool", "bogus", None])
+def test_a_feature_drafter_stored_dtype_must_be_a_float_type(tmp_path, dtype):
+    """An integer dtype restored the weights as zeros, bool as ones, an unknown name was a TypeError."""
+    from specjax.io.feature_checkpoint import META_FILE, read_feature_meta
+
+    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "smollm2-feature")
+    with open(os.path.join(shipped, META_FILE)) as f:
+        meta = json.load(f)
+    (tmp_path / META_FILE).write_text(json.dumps(dict(meta, dtype=dtype)))
+    with pytest.raises(CheckpointError, match=f"'dtype' must be one of .*got {re.escape(repr(dtype))}"):
+        read_feature_meta(str(tmp_path))
 
 
 def test_corrupt_gguf(tmp_path):

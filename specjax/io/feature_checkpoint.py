@@ -19,6 +19,7 @@ from specjax.models.params import is_param_spec, param_specs
 
 META_FILE = FEATURE_META_FILE  # the registry finds shipped drafters by it
 DRAFTING_KEYS = ("depth", "beam", "nodes", "ladder")
+STORED_DTYPES = ("float16", "bfloat16", "float32")  # weights: an integer or bool dtype would restore as garbage
 
 
 def is_feature_checkpoint(path: str) -> bool:
@@ -41,6 +42,8 @@ def save_feature_drafter(path: str, cfg: FeatureConfig, trained: dict, drafting:
     """Write ``trained`` ({fc, layers, out_norm}) and the metadata to the new or empty directory ``path``."""
     import orbax.checkpoint as ocp
 
+    if dtype not in STORED_DTYPES:
+        raise InputError(f"a feature drafter is stored as one of {STORED_DTYPES}, got dtype={dtype!r}")
     path = check_destination(path)
     _check_shapes(cfg, trained, f"{path}: params to save")
     if set(drafting) != set(DRAFTING_KEYS):
@@ -65,6 +68,9 @@ def read_feature_meta(path: str) -> tuple[FeatureConfig, dict, dict]:
         raise CheckpointError(f"{file}: unreadable ({type(e).__name__}: {e})") from None
     if not isinstance(meta, dict) or not {"config", "drafting", "dtype"} <= set(meta):
         raise CheckpointError(f"{file}: expected keys config, drafting and dtype")
+    if meta["dtype"] not in STORED_DTYPES:
+        raise CheckpointError(f"{file}: 'dtype' must be one of {STORED_DTYPES} (how the params are stored), got "
+                              f"{meta['dtype']!r}")
     cfg = FeatureConfig.from_dict(meta["config"], source=file)
     drafting = meta["drafting"]
     if not isinstance(drafting, dict) or set(drafting) != set(DRAFTING_KEYS):
@@ -79,7 +85,7 @@ def restore_feature_drafter(path: str, dtype="float32") -> tuple[FeatureConfig, 
 
     cfg, drafting, meta = read_feature_meta(path)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, np.dtype(meta["dtype"]), sharding=device),
+    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jax.numpy.dtype(meta["dtype"]), sharding=device),
                             trained_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     try:
         with ocp.StandardCheckpointer() as ckptr:

@@ -65,7 +65,7 @@ class GGUFFile:
             self._parse()
         except _Truncated as e:
             raise CheckpointError(f"{path}: truncated GGUF file ({e}); download or copy it again") from None
-        except (UnicodeDecodeError, ValueError, OverflowError, MemoryError) as e:
+        except (UnicodeDecodeError, ValueError, OverflowError, MemoryError, RecursionError) as e:
             raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
     # -- primitive reads -------------------------------------------------------------------------

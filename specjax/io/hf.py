@@ -86,10 +86,12 @@ def load_hf_dir(model_dir: str, dtype=np.float32, progress: bool = True) -> tupl
         get = lambda k: raw_get(k if k == "lm_head.weight" else k[len("model."):])  # noqa: E731
     ignored = {}
     if cfg.tie_word_embeddings and "lm_head.weight" in keys:
-        # Some exporters write the tied head out; accept it only if it really is the embedding.
-        if not np.array_equal(np.asarray(get("lm_head.weight")), np.asarray(get(_EMBED_KEY[cfg.family]))):
+        # Some exporters write the tied head out; accept it only if it really is the embedding (a missing
+        # embedding is reported by name below).
+        embed = _EMBED_KEY[cfg.family]
+        if embed in keys and not np.array_equal(np.asarray(get("lm_head.weight")), np.asarray(get(embed))):
             raise CheckpointError(f"{model_dir}: config ties the embeddings but 'lm_head.weight' differs "
-                                  f"from {_EMBED_KEY[cfg.family]!r}")
+                                  f"from {embed!r}")
         ignored["lm_head.weight"] = "tied duplicate of the embedding"
     for key in keys:
         if key.endswith("rotary_emb.inv_freq"):

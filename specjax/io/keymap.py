@@ -116,6 +116,9 @@ def load_params(cfg: ModelConfig, table: list[KeyMapEntry], keys: Iterable[str],
         entry, spec = entries[path], _spec_at(specs, path)
         target = spec.shape[1:] if layer is not None else spec.shape
         raw = np.asarray(get(key))
+        if raw.dtype.kind not in "fV":  # V: bfloat16 as ml_dtypes stores it; ints and bools are no weights
+            raise CheckpointError(f"{source}: key {key!r} holds {raw.dtype} values; weights are floating point "
+                                  f"(parameter {path})")
         if entry.prepare is not None:
             raw = entry.prepare(raw)
         want = tuple(entry.layout.source_shape(target))

@@ -89,12 +89,14 @@ def _load(name_or_path: str, dtype: str, shardings, progress: bool, parallel, sp
         tokenizer = tok_lib.load_dir_tokenizer(tok_dir) if tok_dir else None
         # restored stacked on the device, then split there: briefly twice the layer weights
         return Model(cfg, params_lib.split_layers(params) if split else params, tokenizer)
+    # The tokenizer first: a broken one fails in a second, not after the weights were read and converted
+    # (and, for a GGUF, written to the weights cache).
     if os.path.isdir(path):
-        cfg, np_params = load_hf_dir(path, progress=progress)
         tokenizer = tok_lib.load_dir_tokenizer(path)
+        cfg, np_params = load_hf_dir(path, progress=progress)
     elif path.endswith(".gguf"):
-        cfg, np_params = gguf_params(path, split, progress)
         tokenizer = tok_lib.load_gguf_tokenizer(path)
+        cfg, np_params = gguf_params(path, split, progress)
     else:
         raise CheckpointError(f"{path}: unsupported model file (expected an HF directory, a .gguf file "
                               f"or a specjax checkpoint directory)")

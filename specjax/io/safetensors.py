@@ -21,6 +21,20 @@ def _is_index(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    """A JSON object that names a key twice (a tensor, say): json keeps the last silently."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(f"key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
 def parse_header(header, path: str, data_len: int) -> dict:
     """Validate a decoded safetensors header against the file's data length; returns {key: entry}.
 
@@ -49,6 +63,11 @@ def parse_header(header, path: str, data_len: int) -> dict:
         if not (start <= end <= data_len) or end - start != nbytes:
             raise CheckpointError(f"{path}: key {key!r} has corrupt data offsets {start}..{end} for shape {shape} "
                                   f"{dtype} (file data is {data_len} bytes; truncated or corrupt file)")
+    spans = sorted((info["data_offsets"][0], info["data_offsets"][1], key) for key, info in header.items()
+                   if info["data_offsets"][1] > info["data_offsets"][0])
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:  # two tensors in the same bytes: one of them is not what was saved
+            raise CheckpointError(f"{path}: the data of keys {first!r} and {second!r} overlap (corrupt header)")
     return header
 
 
@@ -67,12 +86,12 @@ class SafetensorsFile:
                 if header_len > size - 8:
                     raise CheckpointError(f"{self.path}: corrupt safetensors header length {header_len} "
                                           f"(the file has {size} bytes; truncated or not a safetensors file)")
-                header = json.loads(f.read(header_len).decode("utf-8"))
+                header = json.loads(f.read(header_len).decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
         except FileNotFoundError:
             raise CheckpointError(f"{self.path}: weight file not found") from None
         except IsADirectoryError:
             raise CheckpointError(f"{self.path}: is a directory, expected a .safetensors file") from None
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, _DuplicateKey) as e:
             raise CheckpointError(f"{self.path}: corrupt safetensors header ({type(e).__name__}: {e})") from None
         self._data_start = 8 + header_len
         self._entries = parse_header(header, self.path, size - self._data_start)

@@ -71,3 +71,27 @@ def test_explicit_shardings_place_each_weight_there_in_the_asked_dtype(tiny_llam
     for a, b, s in zip(jax.tree.leaves(plain.params), jax.tree.leaves(placed.params), jax.tree.leaves(shardings)):
         assert b.sharding == s and b.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(b).view(np.uint16), np.asarray(a.astype(jnp.bfloat16)).view(np.uint16))
+
+
+@requires_smollm2
+def test_a_damaged_cached_tokenizer_is_reported_and_converted_again(tmp_path, monkeypatch):
+    """A truncated ``tokenizer.json`` in the cache (an older version's interrupted write) was a JSONDecodeError
+    naming no file, on every later load."""
+    import pytest
+
+    from specjax.io import tokenizer as tok_lib
+    from specjax.io.registry import resolve
+
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    path, text = resolve("smollm2-135m-instruct"), "Name a colour."
+    monkeypatch.setattr(tok_lib, "_LOADED", {})  # this process's copies: the cache on disk is read again
+    want = tok_lib.load_gguf_tokenizer(path)(text)["input_ids"]
+    [entry] = (tmp_path / "tokenizers").iterdir()
+    saved = entry / "tokenizer.json"
+    saved.write_text(saved.read_text()[:len(saved.read_text()) // 2])
+    monkeypatch.setattr(tok_lib, "_LOADED", {})
+    with pytest.warns(UserWarning, match="cached tokenizer .* is damaged"):
+        assert tok_lib.load_gguf_tokenizer(path)(text)["input_ids"] == want
+    monkeypatch.setattr(tok_lib, "_LOADED", {})
+    assert tok_lib.load_gguf_tokenizer(path)(text)["input_ids"] == want  # the rebuilt entry reads back
+    assert [p.name for p in (tmp_path / "tokenizers").iterdir()] == [entry.name], "a temporary entry was left"

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import uuid
+import warnings
 
 from specjax._compat import gguf_tokenizer_from_fields
 from specjax.config import cache_root
@@ -75,25 +78,45 @@ def load_gguf_tokenizer(gguf_path: str):
     The cached conversion is read back as the class it was saved from (a fast tokenizer), not through
     ``AutoTokenizer``, whose import chain imports torch where it is installed: 2.7 s instead of 1.2 s
     with torch 2.13 on an AMD EPYC (transformers' import included), paid by every ``specjax`` command."""
-    from transformers import PreTrainedTokenizerFast
 
     stat = os.stat(gguf_path)
-    digest = hashlib.sha256(f"{os.path.realpath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    # The file's identity as the weights cache keys it: a rewrite with its old size and mtime is another file.
+    ident = f"{os.path.realpath(gguf_path)}:{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}"
+    digest = hashlib.sha256(ident.encode()).hexdigest()
     if digest in _LOADED:
         return _LOADED[digest]
     converted = os.path.join(cache_root(), "tokenizers", digest[:16])
-    if os.path.exists(os.path.join(converted, "tokenizer.json")):
-        tok = PreTrainedTokenizerFast.from_pretrained(converted)
-    else:
+    tok = _read_converted(converted)
+    if tok is None:
         try:
             tok = gguf_tokenizer_from_fields(*_gguf_tokenizer_fields(gguf_path))
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - transformers/tokenizers raise many types
             raise CheckpointError(f"{gguf_path}: cannot build the tokenizer ({type(e).__name__}: {e})") from None
-        try:
-            tok.save_pretrained(converted)
+        tmp = f"{converted}.tmp-{uuid.uuid4().hex[:8]}"
+        try:  # written aside and renamed into place: a reader never sees half an entry
+            tok.save_pretrained(tmp)
+            os.rename(tmp, converted)
         except OSError:
-            pass  # a read-only cache only costs the conversion time next run
+            pass  # a read-only cache, or another process's entry renamed first: only the conversion's time
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     _LOADED[digest] = tok
     return tok
+
+
+def _read_converted(converted: str):
+    """The cached conversion at ``converted``, or None when there is none; a damaged one (an interrupted
+    write of an older version, a truncated file) is reported and removed, and the caller converts again."""
+    from transformers import PreTrainedTokenizerFast
+
+    if not os.path.exists(os.path.join(converted, "tokenizer.json")):
+        return None
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(converted)
+    except Exception as e:  # noqa: BLE001 - transformers/tokenizers raise many types for a broken file
+        warnings.warn(f"specjax: the cached tokenizer {converted} is damaged ({type(e).__name__}: {str(e)[:200]}); "
+                      f"converting again", stacklevel=3)
+        shutil.rmtree(converted, ignore_errors=True)
+        return None

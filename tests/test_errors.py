@@ -379,6 +379,8 @@ def test_cli_errors(tiny_llama_dir, tmp_path):
     ({"rope_parameters": None, "rope_scaling": {"factor": 4.0}}, "a RoPE scaling factor of 4.0 without a scaling "
                                                                   "type"),  # a transformers 4 config
     ({"rope_parameters": {"rope_theta": 1e4, "factor": 4.0}}, "a RoPE scaling factor of 4.0 without a scaling type"),
+    ({"eos_token_id": [2, 50000]}, "ModelConfig.eos_token_ids holds 50000, outside the vocabulary [0, 128)"),
+    ({"bos_token_id": 128}, "ModelConfig.bos_token_id holds 128, outside the vocabulary [0, 128)"),
 ])
 def test_malformed_config_json(tiny_llama_dir, tmp_path, config, message):
     d = _copy(tiny_llama_dir, tmp_path)

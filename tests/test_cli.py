@@ -206,6 +206,19 @@ def test_bad_generate_flags_fail_fast_with_status_2(tiny_llama_dir, args, messag
     assert "loading" not in r.stderr  # refused before the weights load
 
 
+@pytest.mark.parametrize("ids,message", [
+    ([5, 6, 99999], "c.jsonl:1 has token id 99999, not in [0, 128)"),
+    ([5], "the corpus needs a document of at least two tokens"),
+])
+def test_corpus_documents_are_checked_before_the_weights_load(tiny_llama_dir, tmp_path, ids, message):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"token_ids": ids}) + "\n")
+    r = cli("generate", "--model", tiny_llama_dir, "--prompts-file", os.path.join(ROOT, "tests", "data", "ids.jsonl"),
+            "--drafter", f"corpus:{corpus}")
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "loading" not in r.stderr  # refused before the weights load
+
+
 @pytest.mark.parametrize("content,message", [
     (b'{"prompt": null}\n', "p.jsonl:1: expected a JSON object whose 'prompt' is"),
     (b'{"prompt": ""}\n', "p.jsonl:1: expected a JSON object whose 'prompt' is"),

@@ -44,7 +44,7 @@ import numpy as np
 
 from specjax.errors import InputError
 from specjax.speculation.drafters.base import Bound, DraftContext, Proposal
-from specjax.speculation.drafters.corpus_index import SEPARATOR, build_index
+from specjax.speculation.drafters.corpus_index import SEPARATOR, build_index, document_arrays
 from specjax.speculation.drafters.lookup import LookupDrafter, find_chains
 from specjax.speculation.drafters.settings import parse_int_settings
 
@@ -299,7 +299,11 @@ def from_arg(arg: str, llm, *, load: bool, expansion, draft: str) -> Bound:
         name = registry.default_corpus(llm.config) if path == "auto" else path
         return shipped_corpus_drafter(name, llm, load=load, **values)
     named = read_documents(path, labels=True)
-    if not load:
+    if not load:  # the token-id documents checked now, before the weights load (texts are tokenized later)
+        given = [(label, d) for label, d in named if not isinstance(d, str)]
+        arrays = document_arrays([d for _, d in given], llm.config.vocab_size, [label for label, _ in given])
+        if len(given) == len(named) and not any(a.size >= 2 for a in arrays):
+            raise InputError("corpus drafter: the corpus needs a document of at least two tokens (nothing to copy)")
         return Bound(CorpusDrafter(**values), ())
     return corpus_drafter(llm, [d for _, d in named], labels=[label for label, _ in named], **values)
 

@@ -22,20 +22,9 @@ SEPARATOR = -1  # between documents and after the corpus: no n-gram or continuat
 MAX_CORPUS_TOKENS = 1 << 26
 
 
-def build_index(documents, max_ngram: int, depth: int, vocab_size: int, capacity: int | None = None,
-                labels=None) -> dict:
-    """The corpus index (the drafter's params) from documents given as 1-D token-id sequences.
-
-    ``capacity``: size the arrays for this many corpus tokens (separators included) instead of exactly
-    this corpus, so that another corpus of at most that size runs in the same compiled loop.
-    ``labels``: what to call each document in errors (default "document i"). Checked before any work:
-    integer ids in [0, vocab_size), 1-D documents, at least one of two tokens, at most
-    MAX_CORPUS_TOKENS tokens in all and no more than ``capacity``.
-
-    Each index row holds one entry per (n-gram, next token) group: a window of entries then always
-    offers as many different continuations as it holds. An entry's position is the group's *modal*
-    occurrence (``_modal_positions``): the chain copied from it follows, token by token up to ``depth``,
-    the continuation most of the group's occurrences share, not whatever its first occurrence wrote."""
+def document_arrays(documents, vocab_size: int, labels=None) -> list[np.ndarray]:
+    """Token-id documents as int64 arrays, each checked (1-D, integer ids in [0, vocab_size)); ``labels``
+    name them in errors (default "document i")."""
     docs = list(documents)
     labels = list(labels) if labels is not None else [f"document {i}" for i in range(len(docs))]
     arrays = []
@@ -51,6 +40,24 @@ def build_index(documents, max_ngram: int, depth: int, vocab_size: int, capacity
         if bad.size:
             raise InputError(f"corpus drafter: {label} has token id {int(bad[0])}, not in [0, {vocab_size})")
         arrays.append(a)
+    return arrays
+
+
+def build_index(documents, max_ngram: int, depth: int, vocab_size: int, capacity: int | None = None,
+                labels=None) -> dict:
+    """The corpus index (the drafter's params) from documents given as 1-D token-id sequences.
+
+    ``capacity``: size the arrays for this many corpus tokens (separators included) instead of exactly
+    this corpus, so that another corpus of at most that size runs in the same compiled loop.
+    ``labels``: what to call each document in errors (default "document i"). Checked before any work:
+    integer ids in [0, vocab_size), 1-D documents, at least one of two tokens, at most
+    MAX_CORPUS_TOKENS tokens in all and no more than ``capacity``.
+
+    Each index row holds one entry per (n-gram, next token) group: a window of entries then always
+    offers as many different continuations as it holds. An entry's position is the group's *modal*
+    occurrence (``_modal_positions``): the chain copied from it follows, token by token up to ``depth``,
+    the continuation most of the group's occurrences share, not whatever its first occurrence wrote."""
+    arrays = document_arrays(documents, vocab_size, labels)
     if not any(a.size >= 2 for a in arrays):
         raise InputError("corpus drafter: the corpus needs a document of at least two tokens (nothing to copy)")
     total = sum(a.size + 1 for a in arrays)

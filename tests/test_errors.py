@@ -41,6 +41,14 @@ def test_missing_directory_and_file():
         specjax.load_model("/nonexistent/model")
 
 
+def test_a_registered_model_whose_file_is_gone_says_so(tmp_path, monkeypatch):
+    from specjax.io import registry
+
+    monkeypatch.setattr(registry, "resolve", lambda name: str(tmp_path / "gone.gguf"))
+    with pytest.raises(CheckpointError, match="the registered model 'smollm2-135m-instruct' should be at .*gone.gguf"):
+        specjax.load_model("smollm2-135m-instruct", progress=False)
+
+
 def test_missing_config(tiny_llama_dir, tmp_path):
     d = _copy(tiny_llama_dir, tmp_path)
     os.remove(d / "config.json")

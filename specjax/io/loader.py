@@ -24,7 +24,11 @@ def resolve_model_path(name_or_path: str) -> str:
     """The file or directory behind a registered name or a path; a clear error if there is none."""
     if not isinstance(name_or_path, str) or not name_or_path:
         raise InputError(f"model must be a registered name or a path, got {name_or_path!r}")
-    path = registry.resolve(name_or_path) if registry.is_registered(name_or_path) else name_or_path
+    registered = registry.is_registered(name_or_path)
+    path = registry.resolve(name_or_path) if registered else name_or_path
+    if registered and not os.path.exists(path):  # its package lists the file, but it is gone
+        raise CheckpointError(f"the registered model {name_or_path!r} should be at {path}, which does not exist: "
+                              f"reinstall the package that ships it")
     if not os.path.exists(path):
         raise CheckpointError(f"{name_or_path!r} is neither a registered model {registry.registered_names()} "
                               f"nor an existing file or directory")

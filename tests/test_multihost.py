@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -142,6 +143,67 @@ def test_dead_process_stops_the_others_and_names_it():
 def test_launch_time_limit():
     with pytest.raises(ShardingError, match=r"2 of 2 processes \(ids \[0, 1\]\) still running after 1s; stopped them"):
         launch([sys.executable, "-c", "import time; time.sleep(60)"], num_processes=2, timeout_s=1)
+
+
+_CHATTY = ("import sys; sys.stdout.buffer.write(b'caf\\xe9\\n'); sys.stdout.flush(); "
+           "[print('line', i) for i in range(20000)]")  # a non-UTF-8 byte, then more than a pipe holds
+
+
+def test_launch_passes_any_bytes_through_and_drains_a_process_to_its_end():
+    """A byte that is not UTF-8 killed the pump, the process blocked on its full pipe and the launcher
+    reported it as still running at the time limit."""
+    r = subprocess.run([sys.executable, "-m", "specjax", "launch", "-n", "1", "--timeout", "100", "--",
+                        sys.executable, "-c", _CHATTY], capture_output=True, timeout=200, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(b"caf\xe9\nline 0\n") and r.stdout.endswith(b"line 19999\n")
+
+
+def test_launch_drains_its_processes_when_its_own_stdout_closes():
+    """``specjax launch ... | head -1``: the launcher's stdout breaks; its process must still be read to
+    its end (it blocked on a full pipe until the time limit)."""
+    launcher = subprocess.Popen([sys.executable, "-m", "specjax", "launch", "-n", "1", "--timeout", "100", "--",
+                                 sys.executable, "-c", _CHATTY], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                cwd=ROOT)
+    assert launcher.stdout.readline() == b"caf\xe9\n"
+    launcher.stdout.close()
+    try:
+        launcher.wait(60)  # well inside the launcher's own 100 s limit
+    finally:
+        launcher.kill()
+    assert b"still running" not in launcher.stderr.read()
+
+
+def test_a_hangup_of_the_launcher_stops_its_processes(tmp_path):
+    """The processes run in sessions of their own: a closed terminal (SIGHUP) reached only the launcher,
+    and they ran on."""
+    child = ("import os, pathlib, time; "
+             f"pathlib.Path({str(tmp_path)!r}, os.environ['SPECJAX_PROCESS_ID']).write_text(str(os.getpid())); "
+             "time.sleep(120)")
+    launcher = subprocess.Popen([sys.executable, "-m", "specjax", "launch", "-n", "2", "--timeout", "150", "--",
+                                 sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.2)  # the pid files are written
+    pids = [int(f.read_text()) for f in tmp_path.iterdir()]
+    assert len(pids) == 2
+    launcher.send_signal(signal.SIGHUP)
+    launcher.wait(60)
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, "processes outlived their launcher's hangup"
 
 
 def test_unreachable_coordinator_is_a_clear_error_in_bounded_time():

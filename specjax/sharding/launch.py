@@ -5,7 +5,7 @@ Each process gets ``SPECJAX_COORDINATOR=127.0.0.1:PORT``, ``SPECJAX_NUM_PROCESSE
 ``SPECJAX_PROCESS_ID`` (read by ``specjax.sharding.distributed.detect_cluster``) and, with
 ``--cpu-devices K``, ``JAX_NUM_CPU_DEVICES=K`` and ``JAX_PLATFORMS=cpu``. Process 0's stdout is
 passed through unchanged; every other stream is copied to stderr prefixed with ``[process i]``.
-If the launcher itself is interrupted or terminated, it stops its processes first.
+If the launcher itself is interrupted, terminated or hung up on, it stops its processes first.
 On a real cluster use srun/mpirun with ``specjax generate --distributed slurm`` or explicit flags.
 """
 
@@ -49,13 +49,28 @@ _NOISE = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 
 
 def _pump(stream, sink, prefix: str, tail: list):
-    for line in iter(stream.readline, ""):
+    """Copy a process's byte stream to ``sink`` line by line until it ends. It drains to the end whatever
+    happens: bytes that are not UTF-8 pass through unchanged (decoded leniently for the diagnosis), and
+    once the sink breaks (``specjax launch ... | head -1``) the rest is read and dropped. A pump that
+    stopped would leave the process blocked on a full pipe, and the launcher would blame a timeout on it."""
+    out = getattr(sink, "buffer", None)
+    broken = False
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", errors="replace")
         tail.append(line)
         del tail[:-40]
-        if _NOISE.match(line):
+        if broken or _NOISE.match(line):
             continue
-        sink.write(prefix + line)
-        sink.flush()
+        try:
+            if out is not None:
+                sink.flush()  # text written to the sink before, in order
+                out.write(prefix.encode() + raw)
+                out.flush()
+            else:
+                sink.write(prefix + line)
+                sink.flush()
+        except (OSError, ValueError):  # a closed pipe or file: keep draining
+            broken = True
     stream.close()
 
 
@@ -79,31 +94,34 @@ def launch(command: list[str], num_processes: int, cpu_devices: int | None = Non
         raise ShardingError(f"specjax launch: command {command[0]!r} not found (not an executable file or on PATH)")
     port = port or free_port()
     procs, pumps, tails = [], [], []
-    for i in range(num_processes):
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{ENV_COORDINATOR: f"127.0.0.1:{port}",
-                                                       ENV_NUM_PROCESSES: str(num_processes), ENV_PROCESS_ID: str(i)})
-        if cpu_devices is not None:
-            env.update(JAX_NUM_CPU_DEVICES=str(cpu_devices), JAX_PLATFORMS="cpu")
-        env.update(env_overrides or {})
-        p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
-        procs.append(p)
-        label = f"[process {i}] "
-        for stream, sink, prefix in ((p.stdout, sys.stdout, "") if i == 0 else (p.stdout, sys.stderr, label),
-                                     (p.stderr, sys.stderr, label)):
-            tail: list = []
-            tails.append((i, tail))
-            t = threading.Thread(target=_pump, args=(stream, sink, prefix, tail), daemon=True)
-            t.start()
-            pumps.append(t)
     in_main = threading.current_thread() is threading.main_thread()  # signal handlers live there only
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main else None
+    # The processes run in sessions of their own (stopped as groups), so a hangup of the launcher's terminal
+    # does not reach them: SIGHUP stops them as SIGTERM and Ctrl-C do.
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in _STOP_SIGNALS} if in_main else {}
     try:
+        for i in range(num_processes):
+            env = dict(os.environ, PYTHONUNBUFFERED="1", **{ENV_COORDINATOR: f"127.0.0.1:{port}",
+                                                           ENV_NUM_PROCESSES: str(num_processes),
+                                                           ENV_PROCESS_ID: str(i)})
+            if cpu_devices is not None:
+                env.update(JAX_NUM_CPU_DEVICES=str(cpu_devices), JAX_PLATFORMS="cpu")
+            env.update(env_overrides or {})
+            p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 start_new_session=True)
+            procs.append(p)
+            label = f"[process {i}] "
+            for stream, sink, prefix in ((p.stdout, sys.stdout, "") if i == 0 else (p.stdout, sys.stderr, label),
+                                         (p.stderr, sys.stderr, label)):
+                tail: list = []
+                tails.append((i, tail))
+                t = threading.Thread(target=_pump, args=(stream, sink, prefix, tail), daemon=True)
+                t.start()
+                pumps.append(t)
         failed = _watch(procs, time.monotonic() + timeout_s)
-    finally:  # also on Ctrl-C / SIGTERM of the launcher: never leave a cluster half running
+    finally:  # also on Ctrl-C / SIGTERM / SIGHUP of the launcher, even mid-start: never leave a cluster running
         _stop(procs)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     for t in pumps:
         t.join(timeout=5)
     if not failed:
@@ -123,6 +141,9 @@ def launch(command: list[str], num_processes: int, cpu_devices: int | None = Non
     signame = f" ({signal.Signals(-code).name})" if code < 0 and -code in signal.Signals._value2member_map_ else ""
     raise ShardingError(f"specjax launch: process {index} exited with code {code}{signame}: {why}; "
                         f"stopped the other {num_processes - 1}")
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def _raise_interrupt(signum, frame):

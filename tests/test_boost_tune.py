@@ -59,6 +59,30 @@ def test_full_student_reproduces_the_llm_and_scatters_minus_inf(corpus):
     assert draft_vocabulary([([3, 1, 1, 2], 1)], 2, 8) == (1, 2)
 
 
+def test_a_training_batch_of_64_tokens_or_more_differentiates(corpus):
+    """From 64 queries on, a pass read its prefix in a blocked loop whose trip count depends on the lengths,
+    which reverse-mode differentiation cannot follow: boost-tune crashed at its first step on SmolLM2's
+    chat-templated sequences (the corpus above has shorter ones). Training reads no prefix now, and its logits
+    are those of the pass that reads its empty prefix."""
+    from specjax.attention.meta import causal_meta
+    from specjax.boost.distill import _row_logits, loss_fn
+    from specjax.models import llama
+    from specjax.models.cache import init_cache
+
+    llm, _, seqs = corpus
+    student = make_student(llm, seqs, layers=(0,), draft_vocab_size=60, mlp_size=32)
+    width = 70
+    assert width <= student.config.max_positions
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, llm.config.vocab_size, (2, width)), jnp.int32)
+    grads = jax.grad(loss_fn)(student.params, student.config, tokens, jnp.roll(tokens, -1, axis=1),
+                              jnp.ones(tokens.shape, jnp.float32))
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens.shape)
+    read = llama.forward(student.params, tokens, positions, init_cache(student.config, 2, width, jnp.float32),
+                         causal_meta(jnp.zeros((2,), jnp.int32)), student.config, row_logits=True).logits
+    np.testing.assert_array_equal(np.asarray(_row_logits(student.params, student.config, tokens)), np.asarray(read))
+
+
 def test_distillation_learns_and_resumes_bit_exactly(corpus, tmp_path):
     llm, _, seqs = corpus
     examples, held = Examples.build(seqs[1:]), Examples.build(seqs[:1])

@@ -17,7 +17,12 @@ class AttentionMeta:
     # A prefill chunk whose causal attention runs in the CPU prefill kernel
     # (``specjax.kernels.cpu.prefill_attention``); set by ``specjax.decoding.incremental.prefill``.
     cpu_prefill: bool = struct.field(pytree_node=False, default=False)
+    # The cache holds nothing before this pass (training from position 0): the prefix is not read. Besides
+    # the read, this keeps a pass of many queries differentiable: the blocked prefix loop's trip count
+    # depends on the lengths, which reverse-mode differentiation cannot follow.
+    empty_prefix: bool = struct.field(pytree_node=False, default=False)
 
 
-def causal_meta(lengths: jax.Array, cpu_prefill: bool = False) -> AttentionMeta:
-    return AttentionMeta(lengths=lengths.astype(jnp.int32), ancestor=None, cpu_prefill=cpu_prefill)
+def causal_meta(lengths: jax.Array, cpu_prefill: bool = False, empty_prefix: bool = False) -> AttentionMeta:
+    return AttentionMeta(lengths=lengths.astype(jnp.int32), ancestor=None, cpu_prefill=cpu_prefill,
+                         empty_prefix=empty_prefix)

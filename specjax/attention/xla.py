@@ -90,7 +90,11 @@ def attend(q: jax.Array, k_block: jax.Array | None, v_block: jax.Array | None, k
     causal_chunk = (k_block is not None and meta.ancestor is None and meta.slots is None
                     and meta.region in (None, num_q) and num_q >= BLOCKED_QUERIES)
     if causal_chunk:
-        prefix = _prefix_blocked(qh, k_cache, v_cache, layer, lengths, cd)
+        if meta.empty_prefix:  # what _prefix_blocked returns for no committed slot, without its loops
+            shape = (batch, kv_heads, rows)
+            prefix = (jnp.full(shape, -jnp.inf, cd), jnp.zeros(shape, cd), jnp.zeros(shape + (head_dim,), cd))
+        else:
+            prefix = _prefix_blocked(qh, k_cache, v_cache, layer, lengths, cd)
         out = _causal_block(qh.reshape(batch, kv_heads, groups, num_q, head_dim), k_block, v_block, prefix, cd)
         return out.transpose(0, 3, 1, 2, 4).reshape(batch, num_q, heads, head_dim).astype(q.dtype)
 

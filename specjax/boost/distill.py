@@ -148,8 +148,8 @@ def _row_logits(params, cfg, tokens):
     batch, width = tokens.shape
     cache = init_cache(cfg, batch, width, jnp.float32)
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    out = llama.forward(params, tokens, positions, cache, causal_meta(jnp.zeros((batch,), jnp.int32)), cfg,
-                        row_logits=True)
+    out = llama.forward(params, tokens, positions, cache,
+                        causal_meta(jnp.zeros((batch,), jnp.int32), empty_prefix=True), cfg, row_logits=True)
     return out.logits  # [B, W, rows]: the draft vocabulary, then "other"
 
 

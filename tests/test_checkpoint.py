@@ -52,6 +52,47 @@ def test_save_refuses_non_empty_destination(tiny_llama_dir, tmp_path):
         save_checkpoint(str(tmp_path / "c"), m.config, m.params)
 
 
+class _Tokenizer:
+    def save_pretrained(self, path):
+        raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("failure", ["params", "tokenizer", "interrupt"])
+def test_a_save_that_fails_leaves_nothing_at_the_destination(tiny_llama_dir, tmp_path, monkeypatch, failure):
+    """The config was written first: a disk that filled up during the params, or Ctrl-C, left a directory that
+    `is_checkpoint` took for a checkpoint (then 'params not found', or a model silently without its tokenizer)."""
+    import orbax.checkpoint as ocp
+
+    from specjax.errors import CheckpointError
+    from specjax.io.checkpoint import is_checkpoint, save_checkpoint
+
+    m = specjax.load_model(tiny_llama_dir, progress=False)
+    (tmp_path / "empty").mkdir()  # an empty destination is allowed: it must stay empty
+    raised = KeyboardInterrupt if failure == "interrupt" else OSError
+
+    def fail(*a, **k):
+        raise raised("injected")
+
+    if failure != "tokenizer":
+        monkeypatch.setattr(ocp.StandardCheckpointer, "save", fail)
+    for dst in (tmp_path / "new", tmp_path / "empty"):
+        if raised is KeyboardInterrupt:
+            with pytest.raises(KeyboardInterrupt):
+                save_checkpoint(str(dst), m.config, m.params)
+        else:
+            with pytest.raises(CheckpointError, match=f"{dst}: could not write it, nothing was left there"):
+                save_checkpoint(str(dst), m.config, m.params, _Tokenizer() if failure == "tokenizer" else None)
+        assert not is_checkpoint(str(dst))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
+
+
+def test_a_destination_that_is_a_broken_link_is_refused_before_loading(tiny_llama_dir, tmp_path):
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    r = subprocess.run([sys.executable, "-m", "specjax", "convert", tiny_llama_dir, str(tmp_path / "link")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "is a symbolic link to" in r.stderr and "loading" not in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_opt_dir"])
 def test_every_leaf_declares_logical_axes(request, fixture):
     m = specjax.load_model(request.getfixturevalue(fixture), progress=False, split_layers=False)  # sharded layout

@@ -435,7 +435,7 @@ def test_feature_tune_reports_step_0_and_the_end_on_the_same_sequences(tiny_llam
     summary = {"sequences": {"train": 90, "held_out": 464}, "held_out_agreement": agreement(0.573, 50000),
                "history_set_agreement": {"sequences": 400, **agreement(0.591, 43000)},
                "history": [{"step": 0, "loss": None, "held_out": agreement(0.583, 43000)}],
-               "eval_prompts_agreement": None}
+               "eval_prompts_agreement": None, "steps": {"done": 90, "planned": 90}}
     monkeypatch.setattr(tune, "feature_tune", lambda *a, **k: summary)
     args = build_parser().parse_args(["feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"),
                                       "--out", str(tmp_path / "o"), "--draft-vocab", "64", "--no-progress"])
@@ -444,10 +444,24 @@ def test_feature_tune_reports_step_0_and_the_end_on_the_same_sequences(tiny_llam
     line = out.getvalue().splitlines()[0]
     assert "0.573, 0.100" in line and "(464 sequences; on the 400 evaluated during training 0.591, " in line
     assert "at the history's first evaluation 0.583, " in line
+    assert line.startswith("feature-tune done in ")
     summary["history"][0]["held_out"]["positions"] = 41000  # a history of another set (an older run resumed)
     out = io.StringIO()
     assert _cmd_feature_tune(args, out) == 0
     assert "first evaluation" not in out.getvalue()
+    summary["steps"] = {"done": 2, "planned": 90}  # --stop-after, --time-budget: not "done"
+    out = io.StringIO()
+    assert _cmd_feature_tune(args, out) == 0
+    assert out.getvalue().startswith("feature-tune stopped after 2 of 90 steps, ")
+    assert "(the same command continues it)" in out.getvalue().splitlines()[0]
+
+
+@pytest.mark.parametrize("flag", ["--out", "--corpus"])
+def test_feature_tune_refuses_an_export_into_its_own_directories(tiny_llama_dir, tmp_path, flag):
+    """Refused after the whole run before (the export found its destination not empty)."""
+    r = cli("feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "o"),
+            "--draft-vocab", "64", "--export", str(tmp_path / ("o" if flag == "--out" else "c")))
+    assert r.returncode == 2 and f"is the {flag} directory" in r.stderr, r.stderr
 
 
 def test_feature_tune_refuses_bad_flags_with_exit_2(tiny_llama_dir, tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import chex
 import jax
@@ -805,3 +806,31 @@ def test_merged_drafters_climb_their_ladders_together(llama, trained):
     assert default_levels((feature, lookup)) == ((0, 0), (1, 2), (3, 0), (0, 4), (3, 4), (8, 8))
     short = LookupDrafter(depth=2, branches=1)  # ladder (0, 2): it stays on its top rung, has no inner rung
     assert default_levels((feature, short)) == ((0, 0), (1, 2), (3, 0), (3, 2), (8, 2))
+
+
+def test_a_resumed_training_run_replaces_only_its_own_unfinished_export(tmp_path):
+    """`feature-tune --stop-after N` exports what it has; the same command run again (which resumes) had its
+    export refused as "not empty". Only an unfinished export of the same run is replaced; a finished one, or
+    another run's, still is not."""
+    from specjax.io import registry
+    from specjax.io.feature_checkpoint import restore_feature_drafter, save_feature_drafter, unfinished_export_of
+
+    cfg, trained, drafting = restore_feature_drafter(registry.resolve("smollm2-feature"))
+    run, other = str(tmp_path / "run"), str(tmp_path / "other")
+    export = str(tmp_path / "export")
+
+    def save(done, replace_of=None):
+        extra = {"trained": {"run": os.path.abspath(run), "steps": {"done": done, "planned": 5}}}
+        save_feature_drafter(export, cfg, trained, drafting, extra=extra, replace_unfinished_of=replace_of)
+
+    save(1)
+    assert unfinished_export_of(export, run) and not unfinished_export_of(export, other)
+    with pytest.raises(CheckpointError, match="not empty"):
+        save(3, replace_of=other)
+    save(5, replace_of=run)  # resumed and finished: replaces the unfinished one
+    with open(os.path.join(export, "feature_drafter.json")) as f:
+        assert json.load(f)["trained"]["steps"]["done"] == 5
+    assert not unfinished_export_of(export, run)
+    with pytest.raises(CheckpointError, match="not empty"):
+        save(5, replace_of=run)  # a finished export is never replaced
+    assert sorted(os.listdir(tmp_path)) == ["export"], "a partial or replaced directory was left"

@@ -191,12 +191,13 @@ def feature_tune(llm: Model, corpus_dir: str, run_dir: str, plan: CorpusPlan, tc
         from specjax.io.feature_checkpoint import save_feature_drafter
 
         trained, _ = split_params(params, cfg)
-        save_feature_drafter(export, cfg, trained, drafting,
-                             extra={"trained": {k: summary[k] for k in ("model", "plan", "train", "sequences",
-                                                                        "tokens", "draft_vocab", "init_from", "fused",
-                                                                        "train_groups", "teacher_dots", "steps",
-                                                                        "held_out_agreement",
-                                                                        "eval_prompts_agreement")}})
+        save_feature_drafter(export, cfg, trained, drafting, replace_unfinished_of=run_dir,
+                             extra={"trained": {**{k: summary[k] for k in ("model", "plan", "train", "sequences",
+                                                                           "tokens", "draft_vocab", "init_from",
+                                                                           "fused", "train_groups", "teacher_dots",
+                                                                           "steps", "held_out_agreement",
+                                                                           "eval_prompts_agreement")},
+                                                "run": os.path.abspath(run_dir)}})  # a resumed run replaces it
         log(f"exported the drafter to {export}")
     return summary
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import time
 
 from specjax.errors import InputError
@@ -129,6 +130,7 @@ def check_args(args):
     from specjax.boost.feature_tune import check_train_groups, resolve_fusion, resolve_layers, training_window
     from specjax.cli.boost import _writable_dir
     from specjax.io.checkpoint import check_destination
+    from specjax.io.feature_checkpoint import unfinished_export_of
     from specjax.io.loader import describe_model
     from specjax.io.prompts import read_prompts_file
     from specjax.models.feature import FeatureConfig
@@ -179,7 +181,12 @@ def check_args(args):
     _writable_dir(args.corpus, "--corpus")
     _writable_dir(args.out, "--out")
     if args.export:
-        check_destination(args.export)
+        for flag, other in (("--out", args.out), ("--corpus", args.corpus)):
+            if os.path.abspath(args.export) == os.path.abspath(other):
+                raise InputError(f"--export {args.export} is the {flag} directory: give the drafter a directory "
+                                 f"of its own")
+        if not unfinished_export_of(args.export, args.out):  # a resumed run replaces its own unfinished export
+            check_destination(args.export)
     return plan, tc, drafting, held, evaluate
 
 
@@ -206,7 +213,12 @@ def _cmd_feature_tune(args, out) -> int:
     on_prompts = summary["eval_prompts_agreement"]
     history = summary["history_set_agreement"]
     first = next((row["held_out"] for row in summary["history"] if "held_out" in row), None)
-    out.write(f"feature-tune done in {time.perf_counter() - started:.0f} s (this run): held-out agreement by depth "
+    steps = summary["steps"]
+    seconds = time.perf_counter() - started
+    ended = (f"feature-tune done in {seconds:.0f} s (this run)" if steps["done"] >= steps["planned"]
+             else f"feature-tune stopped after {steps['done']} of {steps['planned']} steps, {seconds:.0f} s this run "
+                  f"(the same command continues it)")
+    out.write(f"{ended}: held-out agreement by depth "
               f"{', '.join(f'{a:.3f}' for a in depth)} ({summary['sequences']['held_out']} sequences; on the "
               f"{history['sequences']} evaluated during training {', '.join(f'{a:.3f}' for a in history['all'])}"
               + (f", at the history's first evaluation {', '.join(f'{a:.3f}' for a in first['all'])}"

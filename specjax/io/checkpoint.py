@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import uuid
 
 import jax
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.errors import CheckpointError
+from specjax.errors import CheckpointError, InputError
 from specjax.models.params import check_params, is_param_spec, param_specs, stack_layers
 
 CONFIG_FILE = "specjax_config.json"
@@ -23,6 +26,9 @@ def check_destination(path: str) -> str:
     """The absolute path if a checkpoint can be written there: a new or empty directory whose
     nearest existing ancestor is a writable directory. Checked before any expensive work."""
     path = os.path.abspath(path)
+    if os.path.islink(path) and not os.path.exists(path):
+        raise CheckpointError(f"{path}: destination is a symbolic link to {os.readlink(path)!r}, which does not "
+                              f"exist")
     if os.path.isfile(path):
         raise CheckpointError(f"{path}: destination exists and is a file")
     if os.path.isdir(path):
@@ -41,23 +47,50 @@ def check_destination(path: str) -> str:
     return path
 
 
+@contextlib.contextmanager
+def written_aside(path: str, replace: bool = False):
+    """A new hidden sibling directory of ``path`` to write into, renamed to ``path`` (absent or an empty
+    directory, as ``check_destination`` allows; with ``replace``, whatever directory is there is swapped
+    out and removed) when the block ends. On any failure or interrupt it is removed, so ``path`` never
+    holds half a checkpoint that later loads, or refuses, confusingly. A failure other than an interrupt
+    becomes a CheckpointError naming ``path``."""
+    parent, name = os.path.split(path)
+    tmp = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:8]}")
+    try:
+        os.makedirs(tmp)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot create the destination ({e.strerror or e})") from None
+    try:
+        yield tmp
+        if replace and os.path.isdir(path):
+            old = os.path.join(parent, f".{name}.replaced-{uuid.uuid4().hex[:8]}")
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, (CheckpointError, InputError)) or not isinstance(e, Exception):
+            raise
+        raise CheckpointError(f"{path}: could not write it, nothing was left there ({type(e).__name__}: "
+                              f"{str(e)[:300]})") from e
+
+
 def save_checkpoint(path: str, cfg: ModelConfig, params, tokenizer=None) -> None:
     import orbax.checkpoint as ocp
 
     path = check_destination(path)
     check_params(cfg, params, source="params to save")
     params = stack_layers(params)  # checkpoints hold the stacked layout, whatever layout was loaded
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot create the destination ({e.strerror or e})") from None
     dtype = str(jax.tree.leaves(params)[0].dtype)
-    with open(os.path.join(path, CONFIG_FILE), "w") as f:
-        json.dump({"config": cfg.to_dict(), "dtype": dtype}, f, indent=1)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.join(path, "params"), params)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(os.path.join(path, "tokenizer"))
+    with written_aside(path) as tmp:
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+            json.dump({"config": cfg.to_dict(), "dtype": dtype}, f, indent=1)
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(os.path.join(tmp, "params"), params)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
 
 
 def _read_meta(path: str) -> dict:

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from specjax.errors import CheckpointError, InputError
-from specjax.io.checkpoint import check_destination
+from specjax.io.checkpoint import check_destination, written_aside
 from specjax.io.registry import FEATURE_META_FILE
 from specjax.models.feature import FeatureConfig
 from specjax.models.params import is_param_spec, param_specs
@@ -37,25 +37,40 @@ def trained_shapes(cfg: FeatureConfig) -> dict:
     return shapes
 
 
+def unfinished_export_of(path: str, run_dir: str) -> bool:
+    """Whether ``path`` holds a drafter that the training run in ``run_dir`` exported before it finished
+    (``--stop-after``, ``--time-budget``): the run, resumed, may replace it with a later one."""
+    try:
+        with open(os.path.join(path, META_FILE), encoding="utf-8") as f:
+            trained = json.load(f).get("trained") or {}
+        steps = trained["steps"]
+        return trained.get("run") == os.path.abspath(run_dir) and steps["done"] < steps["planned"]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return False
+
+
 def save_feature_drafter(path: str, cfg: FeatureConfig, trained: dict, drafting: dict, dtype: str = "float16",
-                         extra: dict | None = None) -> None:
-    """Write ``trained`` ({fc, layers, out_norm}) and the metadata to the new or empty directory ``path``."""
+                         extra: dict | None = None, replace_unfinished_of: str | None = None) -> None:
+    """Write ``trained`` ({fc, layers, out_norm}) and the metadata to the new or empty directory ``path``
+    (or over the unfinished export of the run in ``replace_unfinished_of``: ``unfinished_export_of``);
+    written aside and renamed into place, so ``path`` never holds half a drafter."""
     import orbax.checkpoint as ocp
 
     if dtype not in STORED_DTYPES:
         raise InputError(f"a feature drafter is stored as one of {STORED_DTYPES}, got dtype={dtype!r}")
-    path = check_destination(path)
+    replace = replace_unfinished_of is not None and unfinished_export_of(path, replace_unfinished_of)
+    path = os.path.abspath(path) if replace else check_destination(path)
     _check_shapes(cfg, trained, f"{path}: params to save")
     if set(drafting) != set(DRAFTING_KEYS):
         raise InputError(f"drafting settings need exactly {DRAFTING_KEYS}, got {sorted(drafting)}")
-    os.makedirs(path, exist_ok=True)
     cast = jax.tree.map(lambda a: np.asarray(a, dtype), {k: trained[k] for k in cfg.trained_keys})
-    with open(os.path.join(path, META_FILE), "w") as f:
-        json.dump({"config": cfg.to_dict(), "drafting": {k: (list(v) if isinstance(v, tuple) else v)
-                                                          for k, v in drafting.items()},
-                   "dtype": dtype, **(extra or {})}, f, indent=1)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.join(path, "params"), cast)
+    with written_aside(path, replace=replace) as tmp:
+        with open(os.path.join(tmp, META_FILE), "w") as f:
+            json.dump({"config": cfg.to_dict(), "drafting": {k: (list(v) if isinstance(v, tuple) else v)
+                                                              for k, v in drafting.items()},
+                       "dtype": dtype, **(extra or {})}, f, indent=1)
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(os.path.join(tmp, "params"), cast)
 
 
 def read_feature_meta(path: str) -> tuple[FeatureConfig, dict, dict]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 
 import chex
 import jax
@@ -338,6 +340,25 @@ def test_cost_table_is_measured_once_and_cached(llama, tmp_path, monkeypatch):
     budget = cost.with_costs(Budget(((0,), (2,))), llama.params, llama.config, 2, "xla")
     assert budget.costs == (costs[1], costs[3]) and "measured earlier" in budget.source
     jax.clear_caches()
+
+
+@pytest.mark.parametrize("row", [None, {"1": None, "3": None}, [1, 2], {"1": "fast"}, {"one": 0.1},
+                                 {"1": -5.0, "3": 0.2}, {"1": float("nan"), "3": 0.2}, {"1": True, "3": 0.2}])
+def test_a_damaged_cost_table_row_is_reported_and_measured_again(llama, tmp_path, monkeypatch, row):
+    """A row of wrong types crashed every later run (TypeError, AttributeError); negative, NaN and boolean
+    costs were used, steering every step's tree size."""
+    from specjax.speculation import cost
+
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    good, _ = cost.cached_pass_costs(llama.params, llama.config, 2, [1, 3], "xla")
+    path = tmp_path / "tree_costs.json"
+    (key,) = json.loads(path.read_text())
+    path.write_text(json.dumps({key: row}))
+    with pytest.warns(UserWarning, match=f"tree cost table .* has a damaged row '{re.escape(key)}'"):
+        costs, source = cost.cached_pass_costs(llama.params, llama.config, 2, [1, 3], "xla")
+    assert "measured now" in source and set(costs) == {1, 3} and all(0 < s < math.inf for s in costs.values())
+    assert set(json.loads(path.read_text())[key]) == {"1", "3"}  # the row is rewritten
+    assert good  # (measured the first time)
 
 
 @pytest.mark.parametrize("seconds_per_pass,rounds", [(1e-4, 15), (1.0, 5), (0.5, 7)])

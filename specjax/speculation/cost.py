@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import platform
 import time
@@ -215,7 +216,7 @@ def cached_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: s
     dtype = jax.tree.leaves(params)[0].dtype
     key = table_key(cfg, dtype, batch, impl, parallel, layers_split(params), head)
     counts = [int(n) for n in node_counts]
-    row = {} if remeasure else {int(n): float(s) for n, s in _read(path).get(key, {}).items()}
+    row = {} if remeasure else _cached_row(_read(path), key, path)
     missing = [n for n in counts if n not in row]
     shared = jax.process_count() > 1
     if shared:
@@ -273,8 +274,30 @@ def _read(path: str) -> dict:
         with open(path) as f:
             table = json.load(f)
         return table if isinstance(table, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}  # no table yet, or a damaged one: measure again (the file is only a cache)
+
+
+def _cached_row(table: dict, key: str, path: str) -> dict[int, float]:
+    """The table's {nodes: seconds} for ``key``: positive node counts, finite positive seconds. A row
+    that is not (an edited or damaged file) is reported and measured again, never used: a NaN or negative
+    cost would steer every step's tree size, and a wrong type crashed every later run."""
+    entry = table.get(key, {})
+    try:
+        if not isinstance(entry, dict):
+            raise ValueError(f"a {type(entry).__name__}, not an object")
+        row = {}
+        for n, seconds in entry.items():
+            if not (isinstance(n, str) and n.isascii() and n.isdigit() and int(n) > 0):
+                raise ValueError(f"node count {n!r} is not a positive integer")
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+                raise ValueError(f"the cost of {n} nodes is {seconds!r}, not a finite positive number of seconds")
+            row[int(n)] = float(seconds)
+        return row
+    except ValueError as e:
+        warnings.warn(f"specjax: the tree cost table {path} has a damaged row {key!r} ({e}); measuring it again",
+                      stacklevel=3)
+        return {}
 
 
 def _write(path: str, table: dict) -> None:

@@ -109,6 +109,29 @@ def test_engine_refuses_bad_requests(llama):
         Engine(llama, slots=1, max_prompt_tokens=1000, max_new_tokens=100)
 
 
+@pytest.mark.parametrize("stop_ids", [[2.7], np.array([9.9]), ["12"], [True], "12", 5, None])
+def test_stop_ids_that_are_not_int_token_ids_are_refused(llama, stop_ids):
+    """They were rounded, parsed or split into stop tokens ([2.7] -> 2, "12" -> 1 and 2), or a raw TypeError."""
+    engine = _engine(llama, "none", slots=2)
+    with pytest.raises(InputError, match="stop_ids must be a list of int token ids"):
+        engine.prefill([1, 2], stop_ids=stop_ids)
+    assert engine.prefill([1, 2], stop_ids=np.array([3, 4])) is not None  # NumPy ints are ints
+
+
+def test_insert_refuses_rows_and_states_that_are_not_this_engines(llama):
+    """A whole batch state passed as the row kept its row 0 and dropped the rest; another engine's state
+    lost the request silently (an out-of-range scatter), or raised a broadcasting ValueError."""
+    engine, other = _engine(llama, "none", slots=3), _engine(llama, "none", slots=2)
+    state, row = engine.init(), engine.prefill([1, 2, 3])
+    with pytest.raises(InputError, match=r"row is not a state of this engine's 1 request\(s\) .*prefill"):
+        engine.insert(state, state, 0)
+    with pytest.raises(InputError, match=r"state is not a state of this engine's 3 request\(s\)"):
+        engine.insert(other.init(), row, 0)
+    with pytest.raises(InputError, match="row is not a state"):
+        engine.insert(state, {"tokens": np.zeros(3)}, 0)
+    assert int(engine.read(engine.insert(state, row, 2)).num_generated[2]) == 1
+
+
 def test_free_slots_hold_valid_sampling_settings(llama):
     """Free slots run through every step like busy ones (static shapes), so they must hold settings a
     request could have: all-zero rows (top_p = 0) sent the step's sampling code through non-finite

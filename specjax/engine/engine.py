@@ -98,20 +98,43 @@ class Engine:
         loop_spec, pass_costs = self.spec.costs_apart()
         costs = {} if pass_costs is None else {"pass_costs": pass_costs}
         self._sizes = dict(cfg=model.config, spec=loop_spec, cache_len=self.cache_len, max_out=self.max_out)
+        self._shapes: dict = {}  # rows -> the state's shapes (``_state_shapes``)
         # Compiled with the matmul library for this many slots (``specjax.decoding.programs``).
         self._step = step_program(spec_step, slots, ("cfg", "spec", "parallel"), ("state",)).bind(
             model.params, self.drafter_params, cfg=model.config, spec=loop_spec, **costs)
 
     # -- device work --------------------------------------------------------------------------
 
+    def _state_shapes(self, rows: int):
+        """The shapes and dtypes of a state of ``rows`` requests (``slots``: a batch state; 1: a prefilled row)."""
+        if rows not in self._shapes:
+            greedy = _sampling([SamplingParams()] * rows)
+            self._shapes[rows] = jax.eval_shape(
+                functools.partial(init_state, **self._sizes), self.model.params, self.drafter_params,
+                jnp.zeros((rows, 1), jnp.int32), jnp.ones((rows,), jnp.int32), jnp.ones((rows,), jnp.int32), greedy,
+                jnp.full((rows, self.max_stop_tokens), NO_STOP, jnp.int32))
+        return self._shapes[rows]
+
+    def _check_state(self, state, rows: int, what: str) -> None:
+        """``state`` is one of this engine's, of ``rows`` requests: a row of another engine, or a whole batch
+        state passed as a row, would be scattered partly or not at all, and the request lost silently."""
+        want = self._state_shapes(rows)
+        try:
+            same = jax.tree.structure(state) == jax.tree.structure(want) and all(
+                tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
+                for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want)))
+        except AttributeError:  # leaves without a shape
+            same = False
+        if not same:
+            got = getattr(getattr(state, "tokens", None), "shape", type(state).__name__)
+            source = "this engine's prefill()" if rows == 1 else "this engine's init(), insert() or step()"
+            raise InputError(f"{what} is not a state of this engine's {rows} request(s) (its tokens: {got}, "
+                             f"expected {tuple(want.tokens.shape)}); pass one from {source}")
+
     def init(self) -> SpecState:
         """A batch state with every slot free."""
         greedy = _sampling([SamplingParams()] * self.slots)
-        shapes = jax.eval_shape(functools.partial(init_state, **self._sizes), self.model.params, self.drafter_params,
-                                jnp.zeros((self.slots, 1), jnp.int32), jnp.ones((self.slots,), jnp.int32),
-                                jnp.ones((self.slots,), jnp.int32), greedy,
-                                jnp.full((self.slots, self.max_stop_tokens), NO_STOP, jnp.int32))
-        state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._state_shapes(self.slots))
         # Free slots still run through every step: give them valid (greedy) settings, not zeros
         return state.replace(done=jnp.ones((self.slots,), bool), sampling=greedy,
                              stop_ids=jnp.full((self.slots, self.max_stop_tokens), NO_STOP, jnp.int32))
@@ -128,6 +151,8 @@ class Engine:
     def insert(self, state: SpecState, row: SpecState, slot: int) -> SpecState:
         """``state`` with ``row`` (from ``prefill``) in slot ``slot`` (whatever the slot held is dropped)."""
         self._check_slot(slot)
+        self._check_state(state, self.slots, "state")
+        self._check_state(row, 1, "row")
         return _insert_jit(state, row, jnp.int32(slot))
 
     def step(self, state: SpecState) -> SpecState:
@@ -164,6 +189,9 @@ class Engine:
         if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or not 1 <= budget <= \
                 self.max_new_tokens:
             raise InputError(f"max_new_tokens must be an int in [1, {self.max_new_tokens}], got {max_new_tokens!r}")
+        if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, (list, tuple, np.ndarray)) or any(
+                isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) for t in stop_ids):
+            raise InputError(f"stop_ids must be a list of int token ids, got {stop_ids!r:.80}")  # never rounded
         stops = [int(t) for t in stop_ids]
         if len(stops) > self.max_stop_tokens or any(not 0 <= t < vocab for t in stops):
             raise InputError(f"stop_ids: at most {self.max_stop_tokens} token ids in [0, {vocab}), got {stops}")

@@ -297,6 +297,16 @@ def test_convert_refuses_bad_destinations_before_loading(tiny_llama_dir, tmp_pat
         assert r.returncode == 2 and message in r.stderr, (dst, r.stderr)
 
 
+@pytest.mark.parametrize("nodes,message", [
+    ("1,0", "--nodes '1,0': expected comma-separated ints >= 1"),
+    ("1,1024", "--nodes 1024: a tree pass of that many nodes does not fit the model's context window of 1024"),
+])
+def test_bad_tree_cost_sizes_are_refused_before_loading(tiny_llama_dir, nodes, message):
+    """A size past the context window loaded the model, then measured nonsense or ran out of memory."""
+    r = cli("tree-cost", "--model", tiny_llama_dir, "--nodes", nodes)
+    assert r.returncode == 2 and message in r.stderr and "loading" not in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("args,message", [
     (["--", "/nonexistent/cmd"], "command '/nonexistent/cmd' not found"),
     (["--port", "99999", "--", "true"], "--port must be in [1, 65535], got 99999"),

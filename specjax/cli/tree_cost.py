@@ -25,6 +25,11 @@ def _cmd_tree_cost(args, out) -> int:
     nodes = _ints("--nodes", args.nodes)
     batches = _ints("--batch-sizes", args.batch_sizes)
     import specjax
+
+    context = specjax.describe_model(args.model).config.max_positions
+    if max(nodes) >= context:  # before the weights load: such a pass has no positions to run at
+        raise InputError(f"--nodes {max(nodes)}: a tree pass of that many nodes does not fit the model's context "
+                         f"window of {context} positions")
     from specjax.attention import resolve_impl
     from specjax.decoding.programs import step_library
     from specjax.models.params import layers_split

@@ -135,6 +135,17 @@ def test_boosting_trains_later_members_on_what_earlier_ones_miss(corpus, tmp_pat
     assert weighted == pytest.approx(second["trained_on_tokens"] + 0.25 * first["newly_predicted_tokens"])
     with pytest.raises(InputError, match="boost_weight"):
         boost_tune(llm, corpus_dir, str(soft), members, tc, boost_weight=1.0)
+    # a finished member is reused only as trained: another spec or another corpus is refused, not mixed in
+    # (the summary then reported this run's spec and corpus for it)
+    with pytest.raises(InputError, match=r"this member was trained otherwise: layers \[0, 1\] \(this run: \[1\]\)"):
+        boost_tune(llm, corpus_dir, str(tmp_path), [Member.parse("a:1:32:60")], tc, progress=False,
+                   log=lambda *a: None)
+    other = tmp_path / "other-corpus"
+    shutil.copytree(corpus_dir, other)
+    shard = sorted(other.glob("shard-*.npz"))[0]
+    shard.unlink()  # a corpus of fewer sequences
+    with pytest.raises(InputError, match="this member was trained otherwise: corpus_digest"):
+        boost_tune(llm, str(other), str(tmp_path), members, tc, progress=False, log=lambda *a: None)
     with pytest.raises(InputError, match="NAME:LAYERS"):
         Member.parse("a")
 

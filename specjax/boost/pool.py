@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import json
 import os
 import time
@@ -102,6 +103,37 @@ def read_corpus(corpus_dir: str) -> list[tuple[list[int], int]]:
     return [s for p in paths for s in read_shard(p)]
 
 
+def corpus_digest(sequences) -> str:
+    """A digest of a corpus's sequences (tokens and prompt lengths): what a finished member was trained on."""
+    h = hashlib.sha256()
+    for tokens, prompt_len in sequences:
+        h.update(np.asarray([len(tokens), prompt_len], np.int64).tobytes())
+        h.update(np.asarray(tokens, np.int64).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _member_record(member: Member, corpus_dir: str, digest: str) -> dict:
+    return {"layers": list(member.layers), "mlp_size": member.mlp_size, "draft_vocab_size": member.draft_vocab_size,
+            "corpus": os.path.abspath(corpus_dir), "corpus_digest": digest}
+
+
+def _check_finished(final: str, record_path: str, want: dict, log) -> None:
+    """A member already in ``out_dir`` is reused only if it was trained as this run asks: its spec (the
+    LLM layers it copies, MLP and vocabulary sizes) and its corpus. Otherwise the pool would mix members
+    of different runs while the summary reported this run's spec and corpus for them."""
+    if not os.path.exists(record_path):
+        log("  (trained by an earlier specjax that did not record its spec and corpus: not checked against "
+            "this run's)")
+        return
+    with open(record_path) as f:
+        had = json.load(f)
+    differ = [k for k in ("layers", "mlp_size", "draft_vocab_size", "corpus_digest") if had.get(k) != want[k]]
+    if differ:
+        said = ", ".join(f"{k} {had.get(k)!r} (this run: {want[k]!r})" for k in differ)
+        raise InputError(f"{final}: this member was trained otherwise: {said}; use another --out, or remove {final} "
+                         f"(and its training run) to train it again")
+
+
 def save_ssm(model: Model, path: str, dtype=jnp.float16) -> None:
     """An SSM as a specjax checkpoint (no tokenizer: SSMs share the LLM's), stored in ``dtype``."""
 
@@ -131,14 +163,18 @@ def boost_tune(llm: Model, corpus_dir: str, out_dir: str, members: list[Member],
     held_active = eval_examples.weights > 0
     log(f"corpus {corpus_dir}: {len(train_seqs)} training sequences ({int(active.sum())} continuation tokens), "
         f"{len(held)} held out for evaluation")
+    digest = corpus_digest(sequences)
     summaries, previous = [], None
     for i, member in enumerate(members):
         final = os.path.join(out_dir, member.name)
         started = time.perf_counter()
         missed = restricted(eval_examples, held_active)  # == eval_examples for the first member
+        record_path = os.path.join(out_dir, "train", member.name, "member.json")
+        record = _member_record(member, corpus_dir, digest)
         if os.path.isdir(final):
-            ssm = load_model(final, progress=False)
             log(f"member {member.name}: already trained ({final})")
+            _check_finished(final, record_path, record, log)
+            ssm = load_model(final, progress=False)
         else:
             if tc.loss == "kl" and examples.teacher is None:  # the LLM's top-k once, not an LLM pass per step
                 cache = os.path.join(corpus_dir, f"teacher-top{tc.teacher_top_k}.npz")
@@ -151,6 +187,8 @@ def boost_tune(llm: Model, corpus_dir: str, out_dir: str, members: list[Member],
             ssm, _ = train(student, weighted, dataclasses.replace(tc, seed=tc.seed + i),
                            os.path.join(out_dir, "train", member.name), llm=llm, eval_examples=missed,
                            progress=progress, log=log)
+            with open(record_path, "w") as f:  # before the member: a member on disk always has its record
+                json.dump(record, f, indent=1)
             save_ssm(ssm, final)
         history, train_config = _training_record(os.path.join(out_dir, "train", member.name),
                                                  dataclasses.replace(tc, seed=tc.seed + i))

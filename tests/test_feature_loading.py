@@ -7,6 +7,7 @@ whole feature file alive) and bad files are refused by name."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -117,3 +118,29 @@ def test_bad_feature_files_are_refused_by_name(parts, tmp_path):
         load_feature_set({"a": (shards[:1], [str(junk)])})
     with pytest.raises(InputError, match="exceeds max_len"):
         load_feature_set({"a": (shards, final)}, max_len=4)
+
+
+def test_damaged_corpus_shards_are_named_and_damaged_feature_files_recomputed(llama, parts, tmp_path):
+    """A truncated .npz (an interrupted copy or unpacking) was a raw BadZipFile naming no file: a corpus shard
+    is refused by name; a feature file, only a cache, is computed again."""
+    import shutil
+
+    shards, features, _ = parts["a"]
+    copied = [shutil.copy(s, tmp_path / os.path.basename(s)) for s in shards]
+    data = open(copied[0], "rb").read()
+    with open(copied[0], "wb") as f:
+        f.write(data[:len(data) // 2])
+    with pytest.raises(InputError, match=f"{copied[0]}: unreadable corpus shard .*remove it"):
+        read_shard(copied[0])
+    out = tmp_path / "features"
+    out.mkdir()
+    fresh = [shutil.copy(p, out / os.path.basename(p)) for p in features]
+    data = open(fresh[1], "rb").read()
+    with open(fresh[1], "wb") as f:
+        f.write(data[:len(data) // 3])
+    logged = []
+    again = feature_shards(llama, shards, str(out), progress=False, log=logged.append)
+    assert any(f"{fresh[1]}: unreadable" in line for line in logged), logged
+    for a, b in zip(again, features):
+        with np.load(a) as x, np.load(b) as y:
+            np.testing.assert_array_equal(x["features"], y["features"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 
 import numpy as np
 
@@ -122,9 +123,14 @@ def _check_shard_prompts(path: str, expected: list[list[int]]) -> None:
 
 
 def read_shard(path: str) -> list[tuple[list[int], int]]:
-    """[(prompt + continuation token ids, prompt length), ...] of one shard."""
-    with np.load(path) as z:
-        tokens, offsets, lens = z["tokens"], z["offsets"], z["prompt_lens"]
+    """[(prompt + continuation token ids, prompt length), ...] of one shard. A damaged one (an interrupted
+    copy or unpacking) is an InputError naming it: removed, the generating command makes it again."""
+    try:
+        with np.load(path) as z:
+            tokens, offsets, lens = z["tokens"], z["offsets"], z["prompt_lens"]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        raise InputError(f"{path}: unreadable corpus shard ({type(e).__name__}: {e}); remove it, and the command "
+                         f"that generated the corpus makes it again") from None
     return [(tokens[offsets[i]:offsets[i + 1]].tolist(), int(lens[i])) for i in range(len(lens))]
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import zipfile
 
 import numpy as np
 
@@ -132,10 +133,15 @@ def feature_shards(model, shard_paths, out_dir: str, batch_size: int = 8, progre
         paths.append(path)
         fingerprint = _fingerprint(shard, model, layers, dots)
         if os.path.exists(path):
-            with np.load(path) as z:
-                if str(z["fingerprint"]) == fingerprint:
-                    continue
-            log(f"{path}: made from another shard, model or teacher dots; recomputing")
+            try:
+                with np.load(path) as z:
+                    made_from = str(z["fingerprint"])
+            except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:  # a cache: recompute it
+                made_from = f"unreadable ({type(e).__name__})"
+            if made_from == fingerprint:
+                continue
+            why = made_from if made_from.startswith("unreadable") else "made from another shard, model or teacher dots"
+            log(f"{path}: {why}; recomputing")
         run = run or _teacher_fn(model, layers, dots)
         sequences = read_shard(shard)
         results = teacher_features(model, sequences, batch_size, run, width_multiple=width_multiple,

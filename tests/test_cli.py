@@ -362,6 +362,12 @@ def test_bad_boost_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, arg
     (["--fused", "2,1"], "--fused must list distinct layers in increasing order"),
     (["--fused", "0,3"], "fused must be increasing LLM layer indices in [0, 2] (2: the final feature)"),
     (["--fused", "2"], "is the final feature alone"),
+    # found only after the corpus (hours) before: too few prompts in the templates, too few training steps
+    (["--tasks", "100000"], "asked for 100000 training prompts, the templates give"),
+    (["--passages", "100000"], "asked for 100000 training prompts, the templates give"),
+    (["--passages", "3", "--grounded", "2", "--tasks", "2", "--epochs", "1"],
+     "this corpus plan makes at most 7 sequences: at --batch-size 8 for 1 epochs they give at most 0 steps"),
+    (["--batch-size", "100000"], "they give at most 0 steps, not more than the 50 warm-up steps"),
     (["--reg-weight", "-0.5"], "a finite reg_weight >= 0"),
     (["--reg-weight", "inf"], "a finite reg_weight >= 0"),
     (["--written-prompts", "/nonexistent.jsonl"], "--written-prompts /nonexistent.jsonl: prompts file not found"),

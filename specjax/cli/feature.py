@@ -122,6 +122,23 @@ def _written_help(written_round) -> str:
             f"dropped): grows a corpus without changing its earlier parts; repeatable (default: none)")
 
 
+def _check_plan_before_generating(plan, tc, held, written: int) -> None:
+    """What the corpus's generation would only find out after hours: the templates give too few prompts, or
+    even every sequence the plan can make gives no training step past the warm-up."""
+    from specjax.boost.distill import batches_per_epoch
+    from specjax.boost.task_prompts import passage_prompts, stage1_prompts
+
+    passage_prompts(plan.passages, seed=plan.seed, exclude=held)  # raise InputError when the templates give
+    stage1_prompts(plan.tasks, seed=plan.seed, exclude=held)  # fewer than asked for
+    # an upper bound of the training sequences (a request round adds its written requests and their answers)
+    most = plan.passages + plan.grounded + plan.tasks + 2 * (plan.requests + plan.more_requests) + 2 * written
+    steps = math.ceil(tc.epochs * batches_per_epoch(most, tc.batch_size))
+    if steps <= tc.warmup_steps:
+        raise InputError(f"this corpus plan makes at most {most} sequences: at --batch-size {tc.batch_size} for "
+                         f"{tc.epochs:g} epochs they give at most {steps} steps, not more than the "
+                         f"{tc.warmup_steps} warm-up steps (more --tasks/--grounded/--passages, or --epochs)")
+
+
 def check_args(args):
     """Everything checked before any work: (corpus plan, training config, drafting settings, held-out prompts,
     evaluation prompts: ``feature_tune`` holds these out of training too)."""
@@ -174,10 +191,14 @@ def check_args(args):
     evaluate = [p for path in args.eval_prompts
                 for p in read_prompts_file(path, flag="--eval-prompts", allow_token_ids=False, plain_lines=True)]
     taken = set(held) | set(evaluate)
+    written = 0
     for written_round in WRITTEN_ROUNDS.values():
         files = getattr(plan, written_round.files_field)
         if files:  # read (so checked) now; the corpus drops those held out or already in it
-            taken |= set(written_prompts(files, taken, flag=written_round.flag))
+            round_prompts = written_prompts(files, taken, flag=written_round.flag)
+            written += len(round_prompts)
+            taken |= set(round_prompts)
+    _check_plan_before_generating(plan, tc, held, written)
     _writable_dir(args.corpus, "--corpus")
     _writable_dir(args.out, "--out")
     if args.export:

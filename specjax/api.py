@@ -50,15 +50,14 @@ def encode_prompts(model: Model, prompts, chat_template: bool = True, labels=Non
                                               tokenize=True, return_dict=True)["input_ids"]
             else:
                 ids = tok(p)["input_ids"]
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:  # a tokenizer with more (added) tokens than the model's embedding rows
-                raise InputError(f"{label}: the tokenizer gives token id {bad[0]}, outside the model's vocabulary "
-                                 f"[0, {vocab}) (the tokenizer has more tokens than the model's embedding)")
         else:
             ids = p
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise InputError(f"{label}: token id {bad[0]} is not in [0, {vocab}) (the vocabulary)")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None and isinstance(p, str):  # a tokenizer with more (added) tokens than the embedding rows
+            raise InputError(f"{label}: the tokenizer gives token id {bad}, outside the model's vocabulary "
+                             f"[0, {vocab}) (the tokenizer has more tokens than the model's embedding)")
+        if bad is not None:
+            raise InputError(f"{label}: token id {bad} is not in [0, {vocab}) (the vocabulary)")
         if len(ids) == 0:
             raise InputError(f"{label} is empty")
         out.append([int(t) for t in ids])
@@ -205,7 +204,6 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
     A request whose LLM logits turn non-finite (NaN weights, overflow) stops without emitting a
     token from that pass: ``GenerationError`` names it, with the whole result attached.
     """
-    _check_run_args(parallel, on_tokens)
     default = mode is None and not ssms and not drafters
     if default:
         if expansion is not None:

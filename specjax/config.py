@@ -94,9 +94,8 @@ class ModelConfig:
         if not isinstance(self.eos_token_ids, tuple) or any(
                 isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in self.eos_token_ids):
             raise ConfigError(f"ModelConfig.eos_token_ids must be a tuple of ints >= 0, got {self.eos_token_ids!r}")
-        outside = [(n, v) for n, v in [("bos_token_id", self.bos_token_id)] + [("eos_token_ids", v) for v in
-                                                                             self.eos_token_ids]
-                   if v is not None and v >= self.vocab_size]
+        special = [("bos_token_id", self.bos_token_id)] + [("eos_token_ids", v) for v in self.eos_token_ids]
+        outside = [(n, v) for n, v in special if v is not None and v >= self.vocab_size]
         if outside:  # an end-of-sequence id no token can equal would never end a request
             raise ConfigError(f"ModelConfig.{outside[0][0]} holds {outside[0][1]}, outside the vocabulary "
                               f"[0, {self.vocab_size})")

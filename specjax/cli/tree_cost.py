@@ -25,15 +25,15 @@ def _cmd_tree_cost(args, out) -> int:
     nodes = _ints("--nodes", args.nodes)
     batches = _ints("--batch-sizes", args.batch_sizes)
     import specjax
+    from specjax.attention import resolve_impl
+    from specjax.decoding.programs import step_library
+    from specjax.models.params import layers_split
+    from specjax.speculation.cost import cached_pass_costs, machine_key
 
     context = specjax.describe_model(args.model).config.max_positions
     if max(nodes) >= context:  # before the weights load: such a pass has no positions to run at
         raise InputError(f"--nodes {max(nodes)}: a tree pass of that many nodes does not fit the model's context "
                          f"window of {context} positions")
-    from specjax.attention import resolve_impl
-    from specjax.decoding.programs import step_library
-    from specjax.models.params import layers_split
-    from specjax.speculation.cost import cached_pass_costs, machine_key
 
     model = specjax.load_model(args.model, dtype=args.dtype, progress=not args.json,
                                split_layers=split_layers_arg(args))

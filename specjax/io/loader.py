@@ -121,7 +121,9 @@ def gguf_params(path: str, split: bool, progress: bool = True) -> tuple:
     """(config, float32 numpy params in the layout asked for) of a GGUF file: from the weights cache
     (``specjax.io.params_cache``: read-only memory maps) when it holds them, else converted (and cached
     unless the cache is off)."""
-    entry = params_cache.entry_dir(path, "split" if split else "stacked") if params_cache.enabled() else None
+    layout = "split" if split else "stacked"
+    entry = params_cache.entry_dir(path, layout) if params_cache.enabled() else None
+    ident = params_cache.identity(path, layout)  # the file as it was when its entry was named
     if entry is not None:  # the metadata is parsed once per process (``open_gguf``)
         cfg = gguf_config(*read_gguf_metadata(path))
         cached = params_cache.read(entry, check=lambda p: params_lib.check_params(cfg, p, source=entry))
@@ -131,7 +133,7 @@ def gguf_params(path: str, split: bool, progress: bool = True) -> tuple:
     if split:
         np_params = params_lib.split_layers(np_params)
     if entry is not None:
-        params_cache.write(entry, np_params)
+        params_cache.write(entry, np_params, ident)
     return cfg, np_params
 
 

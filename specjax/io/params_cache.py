@@ -15,7 +15,7 @@ written into a temporary directory and renamed into place, so a reader never see
 entry is never changed after it is written (a mapped file must not change under its readers). A damaged
 entry (a missing or truncated file, shapes that disagree with the manifest) is reported, removed and
 rebuilt. ``SPECJAX_PARAMS_CACHE=0`` turns the cache off (each load converts again, nothing is written).
-Entries of files that changed or moved are not removed: deleting ``cache_root()/params`` reclaims them.
+Writing an entry removes those of its file before it changed and of files that are gone (``_prune_stale``).
 """
 
 from __future__ import annotations
@@ -45,13 +45,38 @@ def enabled() -> bool:
     return value not in ("0", "off", "false", "no")
 
 
+def identity(source: str, layout: str) -> list:
+    """What an entry is of: the file (path, inode, size, modification and change times), layout, FORMAT."""
+    st = os.stat(source)
+    return [os.path.abspath(source), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, layout, FORMAT]
+
+
 def entry_dir(source: str, layout: str) -> str:
     """The cache entry of ``source`` (a file) converted to ``layout`` ("split" or "stacked")."""
-    st = os.stat(source)
-    ident = json.dumps([os.path.abspath(source), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, layout,
-                        FORMAT])
-    digest = hashlib.sha256(ident.encode()).hexdigest()[:20]
+    digest = hashlib.sha256(json.dumps(identity(source, layout)).encode()).hexdigest()[:20]
     return os.path.join(cache_root(), "params", f"{os.path.basename(source)}-{layout}-{digest}")
+
+
+def _prune_stale(kept: str, ident: list) -> None:
+    """Remove the entries no load can hit again: of the same file and layout before it changed, or of a
+    file that is gone (each fresh virtual environment holds its own copy of a packaged GGUF: 622 MB an entry
+    each time). Entries written before their identity was recorded are left. A process that has an entry
+    mapped keeps its pages: removing mapped files is safe."""
+    root = os.path.dirname(kept)
+    for name in os.listdir(root):
+        entry = os.path.join(root, name)
+        if entry == kept or ".tmp-" in name:
+            continue
+        try:
+            with open(os.path.join(entry, _MANIFEST)) as f:
+                source = json.load(f).get("source")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if not isinstance(source, list) or len(source) != len(ident):
+            continue
+        changed = source[0] == ident[0] and source[5] == ident[5] and source != ident
+        if changed or not os.path.exists(source[0]):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _structure(tree, leaves: list) -> dict:
@@ -99,9 +124,10 @@ def read(path: str, check=None):
         return None
 
 
-def write(path: str, params) -> bool:
+def write(path: str, params, ident: list | None = None) -> bool:
     """Store ``params`` (numpy leaves) as the entry at ``path``; False (with a warning) when the disk
-    refuses. Another process writing the same entry meanwhile is fine: the first rename wins."""
+    refuses. Another process writing the same entry meanwhile is fine: the first rename wins. ``ident``
+    (``identity``): recorded, and the entries it makes stale are removed (``_prune_stale``)."""
     leaves: list = []
     structure = _structure(params, leaves)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
@@ -110,12 +136,15 @@ def write(path: str, params) -> bool:
         for i, a in enumerate(leaves):
             np.save(os.path.join(tmp, f"{i}.npy"), np.ascontiguousarray(a), allow_pickle=False)
         with open(os.path.join(tmp, _MANIFEST), "w") as f:  # last: an entry with a manifest is complete
-            json.dump({"structure": structure, "leaves": [[list(a.shape), a.dtype.name] for a in leaves]}, f)
+            json.dump({"structure": structure, "leaves": [[list(a.shape), a.dtype.name] for a in leaves],
+                       "source": ident}, f)
         try:
             os.rename(tmp, path)
         except OSError:
             if not os.path.exists(os.path.join(path, _MANIFEST)):
                 raise
+        if ident is not None:
+            _prune_stale(path, ident)
         return True
     except OSError as e:
         warnings.warn(f"specjax: could not write the weights cache entry {path}: {e} (the next load converts "

@@ -135,12 +135,11 @@ def feature_shards(model, shard_paths, out_dir: str, batch_size: int = 8, progre
         if os.path.exists(path):
             try:
                 with np.load(path) as z:
-                    made_from = str(z["fingerprint"])
+                    if str(z["fingerprint"]) == fingerprint:
+                        continue
+                why = "made from another shard, model or teacher dots"
             except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:  # a cache: recompute it
-                made_from = f"unreadable ({type(e).__name__})"
-            if made_from == fingerprint:
-                continue
-            why = made_from if made_from.startswith("unreadable") else "made from another shard, model or teacher dots"
+                why = f"unreadable ({type(e).__name__})"
             log(f"{path}: {why}; recomputing")
         run = run or _teacher_fn(model, layers, dots)
         sequences = read_shard(shard)

@@ -184,16 +184,24 @@ class GGUFFile:
                                   f"({GGMLQuantizationType(t.ggml_type).name}): {e}") from None
 
 
+def file_identity(path: str) -> list:
+    """What tells a file's versions apart (real path, inode, size, modification and change times): a file
+    rewritten in place with its old size and mtime restored (``cp -p``, ``rsync -a``) is another file. Keys
+    the caches of a file's contents (``open_gguf``, the converted tokenizer, the weights cache)."""
+    st = os.stat(path)
+    return [os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
 def open_gguf(path: str) -> GGUFFile:
     """``GGUFFile(path)``, parsed once per process for the same file (its real path, inode, size and
     modification / change times): a command reads the config, the tokenizer and the weights of one file
     in turn, and parsing its 50k-token vocabulary and merges costs ~0.3 s each time. The last 4 files
     stay open (memory-mapped) for the life of the process."""
     try:
-        stat = os.stat(path)
+        identity = tuple(file_identity(path))
     except OSError:
         return GGUFFile(path)  # its own error names the problem
-    return _open_gguf(path, (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))
+    return _open_gguf(path, identity)
 
 
 @functools.lru_cache(maxsize=4)

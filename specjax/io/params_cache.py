@@ -31,6 +31,7 @@ import numpy as np
 
 from specjax.config import cache_root
 from specjax.errors import CheckpointError, InputError
+from specjax.io.gguf_file import file_identity
 
 # Bump when the conversion's output changes (key maps, layouts, fused groups): old entries are ignored.
 FORMAT = 1
@@ -46,9 +47,8 @@ def enabled() -> bool:
 
 
 def identity(source: str, layout: str) -> list:
-    """What an entry is of: the file (path, inode, size, modification and change times), layout, FORMAT."""
-    st = os.stat(source)
-    return [os.path.abspath(source), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, layout, FORMAT]
+    """What an entry is of: the file (``file_identity``: its path first), the layout (sixth), ``FORMAT``."""
+    return file_identity(source) + [layout, FORMAT]
 
 
 def entry_dir(source: str, layout: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import uuid
@@ -11,7 +12,7 @@ import warnings
 from specjax._compat import gguf_tokenizer_from_fields
 from specjax.config import cache_root
 from specjax.errors import CheckpointError
-from specjax.io.gguf_file import open_gguf
+from specjax.io.gguf_file import file_identity, open_gguf
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -79,10 +80,7 @@ def load_gguf_tokenizer(gguf_path: str):
     ``AutoTokenizer``, whose import chain imports torch where it is installed: 2.7 s instead of 1.2 s
     with torch 2.13 on an AMD EPYC (transformers' import included), paid by every ``specjax`` command."""
 
-    stat = os.stat(gguf_path)
-    # The file's identity as the weights cache keys it: a rewrite with its old size and mtime is another file.
-    ident = f"{os.path.realpath(gguf_path)}:{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}"
-    digest = hashlib.sha256(ident.encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps(file_identity(gguf_path)).encode()).hexdigest()
     if digest in _LOADED:
         return _LOADED[digest]
     converted = os.path.join(cache_root(), "tokenizers", digest[:16])

@@ -44,7 +44,7 @@ import numpy as np
 
 from specjax.errors import InputError
 from specjax.speculation.drafters.base import Bound, DraftContext, Proposal
-from specjax.speculation.drafters.corpus_index import SEPARATOR, build_index, document_arrays
+from specjax.speculation.drafters.corpus_index import SEPARATOR, build_index, document_arrays, require_copyable
 from specjax.speculation.drafters.lookup import LookupDrafter, find_chains
 from specjax.speculation.drafters.settings import parse_int_settings
 
@@ -302,8 +302,8 @@ def from_arg(arg: str, llm, *, load: bool, expansion, draft: str) -> Bound:
     if not load:  # the token-id documents checked now, before the weights load (texts are tokenized later)
         given = [(label, d) for label, d in named if not isinstance(d, str)]
         arrays = document_arrays([d for _, d in given], llm.config.vocab_size, [label for label, _ in given])
-        if len(given) == len(named) and not any(a.size >= 2 for a in arrays):
-            raise InputError("corpus drafter: the corpus needs a document of at least two tokens (nothing to copy)")
+        if len(given) == len(named):  # no text documents, whose tokens could still make one
+            require_copyable(arrays)
         return Bound(CorpusDrafter(**values), ())
     return corpus_drafter(llm, [d for _, d in named], labels=[label for label, _ in named], **values)
 

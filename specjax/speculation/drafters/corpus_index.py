@@ -43,6 +43,12 @@ def document_arrays(documents, vocab_size: int, labels=None) -> list[np.ndarray]
     return arrays
 
 
+def require_copyable(arrays) -> None:
+    """A corpus the drafter can copy from: a document of at least two tokens."""
+    if not any(a.size >= 2 for a in arrays):
+        raise InputError("corpus drafter: the corpus needs a document of at least two tokens (nothing to copy)")
+
+
 def build_index(documents, max_ngram: int, depth: int, vocab_size: int, capacity: int | None = None,
                 labels=None) -> dict:
     """The corpus index (the drafter's params) from documents given as 1-D token-id sequences.
@@ -58,8 +64,7 @@ def build_index(documents, max_ngram: int, depth: int, vocab_size: int, capacity
     occurrence (``_modal_positions``): the chain copied from it follows, token by token up to ``depth``,
     the continuation most of the group's occurrences share, not whatever its first occurrence wrote."""
     arrays = document_arrays(documents, vocab_size, labels)
-    if not any(a.size >= 2 for a in arrays):
-        raise InputError("corpus drafter: the corpus needs a document of at least two tokens (nothing to copy)")
+    require_copyable(arrays)
     total = sum(a.size + 1 for a in arrays)
     if total > MAX_CORPUS_TOKENS:
         raise InputError(f"corpus drafter: {total} corpus tokens (with separators), more than {MAX_CORPUS_TOKENS}")

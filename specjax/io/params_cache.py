@@ -7,7 +7,7 @@ layout asked for: split or stacked layers) are written once under ``cache_root()
 ``.npy`` per leaf plus a manifest, and later loads map those files read-only: the pages come from the
 OS page cache, shared by every process that maps them, and nothing is converted again (load ~1 s).
 
-The entry's key is the GGUF file's absolute path, inode, size, modification and change times, the layout
+The entry's key is the GGUF file's real path, inode, size, modification and change times, the layout
 and ``FORMAT``: a changed file or a new conversion is a new entry (the change time and inode catch a
 file rewritten with its old size and modification time restored, as ``cp -p``, ``rsync -a`` or
 ``touch -r`` leave it). A hit is checked against the file's config (every leaf's name and shape). Entries are

@@ -94,6 +94,43 @@ def test_shape_mismatch_names_the_key(tiny_llama_dir, tmp_path):
         specjax.load_model(str(d))
 
 
+def test_every_misfit_shape_is_named_before_any_tensor_is_read(tiny_llama_dir, tmp_path, monkeypatch):
+    """The shapes come from the header: a checkpoint of another size is refused whole, not after reading
+    (and, for GGUF, dequantizing) every tensor sorted before the first misfit."""
+    d = _copy(tiny_llama_dir, tmp_path)
+
+    def edit(t):
+        t["model.layers.0.self_attn.q_proj.weight"] = np.zeros((60, 64), np.float32)
+        t["model.layers.1.mlp.up_proj.weight"] = np.zeros((95, 64), np.float32)
+
+    _rewrite_safetensors(d, edit)
+
+    def no_reads(self, key):
+        raise AssertionError(f"tensor {key!r} was read before the shapes were checked")
+
+    monkeypatch.setattr(SafetensorsFile, "get", no_reads)
+    with pytest.raises(CheckpointError, match=r"2 tensor\(s\) do not fit .*"
+                       r"'model.layers.0.self_attn.q_proj.weight' has shape \(60, 64\), expected \(64, 64\).*"
+                       r"'model.layers.1.mlp.up_proj.weight' has shape \(95, 64\)"):
+        specjax.load_model(str(d))
+
+
+def test_a_gguf_of_another_shape_is_refused_from_its_header(tmp_path, monkeypatch):
+    from specjax.io import gguf_file, loader
+    from tests.toy import tiny_gguf
+
+    path = tiny_gguf(tmp_path / "m.gguf", seed=0, vocab=32, ffn=24, header_ffn=20)
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
+
+    def no_reads(self, name):
+        raise AssertionError(f"tensor {name!r} was dequantized before the shapes were checked")
+
+    monkeypatch.setattr(gguf_file.GGUFFile, "dequantized", no_reads)
+    with pytest.raises(CheckpointError, match=r"3 tensor\(s\) do not fit the llama config .*"
+                       r"'blk.0.ffn_down.weight' has shape \(16, 24\), expected \(16, 20\)"):
+        loader.gguf_params(path, False, progress=False)
+
+
 def test_missing_key_is_named(tiny_llama_dir, tmp_path):
     d = _copy(tiny_llama_dir, tmp_path)
     _rewrite_safetensors(d, lambda t: t.pop("model.layers.0.self_attn.k_proj.weight"))

@@ -16,6 +16,7 @@ import pytest
 from specjax.errors import InputError
 from specjax.io import loader, params_cache
 from tests.conftest import requires_smollm2
+from tests.toy import tiny_gguf
 
 
 @pytest.fixture(autouse=True)
@@ -82,25 +83,6 @@ def test_the_entry_follows_the_file_and_the_layout(tmp_path, monkeypatch):
     assert params_cache.entry_dir(str(f), "split") != first
 
 
-def _tiny_gguf(path, seed: int, vocab: int, ffn: int, dim: int = 16) -> str:
-    """A one-layer LLaMA GGUF of random float32 weights (no tokenizer: the weights path needs none)."""
-    import gguf
-
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(64), w.add_embedding_length(dim), w.add_feed_forward_length(ffn), w.add_block_count(1)
-    w.add_head_count(2), w.add_head_count_kv(2), w.add_layer_norm_rms_eps(1e-5), w.add_vocab_size(vocab)
-    shapes = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,), "output.weight": (vocab, dim),
-              **{f"blk.0.{n}.weight": s for n, s in [
-                  ("attn_norm", (dim,)), ("ffn_norm", (dim,)), ("attn_q", (dim, dim)), ("attn_k", (dim, dim)),
-                  ("attn_v", (dim, dim)), ("attn_output", (dim, dim)), ("ffn_gate", (ffn, dim)), ("ffn_up", (ffn, dim)),
-                  ("ffn_down", (dim, ffn))]}}
-    rng = np.random.default_rng(seed)
-    for name, shape in shapes.items():
-        w.add_tensor(name, rng.normal(size=shape).astype(np.float32))
-    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    return str(path)
-
-
 def _converted(path, monkeypatch):
     monkeypatch.setenv(params_cache.ENV, "0")
     try:
@@ -113,11 +95,11 @@ def test_a_file_rewritten_with_its_old_size_and_mtime_is_a_new_entry(tmp_path, m
     """``cp -p``, ``rsync -a`` and ``touch -r`` restore the modification time: the weights served must still be
     the new file's (they were the old entry's, of another shape than the new config)."""
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
-    path = _tiny_gguf(tmp_path / "m.gguf", seed=0, vocab=32, ffn=24)
+    path = tiny_gguf(tmp_path / "m.gguf", seed=0, vocab=32, ffn=24)
     loader.gguf_params(path, False, progress=False)  # cached
     old = os.stat(path)
     time.sleep(0.05)  # past the filesystem's timestamp granularity: the rewrite gets a new change time
-    _tiny_gguf(tmp_path / "m.gguf", seed=1, vocab=38, ffn=20)
+    tiny_gguf(tmp_path / "m.gguf", seed=1, vocab=38, ffn=20)
     os.utime(path, ns=(old.st_atime_ns, old.st_mtime_ns))
     if os.path.getsize(path) != old.st_size:  # pad the tensor data's end: the same size as before
         with open(path, "ab") as f:
@@ -134,8 +116,8 @@ def test_an_entry_that_does_not_fit_the_files_config_is_rebuilt(tmp_path, monkey
     """Another model's weights under this file's key (a damaged or foreign entry): refused by the config
     check, reported, and converted again."""
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
-    small = _tiny_gguf(tmp_path / "a.gguf", seed=0, vocab=32, ffn=24)
-    path = _tiny_gguf(tmp_path / "b.gguf", seed=1, vocab=38, ffn=20)
+    small = tiny_gguf(tmp_path / "a.gguf", seed=0, vocab=32, ffn=24)
+    path = tiny_gguf(tmp_path / "b.gguf", seed=1, vocab=38, ffn=20)
     _, foreign = _converted(small, monkeypatch)
     assert params_cache.write(params_cache.entry_dir(path, "stacked"), foreign)
     with pytest.warns(UserWarning, match=r"weights cache entry .* is damaged .*has shape"):
@@ -148,8 +130,8 @@ def test_writing_an_entry_removes_those_no_load_can_hit_again(tmp_path, monkeypa
     per layout behind (5.1 GB in CI's cache after four runs). Writing an entry removes those of its file and
     layout before it changed, and those of files that are gone; another layout's and unrecorded ones stay."""
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
-    a = _tiny_gguf(tmp_path / "a.gguf", seed=0, vocab=32, ffn=24)
-    b = _tiny_gguf(tmp_path / "b.gguf", seed=1, vocab=32, ffn=24)
+    a = tiny_gguf(tmp_path / "a.gguf", seed=0, vocab=32, ffn=24)
+    b = tiny_gguf(tmp_path / "b.gguf", seed=1, vocab=32, ffn=24)
     loader.gguf_params(a, False, progress=False)
     loader.gguf_params(a, True, progress=False)
     loader.gguf_params(b, False, progress=False)
@@ -158,7 +140,7 @@ def test_writing_an_entry_removes_those_no_load_can_hit_again(tmp_path, monkeypa
     legacy = tmp_path / "params" / "legacy-stacked-0"  # an entry written before identities were recorded
     assert params_cache.write(str(legacy), {"a": np.ones(2, np.float32)})
     time.sleep(0.05)  # a new change time for the rewritten file
-    _tiny_gguf(tmp_path / "a.gguf", seed=2, vocab=32, ffn=24)
+    tiny_gguf(tmp_path / "a.gguf", seed=2, vocab=32, ffn=24)
     os.remove(b)
     loader.gguf_params(a, False, progress=False)  # a new entry for the changed file
     left = set(os.listdir(tmp_path / "params"))

@@ -126,3 +126,24 @@ def assert_drafter_samples_the_exact_law(drafter, drafter_params, verifier: str,
     assert np.asarray(out.level_passes)[:, 1:].sum() > 0
     samples = list(map(tuple, np.asarray(out.tokens).tolist()))
     assert_fits(samples, exact_sequence_law(cfg, params, LAW_PROMPT, LAW_TOKENS, 1.0), label)
+
+
+def tiny_gguf(path, seed: int, vocab: int, ffn: int, dim: int = 16, header_ffn: int | None = None) -> str:
+    """A one-layer LLaMA GGUF of random float32 weights (no tokenizer: the weights path needs none).
+    ``header_ffn``: another feed-forward width in the metadata than the tensors have (a misfit file)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(64), w.add_embedding_length(dim), w.add_block_count(1)
+    w.add_feed_forward_length(header_ffn or ffn)
+    w.add_head_count(2), w.add_head_count_kv(2), w.add_layer_norm_rms_eps(1e-5), w.add_vocab_size(vocab)
+    shapes = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,), "output.weight": (vocab, dim),
+              **{f"blk.0.{n}.weight": s for n, s in [
+                  ("attn_norm", (dim,)), ("ffn_norm", (dim,)), ("attn_q", (dim, dim)), ("attn_k", (dim, dim)),
+                  ("attn_v", (dim, dim)), ("attn_output", (dim, dim)), ("ffn_gate", (ffn, dim)), ("ffn_up", (ffn, dim)),
+                  ("ffn_down", (dim, ffn))]}}
+    rng = np.random.default_rng(seed)
+    for name, shape in shapes.items():
+        w.add_tensor(name, rng.normal(size=shape).astype(np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return str(path)

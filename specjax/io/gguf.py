@@ -64,6 +64,6 @@ def load_gguf(path: str, dtype=np.float32, progress: bool = True) -> tuple[Model
     if "rope_freqs.weight" in gguf.tensors:
         raise CheckpointError(f"{path}: tensor 'rope_freqs.weight' (llama3 RoPE factors in GGUF) is not "
                               f"supported yet; load the HF directory of this model instead")
-    params = load_params(cfg, gguf_table(cfg), list(gguf.tensors), gguf.dequantized, source=path, dtype=dtype,
-                         progress=progress)
+    params = load_params(cfg, gguf_table(cfg), list(gguf.tensors), gguf.dequantized,
+                         lambda name: gguf.tensors[name].shape, source=path, dtype=dtype, progress=progress)
     return cfg, params

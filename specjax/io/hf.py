@@ -78,12 +78,13 @@ def load_hf_dir(model_dir: str, dtype=np.float32, progress: bool = True) -> tupl
     if not os.path.isdir(model_dir):
         raise CheckpointError(f"{model_dir}: not a directory")
     cfg = config_from_hf_file(os.path.join(model_dir, "config.json"))
-    keys, get = open_hf_weights(model_dir)
+    keys, get, shape = open_hf_weights(model_dir)
     if cfg.family == "opt" and keys and all(k.startswith("decoder.") or k == "lm_head.weight" for k in keys):
         # Saved from OPTModel rather than OPTForCausalLM: same tensors without the "model." prefix.
-        raw_get = get
+        raw_get, raw_shape = get, shape
         keys = [k if k == "lm_head.weight" else "model." + k for k in keys]
-        get = lambda k: raw_get(k if k == "lm_head.weight" else k[len("model."):])  # noqa: E731
+        stored = lambda k: k if k == "lm_head.weight" else k[len("model."):]  # noqa: E731
+        get, shape = (lambda k: raw_get(stored(k))), (lambda k: raw_shape(stored(k)))
     ignored = {}
     if cfg.tie_word_embeddings and "lm_head.weight" in keys:
         # Some exporters write the tied head out; accept it only if it really is the embedding (a missing
@@ -96,6 +97,6 @@ def load_hf_dir(model_dir: str, dtype=np.float32, progress: bool = True) -> tupl
     for key in keys:
         if key.endswith("rotary_emb.inv_freq"):
             ignored[key] = "recomputed from the config"
-    params = load_params(cfg, TABLES[cfg.family], keys, get, source=model_dir, dtype=dtype,
+    params = load_params(cfg, TABLES[cfg.family], keys, get, shape, source=model_dir, dtype=dtype,
                          optional_ignored=ignored, progress=progress)
     return cfg, params

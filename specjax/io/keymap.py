@@ -46,7 +46,8 @@ class KeyMapEntry:
     param: str  # "layers.wq" style path into the params tree
     source: str  # source key, "{i}" for the layer index
     layout: Layout = IDENTITY
-    # Optional fix-up applied to the raw source tensor (e.g. undo GGUF's Q/K row permutation).
+    # Optional fix-up applied to the raw source tensor (e.g. undo GGUF's Q/K row permutation); it keeps
+    # the shape, which is checked from the file's header before any tensor is read.
     prepare: Callable[[np.ndarray], np.ndarray] | None = None
 
 
@@ -75,9 +76,10 @@ def _spec_paths(specs: dict, prefix: str = "") -> Iterable[str]:
 
 
 def load_params(cfg: ModelConfig, table: list[KeyMapEntry], keys: Iterable[str],
-                get: Callable[[str], np.ndarray], source: str, dtype=np.float32,
-                optional_ignored: Mapping[str, str] | None = None, progress: bool = True) -> dict:
-    """Assemble the params tree for ``cfg`` from a checkpoint exposing ``keys`` and ``get(key)``.
+                get: Callable[[str], np.ndarray], shape_of: Callable[[str], tuple[int, ...]], source: str,
+                dtype=np.float32, optional_ignored: Mapping[str, str] | None = None, progress: bool = True) -> dict:
+    """Assemble the params tree for ``cfg`` from a checkpoint exposing ``keys``, ``get(key)`` and
+    ``shape_of(key)`` (the stored shape, read from the file's header without its data).
 
     optional_ignored: source keys allowed to be present and skipped, with the reason (e.g. a tied
     ``lm_head.weight`` duplicate). Any other key outside the table is an error.
@@ -107,6 +109,7 @@ def load_params(cfg: ModelConfig, table: list[KeyMapEntry], keys: Iterable[str],
                               f"for this configuration")
     for key in sorted(expected.keys() - seen):
         raise CheckpointError(f"{source}: missing key {key!r} (for parameter {expected[key][0]})")
+    _check_shapes(cfg, entries, specs, expected, shape_of, source)
 
     params: dict = {}
     stacked: dict[str, np.ndarray] = {}
@@ -137,6 +140,24 @@ def load_params(cfg: ModelConfig, table: list[KeyMapEntry], keys: Iterable[str],
     for path, value in stacked.items():
         _set_at(params, path, value)
     return params
+
+
+def _check_shapes(cfg: ModelConfig, entries: dict, specs: dict, expected: dict, shape_of, source: str) -> None:
+    """Every tensor's stored shape against the config, from the headers alone: a checkpoint that does not
+    fit its config is refused before gigabytes are read and dequantized, with every misfit named at once."""
+    wrong = []
+    for key in sorted(expected):
+        path, layer = expected[key]
+        spec = _spec_at(specs, path)
+        want = tuple(entries[path].layout.source_shape(spec.shape[1:] if layer is not None else spec.shape))
+        have = tuple(int(d) for d in shape_of(key))
+        if have != want:
+            wrong.append(f"{key!r} has shape {have}, expected {want} (parameter {path})")
+    if wrong:
+        more = f" and {len(wrong) - 8} more" if len(wrong) > 8 else ""
+        raise CheckpointError(f"{source}: {len(wrong)} tensor(s) do not fit the {cfg.family} config "
+                              f"(hidden {cfg.hidden_size}, {cfg.num_layers} layers, vocab {cfg.vocab_size}): "
+                              + "; ".join(wrong[:8]) + more)
 
 
 def export_params(cfg: ModelConfig, table: list[KeyMapEntry], params: dict) -> dict[str, np.ndarray]:

@@ -100,6 +100,10 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self._entries)
 
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The stored shape, from the header (no data read)."""
+        return tuple(self._entries[key]["shape"])
+
     def get(self, key: str) -> np.ndarray:
         info = self._entries[key]
         start, end = info["data_offsets"]
@@ -110,8 +114,9 @@ class SafetensorsFile:
         return raw.view(dtype).reshape(info["shape"])
 
 
-def open_hf_weights(model_dir: str) -> tuple[list[str], callable]:
-    """All tensors of an HF directory (single file or sharded with an index). Returns (keys, get)."""
+def open_hf_weights(model_dir: str) -> tuple[list[str], callable, callable]:
+    """All tensors of an HF directory (single file or sharded with an index). Returns (keys, get, shape):
+    ``get(key)`` reads a tensor, ``shape(key)`` its stored shape from the header."""
     index_path = os.path.join(model_dir, "model.safetensors.index.json")
     single = os.path.join(model_dir, "model.safetensors")
     if os.path.exists(index_path):
@@ -136,10 +141,10 @@ def open_hf_weights(model_dir: str) -> tuple[list[str], callable]:
                 raise CheckpointError(f"{index_path}: key {key!r} is mapped to {name} but found in {owner.get(key)}")
         for key in owner.keys() - weight_map.keys():
             raise CheckpointError(f"{index_path}: key {key!r} in {owner[key]} is missing from the index")
-        return list(owner), lambda key: files[owner[key]].get(key)
+        return list(owner), lambda key: files[owner[key]].get(key), lambda key: files[owner[key]].shape(key)
     if os.path.exists(single):
         sf = SafetensorsFile(single)
-        return sf.keys(), sf.get
+        return sf.keys(), sf.get, sf.shape
     if any(n.endswith(".bin") for n in os.listdir(model_dir)):
         raise CheckpointError(f"{model_dir}: only PyTorch .bin weights found; specjax reads safetensors "
                               f"(re-save with save_pretrained(safe_serialization=True))")

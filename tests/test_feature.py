@@ -152,6 +152,19 @@ def test_feature_shards_resume_and_load_with_greedy_targets(llama, tmp_path):
             assert (greedy == -1).all()
     with pytest.raises(InputError, match="exceeds max_len"):
         load_feature_set({"mixed": (shards, files)}, max_len=4)
+    # another checkpoint of the same config (a fine-tune): its features are its own
+    from tests.toy import perturbed
+
+    tuned = llama._replace(params=perturbed(llama.params, seed=1, eps=1e-3))
+    logged = []
+    assert feature_shards(tuned, shards, str(tmp_path / "features"), progress=False, log=logged.append) == files
+    assert len(logged) == 2 and all("made from other weights" in line for line in logged)
+    with np.load(files[0]) as z:  # a file from before the digest was recorded: taken as it is
+        legacy = {k: z[k] for k in z.files if k != "weights"}
+    np.savez(files[0], **legacy)
+    stamp = os.stat(files[0]).st_mtime_ns
+    feature_shards(llama, shards, str(tmp_path / "features"), progress=False, log=logged.append)
+    assert os.stat(files[0]).st_mtime_ns == stamp and len(logged) == 3 and files[1] in logged[2]
 
 
 def test_make_batch_left_pads_so_continuations_end_together(corpus):

@@ -19,6 +19,7 @@ import numpy as np
 
 from specjax.boost.corpus import read_shard
 from specjax.errors import InputError
+from specjax.models.params import llm_weights_digest
 
 WIDTH_MULTIPLE = 64  # teacher batches are padded to a multiple of this: few shapes, few compiles
 # How the teacher pass multiplies: "float32" (exactly the LLM as it runs in the loop), or "bfloat16":
@@ -128,6 +129,7 @@ def feature_shards(model, shard_paths, out_dir: str, batch_size: int = 8, progre
     os.makedirs(out_dir, exist_ok=True)
     run = None
     paths = []
+    weights = llm_weights_digest(model.params)
     for index, shard in enumerate(tqdm(shard_paths, desc="LLM features", disable=not progress)):
         path = os.path.join(out_dir, f"features-{index:05d}.npz")
         paths.append(path)
@@ -135,9 +137,12 @@ def feature_shards(model, shard_paths, out_dir: str, batch_size: int = 8, progre
         if os.path.exists(path):
             try:
                 with np.load(path) as z:
-                    if str(z["fingerprint"]) == fingerprint:
+                    # files from before the weights digest was recorded have none: taken as this model's
+                    same_weights = "weights" not in z.files or str(z["weights"]) == weights
+                    if str(z["fingerprint"]) == fingerprint and same_weights:
                         continue
-                why = "made from another shard, model or teacher dots"
+                why = ("made from another shard, model or teacher dots" if same_weights
+                       else "made from other weights (another checkpoint of the same config)")
             except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:  # a cache: recompute it
                 why = f"unreadable ({type(e).__name__})"
             log(f"{path}: {why}; recomputing")
@@ -150,7 +155,7 @@ def feature_shards(model, shard_paths, out_dir: str, batch_size: int = 8, progre
         tmp = f"{path}.{os.getpid()}.tmp.npz"
         np.savez(tmp, features=np.concatenate(results),
                  offsets=np.cumsum([0] + [len(s) for s, _ in sequences]).astype(np.int64),
-                 fingerprint=np.str_(fingerprint), shard=np.str_(os.path.abspath(shard)))
+                 fingerprint=np.str_(fingerprint), weights=np.str_(weights), shard=np.str_(os.path.abspath(shard)))
         os.replace(tmp, path)
     return paths
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from specjax.decoding.incremental import full_logits
 from specjax.errors import InputError
+from specjax.models.params import llm_weights_digest
 
 
 def top_k_logprobs(logits, top_k: int):
@@ -67,18 +68,19 @@ def _fingerprint(model, sequences, top_k: int) -> str:
 def cached_teacher_targets(model, sequences, path: str, top_k: int, progress: bool = True, log=print):
     """``teacher_targets`` stored at ``path`` (.npz) and reused while the model, the sequences and
     ``top_k`` are unchanged (fingerprinted); otherwise recomputed and the file replaced."""
-    fingerprint = _fingerprint(model, sequences, top_k)
+    fingerprint, weights = _fingerprint(model, sequences, top_k), llm_weights_digest(model.params)
     if os.path.exists(path):
         with np.load(path) as z:
-            if str(z["fingerprint"]) == fingerprint:
+            # files from before the weights digest was recorded have none: taken as this model's
+            if str(z["fingerprint"]) == fingerprint and ("weights" not in z.files or str(z["weights"]) == weights):
                 ids, logp, offsets = z["ids"], z["logp"], z["offsets"]
                 return [(ids[offsets[i]:offsets[i + 1]], logp[offsets[i]:offsets[i + 1]])
                         for i in range(len(sequences))]
-        log(f"{path}: computed for other sequences, model or top-k; recomputing")
+        log(f"{path}: computed for other sequences, model, weights or top-k; recomputing")
     targets = teacher_targets(model, sequences, top_k=top_k, progress=progress)
     offsets = np.cumsum([0] + [len(t[0]) for t in targets]).astype(np.int64)
     tmp = path + ".tmp.npz"
     np.savez(tmp, ids=np.concatenate([t[0] for t in targets]), logp=np.concatenate([t[1] for t in targets]),
-             offsets=offsets, fingerprint=np.str_(fingerprint))
+             offsets=offsets, fingerprint=np.str_(fingerprint), weights=np.str_(weights))
     os.replace(tmp, path)
     return targets

@@ -263,6 +263,42 @@ def stack_layers(params: dict) -> dict:
     return {**out, "layers": take_layers(params, range(len(params["layers"])))}
 
 
+def llm_weights_digest(params: dict, values_per_tensor: int = 4096) -> str:
+    """A sha256 of evenly strided values (at most ``values_per_tensor``) of every weight, with its name,
+    shape and dtype, the same in either layout: names the weights a corpus or its features came from
+    (a fine-tune keeps the config and tokenizer but moves every weight it trains). Only the samples leave
+    the device."""
+    import hashlib
+
+    def on_host(a):
+        if isinstance(a, jax.Array) and a.is_fully_addressable and all(d.platform == "cpu" for d in a.devices()):
+            return np.asarray(a)  # host memory already: a view, no copy (numpy slices it without dispatches)
+        return a
+
+    def sample(a) -> np.ndarray:
+        step = max(1, a.size // values_per_tensor)
+        if isinstance(a, np.ndarray):
+            return np.ravel(a)[::step]  # ravel copies only a non-contiguous slice (one layer's part)
+        return np.asarray(jax.device_get(jnp.ravel(a)[::step]))
+
+    params = jax.tree.map(on_host, params)
+    digest = hashlib.sha256()
+
+    def add(name: str, a) -> None:
+        digest.update(f"{name}{tuple(a.shape)}{np.dtype(a.dtype).name};".encode())
+        digest.update(np.ascontiguousarray(sample(a)).tobytes())
+
+    for name in sorted(k for k in params if k not in ("layers", TIED_HEAD)):
+        add(name, params[name])
+    split = layers_split(params)
+    count = len(params["layers"]) if split else jax.tree.leaves(params["layers"])[0].shape[0]
+    for i in range(count):
+        layer = unfuse_layer(params["layers"][i]) if split else {k: v[i] for k, v in params["layers"].items()}
+        for name in sorted(layer):
+            add(f"layers.{i}.{name}", layer[name])
+    return digest.hexdigest()
+
+
 def take_layers(params: dict, idx) -> dict:
     """The weights of layers ``idx`` stacked on a leading axis, from either layout (SSMs cut from an
     LLM's layers; ``stack_layers``)."""

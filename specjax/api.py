@@ -24,6 +24,7 @@ from specjax.speculation.loop import finish_speculative, host_step, init_state_j
 from specjax.speculation.request import as_bound, default_drafters, spec_config
 from specjax.speculation.state import stop_rows
 from specjax.types import Model
+from specjax.x32 import in_32_bit
 
 
 @dataclasses.dataclass
@@ -160,6 +161,7 @@ def plan_generation(model: Model, prompts, max_new_tokens: int = 128, sampling=N
                           draft=draft_name)
 
 
+@in_32_bit
 def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, chat_template: bool = True,
              ignore_eos: bool = False, mode: str | None = None, ssms=(), expansion=None,
              impl: str = "auto", verifier: str = "auto", draft: str = "auto", parallel=None,
@@ -232,6 +234,7 @@ def _check_run_args(parallel, on_tokens) -> None:
                          f"{type(on_tokens).__name__}")
 
 
+@in_32_bit
 def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_tokens=None,
              drafters=(), progress=None) -> GenerationResult:
     """Execute a validated plan (``plan_generation``) with loaded weights (the SSMs' and drafters'
@@ -319,6 +322,7 @@ def _ignore_tokens(request: int, token_ids: list) -> None:
     """The host loop's ``on_tokens`` where the caller streams nothing."""
 
 
+@in_32_bit
 def measured_budget(model: Model, plan: GenerationPlan, params=None, batch: int | None = None, parallel=None,
                     progress=None, beside=None) -> GenerationPlan:
     """The plan with its tree budget's pass costs for this machine and batch size (measured once,
@@ -422,6 +426,7 @@ def _place(parallel, model: Model, plan: GenerationPlan, drafter_params: tuple):
     return params, drafter_params, inputs, parallel.fetch
 
 
+@in_32_bit
 def logits(model: Model, token_ids) -> list[np.ndarray]:
     """Full-sequence logits for each token-id list: a list of float32 [len, V] arrays."""
     ids = encode_prompts(model, token_ids, chat_template=False)

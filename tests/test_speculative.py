@@ -141,6 +141,34 @@ def test_callable_inside_user_jit_and_streaming_twin_agrees(llama):
     assert [tokens[b, :24].tolist() for b in range(2)] == want
 
 
+def test_64_bit_types_switched_on_change_nothing(llama):
+    """``jax_enable_x64`` (a global switch of much scientific JAX code) made every loop carry int64 and
+    every speculative run a carry-type TypeError; the entry points now run in JAX's 32-bit types."""
+    ssm = derive_ssm(llama, 1)
+    prompts = [random_ids(np.random.RandomState(5), 128, n) for n in (6, 11)]
+    seeded = specjax.SamplingParams(temperature=0.9, seed=3)
+    want = [specjax.generate(llama, prompts, 8, ssms=[ssm], sampling=s, ignore_eos=True).token_ids
+            for s in (None, seeded)]
+    spec = SpecConfig(ssm_drafters([ssm.config], [(2, 1, 1)]), impl="xla")
+    kw = dict(cfg=llama.config, spec=spec, cache_len=32 + 32 + spec.num_nodes, max_out=32)
+    with jax.enable_x64(True):
+        got = [specjax.generate(llama, prompts, 8, ssms=[ssm], sampling=s, ignore_eos=True).token_ids
+               for s in (None, seeded)]
+        padded = jnp.asarray([p + [0] * (32 - len(p)) for p in prompts])  # int64 under x64, as a user makes them
+        assert padded.dtype == jnp.int64
+
+        @jax.jit
+        def user_program(llm_params, ssm_params, tokens, lens, max_new):
+            from specjax.speculation.loop import generate_speculative
+
+            return generate_speculative(llm_params, ssm_params, tokens, lens, max_new, **kw).tokens
+
+        tokens = np.asarray(user_program(llama.params, (ssm.params,), padded, jnp.asarray([6, 11]),
+                                         jnp.asarray([8, 8])))
+    assert got == want
+    assert [tokens[b, :8].tolist() for b in range(2)] == want[0]
+
+
 # 12 random pool shapes (each new shape costs ~3 s of op compilation in eager mode) + the fixed cases below
 @settings(max_examples=12, deadline=None)
 @given(st.lists(st.tuples(st.lists(st.integers(1, 3), min_size=1, max_size=3), st.integers(0, 2**31 - 1)),

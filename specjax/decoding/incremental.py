@@ -23,6 +23,7 @@ from specjax.decoding.sampling import SamplingArrays, finite_rows, sample_tokens
 from specjax.kernels.cpu.attention import max_head_dim
 from specjax.models import forward
 from specjax.models.cache import KVCache, init_cache
+from specjax.x32 import in_32_bit
 
 PAD_TOKEN = -1  # fills the unused tail of the output buffer
 
@@ -168,6 +169,7 @@ def decode_step(params, state: DecodeState, sampling: SamplingArrays, max_new_to
                        llm_passes=state.llm_passes + 1)
 
 
+@in_32_bit
 def decode_init(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, max_new_tokens: jax.Array,
                 sampling: SamplingArrays, *, cfg: ModelConfig, cache_len: int, max_out: int,
                 eos_ids: tuple[int, ...] = (), parallel=None) -> DecodeState:
@@ -186,6 +188,7 @@ def decode_init(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, max_ne
                        llm_passes=jnp.ones((), jnp.int32))
 
 
+@in_32_bit
 def generate_incremental(params, prompt_tokens: jax.Array, prompt_lens: jax.Array,
                          max_new_tokens: jax.Array, sampling: SamplingArrays, *, cfg: ModelConfig,
                          cache_len: int, max_out: int, eos_ids: tuple[int, ...] = (),
@@ -204,6 +207,7 @@ def generate_incremental(params, prompt_tokens: jax.Array, prompt_lens: jax.Arra
     return finish_incremental(params, state, sampling, max_new_tokens, cfg=cfg, eos_ids=eos_ids, parallel=parallel)
 
 
+@in_32_bit
 def finish_incremental(params, state: DecodeState, sampling: SamplingArrays, max_new_tokens: jax.Array,
                        cfg: ModelConfig, eos_ids: tuple[int, ...] = (), parallel=None) -> GenerateOutput:
     """The loop of ``generate_incremental`` after ``decode_init``: one step per token until every
@@ -241,6 +245,7 @@ decode_host_step_jit = jax.jit(decode_host_step, static_argnames=("cfg", "eos_id
                                donate_argnames=("state",))
 
 
+@in_32_bit
 @functools.partial(jax.jit, static_argnames=("cfg", "parallel"))
 def full_logits(params, tokens: jax.Array, cfg: ModelConfig, parallel=None) -> jax.Array:
     """Logits [B, T, V] of a full (right-padded) sequence, recomputed from scratch (no reuse)."""

@@ -33,6 +33,7 @@ from specjax.speculation.loop import init_state, init_state_jit, spec_step
 from specjax.speculation.spec import SpecConfig
 from specjax.speculation.state import NO_STOP, SpecState, release_row, write_row
 from specjax.types import Model
+from specjax.x32 import in_32_bit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,7 @@ class Engine:
     tree size before each pass-cost measurement "auto" makes (none when the table is cached).
     """
 
+    @in_32_bit
     def __init__(self, model: Model, *, slots: int, max_prompt_tokens: int, max_new_tokens: int, drafters=(),
                  verifier: str = "seeded", impl: str = "auto", max_stop_tokens: int = 4, budget=None,
                  progress=None):
@@ -131,6 +133,7 @@ class Engine:
             raise InputError(f"{what} is not a state of this engine's {rows} request(s) (its tokens: {got}, "
                              f"expected {tuple(want.tokens.shape)}); pass one from {source}")
 
+    @in_32_bit
     def init(self) -> SpecState:
         """A batch state with every slot free."""
         greedy = _sampling([SamplingParams()] * self.slots)
@@ -139,6 +142,7 @@ class Engine:
         return state.replace(done=jnp.ones((self.slots,), bool), sampling=greedy,
                              stop_ids=jnp.full((self.slots, self.max_stop_tokens), NO_STOP, jnp.int32))
 
+    @in_32_bit
     def prefill(self, prompt: list[int], sampling: SamplingParams | None = None, max_new_tokens: int | None = None,
                 stop_ids=()) -> SpecState:
         """One request's prompt through the LLM and the drafters: a batch-1 state holding its first token."""
@@ -148,6 +152,7 @@ class Engine:
                               jnp.asarray([budget], jnp.int32), _sampling([sampling]), jnp.asarray([stops], jnp.int32),
                               **self._sizes)
 
+    @in_32_bit
     def insert(self, state: SpecState, row: SpecState, slot: int) -> SpecState:
         """``state`` with ``row`` (from ``prefill``) in slot ``slot`` (whatever the slot held is dropped)."""
         self._check_slot(slot)
@@ -155,10 +160,12 @@ class Engine:
         self._check_state(row, 1, "row")
         return _insert_jit(state, row, jnp.int32(slot))
 
+    @in_32_bit
     def step(self, state: SpecState) -> SpecState:
         """One speculative step (one LLM pass) of every slot; finished and free slots stay as they are."""
         return self._step(state)
 
+    @in_32_bit
     def release(self, state: SpecState, slot: int) -> SpecState:
         """Free slot ``slot`` (a finished or cancelled request): later steps skip it."""
         self._check_slot(slot)

@@ -31,6 +31,7 @@ from specjax.speculation.tree import TokenTree
 from specjax.speculation.verify.greedy import verify_greedy
 from specjax.speculation.verify.sampled import verify_sampled
 from specjax.speculation.verify.seeded import seeded_head, seeded_noise, verify_seeded
+from specjax.x32 import in_32_bit
 
 __all__ = ["SpecConfig", "SpecState", "SpecOutput", "VERIFIERS", "DEFAULT_DRAFT", "spec_step", "init_state",
            "generate_speculative", "generate_speculative_jit", "generate_stream", "step_jit", "init_state_jit",
@@ -139,6 +140,7 @@ def _scored_pass(llm_params, proposals, root, state: SpecState, cfg, spec: SpecC
     return verdict, path_kv, finite, hidden
 
 
+@in_32_bit
 def spec_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelConfig, spec: SpecConfig,
               parallel=None, pass_costs=None) -> SpecState:
     """One speculative step for every slot; finished and free slots are carried along unchanged.
@@ -228,6 +230,7 @@ def _commit_drafters(drafter_params, drafter_states, spec: SpecConfig, verdict, 
     return tuple(out)
 
 
+@in_32_bit
 def init_state(llm_params, drafter_params: tuple, prompt_tokens, prompt_lens, max_new_tokens,
                sampling: SamplingArrays, stop_ids: jax.Array, *, cfg: ModelConfig, spec: SpecConfig, cache_len: int,
                max_out: int, parallel=None) -> SpecState:
@@ -273,6 +276,7 @@ def init_state(llm_params, drafter_params: tuple, prompt_tokens, prompt_lens, ma
                      **per_request)
 
 
+@in_32_bit
 def generate_speculative(llm_params, drafter_params: tuple, prompt_tokens: jax.Array, prompt_lens: jax.Array,
                          max_new_tokens: jax.Array, sampling: SamplingArrays | None = None,
                          stop_ids: jax.Array | None = None, *, cfg: ModelConfig, spec: SpecConfig, cache_len: int,
@@ -299,6 +303,7 @@ def generate_speculative(llm_params, drafter_params: tuple, prompt_tokens: jax.A
                               pass_costs=pass_costs)
 
 
+@in_32_bit
 def finish_speculative(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelConfig, spec: SpecConfig,
                        parallel=None, pass_costs=None) -> SpecOutput:
     """The loop of ``generate_speculative`` after ``init_state``: steps until every request is done.
@@ -325,6 +330,7 @@ init_state_jit = jax.jit(init_state, static_argnames=("cfg", "spec", "cache_len"
 step_jit = jax.jit(spec_step, static_argnames=("cfg", "spec", "parallel"), donate_argnames=("state",))
 
 
+@in_32_bit
 def host_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelConfig, spec: SpecConfig,
               parallel=None, steps=1, pass_costs=None):
     """``spec_step`` as the streaming host loop calls it: up to ``steps`` (int32 operand) passes while
@@ -337,6 +343,7 @@ def host_step(llm_params, drafter_params: tuple, state: SpecState, cfg: ModelCon
 host_step_jit = jax.jit(host_step, static_argnames=("cfg", "spec", "parallel"), donate_argnames=("state",))
 
 
+@in_32_bit
 def generate_stream(llm_params, drafter_params: tuple, prompt_tokens, prompt_lens, max_new_tokens,
                     sampling: SamplingArrays | None = None, stop_ids: jax.Array | None = None, *, cfg: ModelConfig,
                     spec: SpecConfig, cache_len: int, max_out: int, eos_ids: tuple[int, ...] = (), parallel=None,

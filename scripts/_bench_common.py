@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import shlex
@@ -38,10 +39,71 @@ def require_plotting() -> None:
                  "pip install -e '.[bench]'")
 
 
+def command() -> str:
+    """The command line that ran this script, as printed in the header and stored in the JSON results."""
+    return shlex.join([sys.executable.rsplit('/', 1)[-1]] + sys.argv)
+
+
 def print_header(title: str) -> None:
     print(f"# {title}")
-    print(f"# command: {shlex.join([sys.executable.rsplit('/', 1)[-1]] + sys.argv)}")
+    print(f"# command: {command()}")
     print(f"# machine: {machine()}")
+
+
+# argparse ``type=`` functions: a bad count or list is refused while parsing, naming the flag (argparse prefixes
+# "argument --flag:"), not after minutes of model loading and generation.
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (a count, a stride, repetitions)."""
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0 (an index)."""
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def int_list(minimum: int = 1, sep: str = ","):
+    """A ``sep``-separated list of integers, each >= ``minimum`` ("1,2,4")."""
+    def parse(text: str) -> list[int]:
+        values = [_integer(item.strip()) for item in text.split(sep)]
+        low = [v for v in values if v < minimum]
+        if low:
+            raise argparse.ArgumentTypeError(f"{text!r}: every item must be an integer >= {minimum}, got {low}")
+        return values
+    return parse
+
+
+def name_list(choices):
+    """A comma-separated list of names, each one of ``choices`` (an unknown name is an error, not skipped)."""
+    def parse(text: str) -> list[str]:
+        names = [item.strip() for item in text.split(",") if item.strip()]
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"{text!r}: unknown {unknown or 'empty list'}; expected names from "
+                                             f"{', '.join(choices)}")
+        return names
+    return parse
+
+
+def existing_file(text: str) -> str:
+    """A path to a file that exists (checked before any model is loaded)."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return text
 
 
 TASK_KINDS = os.path.join(os.path.dirname(__file__), "data", "task_kinds.jsonl")
@@ -49,10 +111,11 @@ TASK_KINDS = os.path.join(os.path.dirname(__file__), "data", "task_kinds.jsonl")
 
 def add_task_kind_args(ap) -> None:
     """The options of the scripts that run one prompt per task kind (``one_per_kind``) repeatedly."""
-    ap.add_argument("--prompts-file", default=TASK_KINDS)
-    ap.add_argument("--which", type=int, default=1, help="the K-th prompt of every task kind")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--repetitions", type=int, default=2)
+    ap.add_argument("--prompts-file", type=existing_file, default=TASK_KINDS)
+    ap.add_argument("--which", type=nonnegative_int, default=1,
+                    help="the K-th prompt of every task kind (0: the first)")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=128)
+    ap.add_argument("--repetitions", type=positive_int, default=2)
 
 
 def one_per_kind(path: str, which: int) -> tuple[list[dict], list[str]]:
@@ -60,6 +123,8 @@ def one_per_kind(path: str, which: int) -> tuple[list[dict], list[str]]:
     and every kind's name; exits naming the file when no kind has that many prompts."""
     import collections
 
+    if which < 0:  # a negative index would count from each kind's end
+        raise ValueError(f"which must be >= 0, got {which}")
     by_kind = collections.defaultdict(list)
     for r in load_prompts(path, None):
         by_kind[r.get("category", "?")].append(r)
@@ -70,7 +135,11 @@ def one_per_kind(path: str, which: int) -> tuple[list[dict], list[str]]:
 
 
 def load_prompts(path: str, n: int | None, stride: int = 1) -> list[dict]:
-    """Every ``stride``-th record of a prompts file (specjax's own reader: errors name file and line)."""
+    """The first ``n`` (None: all) of every ``stride``-th record of a prompts file (specjax's own reader: errors
+    name file and line). Callers check their flags with ``positive_int``; this guards the slicing, where 0 would
+    mean "all" and a negative count "all but the last"."""
+    if (n is not None and n < 1) or stride < 1:
+        raise ValueError(f"load_prompts({path!r}): n must be None or >= 1 and stride >= 1, got n={n}, stride={stride}")
     from specjax.errors import InputError
     from specjax.io.prompts import read_prompt_records
 
@@ -78,7 +147,7 @@ def load_prompts(path: str, n: int | None, stride: int = 1) -> list[dict]:
         records = read_prompt_records(path, flag="prompts file", allow_token_ids=False)[::stride]
     except InputError as e:
         sys.exit(f"{e} (pass --prompts-file)")
-    return records[:n] if n else records
+    return records if n is None else records[:n]
 
 
 def load_hf_reference(path: str, dtype: str = "float32"):

@@ -13,7 +13,8 @@ prompt (this machine's speed drifts within minutes):
   (nothing answered before: what the corpus costs when it does not help).
 
 The answers are the LLM's own greedy outputs (specjax incremental, ``--max-new-tokens``), stored as
-token ids. Configurations: specjax incremental, the default (the lookup drafter + tree budget) and
+token ids. Configurations: specjax incremental, ``lookup + budget`` (the lookup drafter alone under the
+tree budget: not specjax's default, which for SmolLM2 merges the feature drafter with lookup) and
 the corpus drafter (lookup with the corpus as a second source, ``corpus:PATH`` + tree budget). Every
 corpus has the same capacity, so one compiled loop serves them all; time excludes compilation.
 Every output is compared with incremental decoding's (greedy: must be identical).
@@ -33,35 +34,36 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _bench_common as common  # noqa: E402
 
 HERE = os.path.join(os.path.dirname(__file__), "data")
-CONFIGS = ("incremental", "default", "corpus")
+LOOKUP = "lookup + budget"  # the lookup drafter alone; the corpus drafter is lookup plus the corpus
+CONFIGS = ("incremental", LOOKUP, "corpus")
+SETTINGS = ("repeat", "paraphrase", "others")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--prompts-file", default=os.path.join(HERE, "task_kinds.jsonl"))
-    ap.add_argument("--paraphrases-file", default=os.path.join(HERE, "corpus_paraphrases.jsonl"))
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--settings", default="repeat,paraphrase,others")
+    ap.add_argument("--prompts-file", type=common.existing_file, default=os.path.join(HERE, "task_kinds.jsonl"))
+    ap.add_argument("--paraphrases-file", type=common.existing_file,
+                    default=os.path.join(HERE, "corpus_paraphrases.jsonl"))
+    ap.add_argument("--max-new-tokens", type=common.positive_int, default=128)
+    ap.add_argument("--settings", type=common.name_list(SETTINGS), default=list(SETTINGS),
+                    help=f"comma-separated, from {', '.join(SETTINGS)}")
     ap.add_argument("--json", help="write the numbers here")
     args = ap.parse_args()
-    settings = args.settings.split(",")
-    bad = sorted(set(settings) - {"repeat", "paraphrase", "others"})
-    if bad:
-        ap.error(f"--settings: unknown {bad}; choose from repeat, paraphrase, others")
+    settings = args.settings
 
     import specjax
     from specjax.speculation.drafters.corpus import corpus_drafter
     from specjax.speculation.drafters.lookup import LookupDrafter
 
     common.print_header("corpus drafter on recurring requests (batch 1, greedy, float32)")
-    llm = specjax.load_model(args.model, progress=False)
-    recs = common.load_prompts(args.prompts_file, None)
+    recs = common.load_prompts(args.prompts_file, None)  # read and checked before the model loads
     ids = {r["id"]: r for r in recs}
     paras = common.load_prompts(args.paraphrases_file, None) if "paraphrase" in settings else []
     missing = [p["id"] for p in paras if p.get("original") not in ids]
     if missing:
         sys.exit(f"{args.paraphrases_file}: {missing} name no 'original' id of {args.prompts_file}")
+    llm = specjax.load_model(args.model, progress=False)
     encode = lambda rs: specjax.api.encode_prompts(llm, [r["prompt"] for r in rs])  # noqa: E731
     prompts, para_prompts = encode(recs), encode(paras)
 
@@ -69,7 +71,7 @@ def main() -> None:
         kw = dict(max_new_tokens=args.max_new_tokens)
         if config == "incremental":
             return specjax.generate(llm, [prompt], mode="incremental", **kw)
-        drafter = specjax.Bound(LookupDrafter()) if config == "default" else corpus_drafter(
+        drafter = specjax.Bound(LookupDrafter()) if config == LOOKUP else corpus_drafter(
             llm, corpus_docs, capacity=capacity)
         return specjax.generate(llm, [prompt], drafters=[drafter], budget="auto", **kw)
 
@@ -109,17 +111,17 @@ def main() -> None:
         if diff:
             sys.exit(f"case {i} ({setting}, {kind}): {diff} differ from incremental decoding")
 
-    results = {"machine": common.machine(), "max_new_tokens": args.max_new_tokens, "capacity": capacity,
-               "settings": {}}
+    results = {"machine": common.machine(), "command": common.command(), "max_new_tokens": args.max_new_tokens,
+               "capacity": capacity, "settings": {}}
     print("\n| setting | prompts | " + " | ".join(f"{c} tok/s (tok/pass)" for c in CONFIGS)
-          + " | corpus / default |")
+          + " | corpus / lookup |")
     print("|---" * (len(CONFIGS) + 3) + "|")
     for setting in settings:
         n = sum(1 for c in cases if c[0] == setting)
         rates = {c: totals[(setting, c)][1] / totals[(setting, c)][0] for c in CONFIGS}
         per_pass = {c: (totals[(setting, c)][1] - n) / max(totals[(setting, c)][2] - n, 1) for c in CONFIGS}
         cells = " | ".join(f"{rates[c]:.2f} ({per_pass[c]:.2f})" for c in CONFIGS)
-        print(f"| {setting} | {n} | {cells} | {rates['corpus'] / rates['default']:.2f}x |")
+        print(f"| {setting} | {n} | {cells} | {rates['corpus'] / rates[LOOKUP]:.2f}x |")
         kinds = sorted({k for (s, k, _) in by_kind if s == setting})
         results["settings"][setting] = {
             "prompts": n, "tokens_per_second": rates, "tokens_per_pass": per_pass,

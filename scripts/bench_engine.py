@@ -50,18 +50,21 @@ def main() -> None:
     ap.add_argument("--matmul-precision", default="highest", choices=("highest", "tf32"),
                     help="float32 matmuls on a GPU, both sides: highest (true float32) or tf32")
     add_layers_flag(ap)
-    ap.add_argument("--lengths", default="64,256,1024,2048,4096")
-    ap.add_argument("--decode-steps", type=int, default=16)
-    ap.add_argument("--tree-nodes", default="1,16,64")
-    ap.add_argument("--tree-context", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="output buffer of the API-sized cache")
-    ap.add_argument("--e2e", help="prompts file for the end-to-end comparison (skipped if absent)")
-    ap.add_argument("--e2e-tokens", type=int, default=128)
+    ap.add_argument("--lengths", type=common.int_list(), default=[64, 256, 1024, 2048, 4096], help="comma-separated")
+    ap.add_argument("--decode-steps", type=common.positive_int, default=16)
+    ap.add_argument("--tree-nodes", type=common.int_list(), default=[1, 16, 64], help="comma-separated")
+    ap.add_argument("--tree-context", type=common.positive_int, default=256)
+    ap.add_argument("--repeats", type=common.positive_int, default=3)
+    ap.add_argument("--max-new-tokens", type=common.positive_int, default=128,
+                    help="output buffer of the API-sized cache")
+    ap.add_argument("--e2e", type=common.existing_file,
+                    help="prompts file for the end-to-end comparison (without the flag: no end-to-end section)")
+    ap.add_argument("--e2e-tokens", type=common.positive_int, default=128)
     ap.add_argument("--json-out", default="bench_out/engine.json")
     ap.add_argument("--plot", default="bench_out/engine.png")
     args = ap.parse_args()
     common.require_plotting()
+    e2e_records = common.load_prompts(args.e2e, None) if args.e2e else None  # a bad file fails before the benchmark
 
     import jax
     import jax.numpy as jnp
@@ -114,7 +117,7 @@ def main() -> None:
 
     print(f"{'tokens':>6} {'sj prefill tok/s':>16} {'4x buffer':>10} {'torch tok/s':>11} {'sj decode ms':>12} "
           f"{'torch decode ms':>15}")
-    for length in [int(x) for x in args.lengths.split(",")]:
+    for length in args.lengths:
         ids = rng.randint(0, cfg.vocab_size, length).tolist()
         width = next_pow2(length)
         prompt = jnp.asarray([ids + [0] * (width - length)], jnp.int32)
@@ -182,7 +185,7 @@ def main() -> None:
     print(f"# tree pass at a {context}-token context")
     for impl in ("xla", "pallas") if gpu else ("xla",):
         base = None
-        for n in [int(x) for x in args.tree_nodes.split(",")]:
+        for n in args.tree_nodes:
             parents = [-1] + [(i - 1) // 2 for i in range(1, n)]
             tree = from_parents([rng.randint(0, cfg.vocab_size, n).tolist()], [parents], n_max=n)
             t = _median(lambda tree=tree, impl=impl: jax.block_until_ready(
@@ -192,8 +195,8 @@ def main() -> None:
             print(f"  {impl:>6} {n:>3} nodes: {1e3 * t:7.2f} ms = {t / base:.2f}x one node", flush=True)
 
     save()
-    if args.e2e and os.path.exists(args.e2e):
-        records = common.load_prompts(args.e2e, None)
+    if e2e_records is not None:
+        records = e2e_records
         prompts = specjax.api.encode_prompts(model, [r["prompt"] for r in records])
         specjax.generate(model, [prompts[0]], max_new_tokens=args.e2e_tokens, mode="incremental")  # warm up
         with torch.no_grad():

@@ -28,10 +28,12 @@ import _bench_common as common  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--prompts-file", default=common.DEFAULT_PROMPTS)
-    ap.add_argument("--num-prompts", type=int, default=12)
-    ap.add_argument("--rows", default="1,4,8,17", help="rows (tree nodes) per call")
-    ap.add_argument("--calls", type=int, default=300, help="timed calls per measurement (after 30 warm ones)")
+    ap.add_argument("--prompts-file", type=common.existing_file, default=common.DEFAULT_PROMPTS)
+    ap.add_argument("--num-prompts", type=common.positive_int, default=12)
+    ap.add_argument("--rows", type=common.int_list(), default=[1, 4, 8, 17],
+                    help="rows (tree nodes) per call, comma-separated")
+    ap.add_argument("--calls", type=common.positive_int, default=300,
+                    help="timed calls per measurement (after 30 warm ones)")
     args = ap.parse_args()
 
     import jax
@@ -52,12 +54,12 @@ def main() -> None:
     common.print_header("greedy head kernel vs float32 logits + argmax + finiteness")
     if cpu_kernels.matmul_status() is not None:
         sys.exit(f"the CPU kernels are not available here: {cpu_kernels.matmul_status()}")
+    prompts = [r["prompt"] for r in common.load_prompts(args.prompts_file, args.num_prompts)]  # before the model
     model = specjax.load_model(args.model, progress=False)
     cfg = model.config
     params = step_params(model.params, decides=True)
     if GREEDY_HEAD not in params:
         sys.exit("the step params carry no greedy head here (a float32 model on one CPU device with the kernels on)")
-    prompts = [r["prompt"] for r in common.load_prompts(args.prompts_file, args.num_prompts)]
     rows = []
     for ids in specjax.api.encode_prompts(model, prompts):
         n = len(ids)
@@ -90,7 +92,7 @@ def main() -> None:
         return (time.perf_counter() - t0) / args.calls * 1e3
 
     print("rows  float32 logits + first_argmax + finite_rows (ms)  greedy head (ms)  ratio")
-    for m in (int(v) for v in args.rows.split(",")):
+    for m in args.rows:
         xs = jnp.asarray(x[:m])
         want, got = before(xs, f32), after(xs, head)
         if not all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(want, got)):
@@ -112,7 +114,7 @@ def main() -> None:
     seeded_after = jax.jit(lambda x, h, noise, row: greedy_head.sampled_decision(
         x, h, jnp.ones((x.shape[0],), jnp.float32), noise, row))
     print("rows  seeded, temperature 1: float32 logits + seeded_tokens + finite_rows (ms)  sampled head (ms)  ratio")
-    for m in (int(v) for v in args.rows.split(",")):
+    for m in args.rows:
         xs, row = jnp.asarray(x[:m]), jnp.arange(m, dtype=jnp.int32) % 5
         want, got = seeded_before(xs, f32, noise, row), seeded_after(xs, head, noise, row)
         if not all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(want, got)):

@@ -22,10 +22,11 @@ import _bench_common as common  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--prompts-file", default=common.DEFAULT_PROMPTS)
-    ap.add_argument("--num-prompts", type=int, default=10)
-    ap.add_argument("--stride", type=int, default=7, help="take every STRIDE-th prompt (spans categories)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--prompts-file", type=common.existing_file, default=common.DEFAULT_PROMPTS)
+    ap.add_argument("--num-prompts", type=common.positive_int, default=10)
+    ap.add_argument("--stride", type=common.positive_int, default=7,
+                    help="take every STRIDE-th prompt (spans categories)")
+    ap.add_argument("--max-new-tokens", type=common.positive_int, default=128)
     ap.add_argument("--json-out", help="write per-prompt records here")
     args = ap.parse_args()
 

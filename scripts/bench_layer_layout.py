@@ -5,7 +5,7 @@ The same weights in both layouts (``specjax.models.params.split_layers``); every
 alternates the two layouts round by round so a noisy machine slows both alike. Reported per layout:
 compile seconds and warm milliseconds of one LLM tree pass (block-only, as the speculative loop runs
 it) at 1/5/17 nodes and batch 1 and 4 over a 256-token prefix; end-to-end tokens/s of greedy
-incremental decoding and of the default speculation (lookup + tree budget) on prompts of several
+incremental decoding and of lookup speculation (lookup + tree budget) on prompts of several
 task kinds. Generated tokens of the two layouts must be identical; the tree-pass logits' largest
 difference is printed (XLA may fuse the two programs differently: last-bit float32 differences).
 
@@ -28,13 +28,16 @@ TASKS = os.path.join(os.path.dirname(__file__), "data", "task_kinds.jsonl")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per measurement")
-    ap.add_argument("--nodes", default="1,5,17")
-    ap.add_argument("--batch-sizes", default="1,4")
-    ap.add_argument("--prompts-file", default=TASKS)
-    ap.add_argument("--num-prompts", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=common.positive_int, default=5, help="alternating rounds per measurement")
+    ap.add_argument("--nodes", type=common.int_list(), default=[1, 5, 17], help="comma-separated")
+    ap.add_argument("--batch-sizes", type=common.int_list(), default=[1, 4], help="comma-separated")
+    ap.add_argument("--prompts-file", type=common.existing_file, default=TASKS)
+    ap.add_argument("--num-prompts", type=common.positive_int, default=4)
+    ap.add_argument("--max-new-tokens", type=common.positive_int, default=64)
     args = ap.parse_args()
+    # read before the model loads and the tree passes run: a bad file fails in seconds, not minutes
+    prompts = [r["prompt"] for r in common.load_prompts(args.prompts_file, args.num_prompts,
+                                                         stride=max(1, 16 // args.num_prompts))]
 
     import jax
     import jax.numpy as jnp
@@ -65,8 +68,8 @@ def main() -> None:
     print(f"{'batch':>5} {'nodes':>5} {'stacked ms':>11} {'split ms':>9} {'split/stacked':>13} "
           f"{'compile stacked':>16} {'compile split':>14} {'max logit diff':>15}")
     prefix = 256
-    for b in [int(x) for x in args.batch_sizes.split(",")]:
-        for n in [int(x) for x in args.nodes.split(",")]:
+    for b in args.batch_sizes:
+        for n in args.nodes:
             cache = init_cache(cfg, b, prefix + n)
             cache = cache.replace(k=jnp.full_like(cache.k, 0.01), v=jnp.full_like(cache.v, 0.01),
                                   length=jnp.full((b,), prefix, jnp.int32))
@@ -86,11 +89,9 @@ def main() -> None:
                   f"{diff:>15.2e}",
                   flush=True)
 
-    prompts = [r["prompt"] for r in common.load_prompts(args.prompts_file, args.num_prompts,
-                                                         stride=max(1, 16 // args.num_prompts))]
     lookup = specjax.Bound(specjax.LookupDrafter())
     configs = {"incremental": {"mode": "incremental"},
-               "lookup + budget (default)": dict(drafters=[lookup], budget="auto")}
+               "lookup + budget": dict(drafters=[lookup], budget="auto")}
     print(f"\n# end to end, batch 1, greedy, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
           f"generation seconds without compilation, {args.rounds} alternating rounds (median per prompt)")
     for label, kw in configs.items():

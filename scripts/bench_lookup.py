@@ -14,7 +14,8 @@ Part 2: tokens/s vs batch size for specjax incremental and the default (under th
 "finish"; with ``--compare-rate`` also goal "rate"), every prompt generated in batches of that size,
 the configurations alternating batch by batch (this machine's speed drifts within minutes).
 
-Every specjax output is compared with specjax incremental (greedy: must be identical).
+Every specjax output is compared with specjax incremental (greedy: must be identical; in part 2, batch by
+batch); the script exits 1, after writing its results, when any differs.
 
     python scripts/bench_lookup.py --max-new-tokens 128 --batch-sizes 1,2,4,8,16 --out bench_out/lookup.png
 """
@@ -33,6 +34,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _bench_common as common  # noqa: E402
 
 TASKS = os.path.join(os.path.dirname(__file__), "data", "task_kinds.jsonl")
+PARTS = ("batch1", "batch")  # part 1 (batch 1, every system) and part 2 (the batch-size sweep)
 GROUNDED = ("summarisation", "rag-qa", "passage-qa", "retrieval")  # the input-grounded kinds of both prompt files
 
 
@@ -46,15 +48,16 @@ def main() -> None:
     from specjax.cli.layers import add_layers_flag, split_layers_arg
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts-file", default=TASKS)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--batch-max-new-tokens", type=int, default=64)
-    ap.add_argument("--batch-sizes", default="1,2,4,8,16")
+    ap.add_argument("--prompts-file", type=common.existing_file, default=TASKS)
+    ap.add_argument("--max-new-tokens", type=common.positive_int, default=128)
+    ap.add_argument("--batch-max-new-tokens", type=common.positive_int, default=64)
+    ap.add_argument("--batch-sizes", type=common.int_list(), default=[1, 2, 4, 8, 16], help="comma-separated")
     ap.add_argument("--ssm", default="smollm2-ssm-a")
     ap.add_argument("--prompt-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     ap.add_argument("--compare-rate", action="store_true",
                     help="part 2 also runs the budget with goal 'rate' (the serving engine's) for comparison")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: batch1, batch")
+    ap.add_argument("--skip", type=common.name_list(PARTS), default=[],
+                    help=f"comma-separated parts to skip: {', '.join(PARTS)}")
     add_layers_flag(ap)
     ap.add_argument("--out", default="bench_out/lookup.png")
     args = ap.parse_args()
@@ -83,8 +86,9 @@ def main() -> None:
     specs = default_drafters(llm.config)  # what `specjax generate` drafts with when no --drafter is given
     defaults = [build(spec, llm, load=True, expansion=None, draft="topk") for spec in specs]
     default = f"specjax {' + '.join(specs)} + budget (default)"
-    skip = set(args.skip.split(","))
+    skip = set(args.skip)
     results = {"machine": common.machine(), "command": sys.argv}
+    mismatches = collections.Counter()  # system -> outputs different from specjax incremental, both parts
 
     if "batch1" not in skip:
         ssm = specjax.load_model(args.ssm, progress=False)
@@ -122,7 +126,6 @@ def main() -> None:
         for fn in systems.values():  # first calls (weights to device, cost table, first compile)
             fn(prompts[0])
         per = {name: collections.defaultdict(lambda: [0, 0.0, 0]) for name in systems}  # kind -> tokens, s, passes
-        mismatches = collections.Counter()
         for rec, ids, kind in zip(records, prompts, kinds):
             reference = None
             for name, fn in systems.items():
@@ -164,7 +167,7 @@ def main() -> None:
     if "batch" not in skip:
         from specjax.speculation.budget import default_levels
 
-        sizes = [int(x) for x in args.batch_sizes.split(",")]
+        sizes = args.batch_sizes
         m = args.batch_max_new_tokens
         configs = {"specjax incremental": {"mode": "incremental"}, default: dict(drafters=defaults, budget="auto")}
         if args.compare_rate:
@@ -172,6 +175,7 @@ def main() -> None:
                 drafters=defaults, budget=specjax.Budget(default_levels(tuple(d.drafter for d in defaults)),
                                                          goal="rate"))
         sweep = {name: {} for name in configs}
+        batch_mismatches = collections.Counter()  # (configuration, batch size) -> differing requests
         print(f"\n# part 2: tokens/s vs batch size, {len(prompts)} prompts, {m} new tokens each; the "
               f"configurations alternate batch by batch")
         for b in sizes:
@@ -180,10 +184,13 @@ def main() -> None:
                 specjax.generate(llm, batches[0], max_new_tokens=m, **kw)
             tokens, seconds = collections.Counter(), collections.Counter()
             for batch in batches:
+                reference = None  # incremental's tokens for this batch: the first configuration
                 for name, kw in configs.items():
                     res, s = _specjax_seconds(lambda **k: specjax.generate(llm, batch, max_new_tokens=m, **kw, **k))
                     tokens[name] += sum(len(t) for t in res.token_ids)
                     seconds[name] += s
+                    reference = res.token_ids if reference is None else reference
+                    batch_mismatches[f"{name} (batch {b})"] += sum(t != r for t, r in zip(res.token_ids, reference))
             inc = tokens["specjax incremental"] / seconds["specjax incremental"]
             line = [f"batch {b:>3}: incremental {inc:7.2f} tok/s"]
             for name in configs:
@@ -192,6 +199,9 @@ def main() -> None:
                     line.append(f"{name.removeprefix('specjax ')} {sweep[name][b]:7.2f} = {sweep[name][b] / inc:.2f}x")
             print(", ".join(line), flush=True)
         results["batch"] = sweep
+        results["batch_mismatches"] = dict(+batch_mismatches)
+        mismatches.update(+batch_mismatches)  # drop the zero counts
+        print(f"# part 2: specjax outputs different from specjax incremental: {dict(+batch_mismatches) or 'none'}")
 
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(os.path.splitext(args.out)[0] + ".json", "w") as f:  # before plotting: the numbers survive a plot failure
@@ -226,6 +236,9 @@ def main() -> None:
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
     print(f"# plot: {args.out}")
+    if mismatches:  # greedy speculation is lossless: a difference is a bug, not a benchmark result
+        sys.exit(f"bench_lookup: specjax outputs differ from specjax incremental (must be identical): "
+                 f"{dict(mismatches)}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Mesh check + step times: one model on several meshes of simulated CPU devices, side by side.
 
 For each mesh (and one device): logits of the prompt batch vs one device (max |diff|), greedy
-incremental and tree-speculative tokens vs one device (must be identical), warm wall time per LLM
-pass for both. Attention is replicated automatically when tp does not divide the head count (SmolLM2:
-9 heads / 3 KV heads), so only MLP and vocabulary are split there.
+incremental and tree-speculative tokens vs one device (must be identical: the script exits 1 naming
+the meshes that differ), warm wall time per LLM pass for both. Attention is replicated automatically
+when tp does not divide the head count (SmolLM2: 9 heads / 3 KV heads), so only MLP and vocabulary are
+split there.
 
     JAX_NUM_CPU_DEVICES=8 python scripts/bench_mesh.py --meshes one tp=8 pp=2,tp=4 dp=2,tp=4
 """
@@ -24,11 +25,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--meshes", nargs="+", default=["one", "tp=8", "pp=2,tp=4", "dp=2,tp=4"])
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--batch", type=common.positive_int, default=4)
+    ap.add_argument("--max-new-tokens", type=common.positive_int, default=32)
     ap.add_argument("--ssm", default="derived:4")
     ap.add_argument("--expansion", default="1,1,3,1")
-    ap.add_argument("--prompts-file", default=common.DEFAULT_PROMPTS)
+    ap.add_argument("--prompts-file", type=common.existing_file, default=common.DEFAULT_PROMPTS)
     args = ap.parse_args()
 
     import jax
@@ -42,10 +43,10 @@ def main() -> None:
     from specjax.speculation.expansion import Expansion
 
     common.print_header("specjax on simulated CPU meshes vs one device (float32, greedy)")
+    prompts = [r["prompt"] for r in common.load_prompts(args.prompts_file, args.batch, stride=11)]  # before the model
     model = specjax.load_model(args.model, progress=False)
     cfg = model.config
     ssm = common.load_ssm(model, args.ssm)
-    prompts = [r["prompt"] for r in common.load_prompts(args.prompts_file, args.batch, stride=11)]
     ids = specjax.api.encode_prompts(model, prompts)
     width = max(len(p) for p in ids)
     batch_ids = np.zeros((len(ids), width), np.int32)
@@ -58,6 +59,7 @@ def main() -> None:
     print(f"{'mesh':>14} {'attention':>10} {'logits diff':>11} {'incr ==':>7} {'tree ==':>7} "
           f"{'incr ms/pass':>12} {'tree ms/pass':>12} {'tree passes':>11} {'compile s':>9}")
     reference = None
+    differ = []  # meshes whose greedy tokens differ from one device's
     for shape in args.meshes:
         parallel, attention = None, "-"
         if shape != "one":
@@ -89,6 +91,10 @@ def main() -> None:
         print(f"{shape:>14} {attention:>10} {diff:11.2e} {str(inc.token_ids == reference[1]):>7} "
               f"{str(tree.token_ids == reference[1]):>7} {inc_ms:12.1f} {tree_ms:12.1f} "
               f"{tree.stats['llm_passes']:11d} {compile_s:9.1f}", flush=True)
+        if inc.token_ids != reference[1] or tree.token_ids != reference[1]:
+            differ.append(shape)
+    if differ:
+        sys.exit(f"bench_mesh: greedy tokens differ from one device's on the meshes {differ} (must be identical)")
 
 
 if __name__ == "__main__":

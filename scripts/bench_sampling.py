@@ -29,12 +29,12 @@ VERIFIERS = [("naive", "topk"), ("mss", "iid"), ("rrs", "wor"), ("seeded", "coup
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ssm", default="derived:24", help="derived:K (the LLM's first K layers) or a model path")
-    ap.add_argument("--num-dev-prompts", type=int, default=8)
-    ap.add_argument("--stride", type=int, default=9)
-    ap.add_argument("--other-tasks", type=int, default=3, help="prompts of other task kinds to add")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--num-dev-prompts", type=common.positive_int, default=8)
+    ap.add_argument("--stride", type=common.positive_int, default=9)
+    ap.add_argument("--other-tasks", type=common.nonnegative_int, default=3, help="prompts of other task kinds to add")
+    ap.add_argument("--max-new-tokens", type=common.positive_int, default=64)
     ap.add_argument("--temperatures", default="1.0,0.7")
-    ap.add_argument("--expansion", default="1,1,3,1,1,1,1,1")
+    ap.add_argument("--expansion", type=common.int_list(), default=[1, 1, 3, 1, 1, 1, 1, 1], help="comma-separated")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
     ap.add_argument("--out", default="bench_out/sampling.json")
     args = ap.parse_args()
@@ -45,12 +45,13 @@ def main() -> None:
 
     common.print_header("stochastic speculative decoding: naive vs MSS vs RRS vs seeded (float32, batch 1)")
     records = common.load_prompts(common.DEFAULT_PROMPTS, args.num_dev_prompts, args.stride)
-    records += common.load_prompts(OTHER_TASKS, args.other_tasks)
+    if args.other_tasks:  # 0: none (load_prompts takes no count of 0)
+        records += common.load_prompts(OTHER_TASKS, args.other_tasks)
     llm = specjax.load_model("smollm2-135m-instruct", progress=False)
     ssm = common.load_ssm(llm, args.ssm)
     prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in records])
     n = args.max_new_tokens
-    widths = tuple(int(x) for x in args.expansion.split(","))
+    widths = tuple(args.expansion)
 
     hf = hf_ssm = None
     if not args.no_hf:
@@ -112,8 +113,8 @@ def main() -> None:
         naive_tpp = (naive["tokens"] - len(records)) / max(naive["passes"], 1)
         asst = totals.get("transformers assisted sample (same SSM)")
         asst_tps = asst["tokens"] / asst["seconds"] if asst else float("nan")
-        print(f"# temperature {temperature}; {len(records)} prompts; SSM {args.ssm}; expansion <{args.expansion}>; "
-              f"{n} new tokens")
+        print(f"# temperature {temperature}; {len(records)} prompts; SSM {args.ssm}; "
+              f"expansion <{','.join(map(str, widths))}>; {n} new tokens")
         print(f"{'system':<42} {'tok/s':>7} {'vs incr':>8} {'vs HF asst':>10} {'tok/pass':>9} {'vs naive':>9} "
               f"{'== incr':>8}")
         for name, t in totals.items():

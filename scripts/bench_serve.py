@@ -1,5 +1,6 @@
 """Load benchmark of `specjax serve`: throughput and time to first token / time per output token (p50,
-p99) vs concurrency, speculation on (the default: lookup drafting with the tree budget) vs off
+p99) vs concurrency, speculation on (the server's default drafters, ``registry.default_drafters``: for
+SmolLM2 the shipped feature drafter merged with lookup drafting, under the tree budget) vs off
 (`--drafter none`), through the real `openai` client, streaming chat completions, greedy.
 
 For each setting a server is started on 127.0.0.1 (model load and compilation are not timed), then
@@ -29,6 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _bench_common as common  # noqa: E402
 
 TASKS = os.path.join(os.path.dirname(__file__), "data", "task_kinds.jsonl")
+SETTINGS = {"speculation": [], "no-speculation": ["--drafter", "none"]}  # --settings name -> extra serve flags
 
 
 def _free_port() -> int:
@@ -138,25 +140,25 @@ def _plot(rows: dict, path: str, title: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--prompts-file", default=TASKS)
-    ap.add_argument("--concurrency", default="1,4,16,64")
-    ap.add_argument("--requests-per-client", type=int, default=2,
+    ap.add_argument("--prompts-file", type=common.existing_file, default=TASKS)
+    ap.add_argument("--concurrency", type=common.int_list(), default=[1, 4, 16, 64], help="comma-separated")
+    ap.add_argument("--requests-per-client", type=common.positive_int, default=2,
                     help="requests each client sends (at least 8 in all per level: low levels send more)")
-    ap.add_argument("--slots", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
-    ap.add_argument("--settings", default="speculation,no-speculation")
+    ap.add_argument("--slots", type=common.positive_int, default=8)
+    ap.add_argument("--max-tokens", type=common.positive_int, default=64)
+    ap.add_argument("--max-prompt-tokens", type=common.positive_int, default=1024)
+    ap.add_argument("--settings", type=common.name_list(tuple(SETTINGS)), default=list(SETTINGS),
+                    help=f"comma-separated, from {', '.join(SETTINGS)}")
     ap.add_argument("--out", default="bench_out/serve.png")
     args = ap.parse_args()
     common.require_plotting()
     common.print_header("specjax serve load benchmark")
     prompts = [r["prompt"] for r in common.load_prompts(args.prompts_file, None)]
-    levels = [int(c) for c in args.concurrency.split(",")]
-    flags = {"speculation": [], "no-speculation": ["--drafter", "none"]}
+    levels = args.concurrency
     rows = {}
     tmp = tempfile.mkdtemp(prefix="bench-serve-")
-    for name in args.settings.split(","):
-        proc, url = _start(args, flags[name], os.path.join(tmp, f"{name}.log"))
+    for name in args.settings:
+        proc, url = _start(args, SETTINGS[name], os.path.join(tmp, f"{name}.log"))
         try:
             rows[name] = []
             _level(url, args.model, prompts[:2], 2, 1, 8)  # warm the prompt buckets' first use
@@ -177,9 +179,10 @@ def main() -> None:
                   f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x throughput")
     title = (f"specjax serve, {args.model}, {args.slots} slots, {args.max_tokens} tokens/request, greedy, "
              f"float32; {common.machine()}")
-    _plot(rows, args.out, title)
-    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:  # before plotting: the numbers survive a plot failure
         json.dump({"command": sys.argv, "machine": common.machine(), "rows": rows}, f, indent=1)
+    _plot(rows, args.out, title)
     print(f"# plot: {args.out}")
 
 

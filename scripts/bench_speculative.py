@@ -23,17 +23,23 @@ import _bench_common as common  # noqa: E402
 OTHER_TASKS = os.path.join(os.path.dirname(__file__), "data", "other_tasks.jsonl")
 
 
+def expansion_list(text: str) -> list[tuple[int, ...]]:
+    """argparse type of --expansions: semicolon-separated expansions, each comma-separated widths >= 1."""
+    return [tuple(common.int_list()(item)) for item in text.split(";")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ssm", default="smollm2-ssm-a",
                     help="a registered SSM name, derived:K (the LLM's first K layers) or a model path")
-    ap.add_argument("--num-dev-prompts", type=int, default=14)
-    ap.add_argument("--stride", type=int, default=6)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--expansions", default="1,1,1,1;1,1,3,1,1,1,1,1;2,1,1",
+    ap.add_argument("--num-dev-prompts", type=common.positive_int, default=14)
+    ap.add_argument("--stride", type=common.positive_int, default=6)
+    ap.add_argument("--max-new-tokens", type=common.positive_int, default=128)
+    ap.add_argument("--expansions", type=expansion_list, default="1,1,1,1;1,1,3,1,1,1,1,1;2,1,1",
                     help="semicolon-separated; all-ones = sequence mode")
     ap.add_argument("--out", default="bench_out/speculative.png")
     args = ap.parse_args()
+    common.require_plotting()
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -44,6 +50,7 @@ def main() -> None:
 
     common.print_header("speculative vs incremental vs transformers (greedy, float32, batch 1)")
     records = common.load_prompts(common.DEFAULT_PROMPTS, args.num_dev_prompts, args.stride)
+    num_dev = len(records)
     records += common.load_prompts(OTHER_TASKS, None)
     llm = specjax.load_model("smollm2-135m-instruct", progress=False)
     ssm = common.load_ssm(llm, args.ssm)
@@ -59,8 +66,8 @@ def main() -> None:
     n = args.max_new_tokens
 
     systems = {"specjax incremental": lambda ids: specjax.generate(llm, [ids], max_new_tokens=n, mode="incremental")}
-    for text in args.expansions.split(";"):
-        widths = tuple(int(x) for x in text.split(","))
+    for widths in args.expansions:
+        text = ",".join(map(str, widths))
         mode = "sequence" if set(widths) == {1} else "tree"
         systems[f"specjax {mode} <{text}>"] = (lambda w, m: lambda ids: specjax.generate(
             llm, [ids], max_new_tokens=n, mode=m, ssms=[ssm], expansion=w))(widths, mode)
@@ -96,7 +103,8 @@ def main() -> None:
     base_tps = base["tokens"] / base["seconds"]
     assisted = totals["transformers assisted (same SSM)"]
     assisted_tps = assisted["tokens"] / assisted["seconds"]
-    print(f"# prompts: {len(records)} ({len(records) - 6} dev, 6 other task kinds); SSM {args.ssm}; {n} new tokens")
+    print(f"# prompts: {len(records)} ({num_dev} dev, {len(records) - num_dev} other task kinds); SSM {args.ssm}; "
+          f"{n} new tokens")
     print(f"{'system':<42} {'tok/s':>7} {'vs incr':>8} {'vs HF asst':>10} {'passes/tok':>10} {'tok/pass':>9} "
           f"{'outputs != incr':>15}")
     rows = []
@@ -106,6 +114,10 @@ def main() -> None:
         print(f"{name:<42} {tps:>7.2f} {tps / base_tps:>7.2f}x {tps / assisted_tps:>9.2f}x {ppt:>10.3f} "
               f"{(1 / ppt if t['passes'] else float('nan')):>9.2f} {t['mismatch']:>15}")
         rows.append((name, tps))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:  # before plotting: the numbers survive a plot failure
+        json.dump({"totals": totals, "machine": common.machine(), "command": common.command(), "ssm": args.ssm}, f,
+                  indent=1)
 
     import matplotlib
 
@@ -118,11 +130,8 @@ def main() -> None:
     ax.set_title(f"SmolLM2-135M-Instruct, SSM {args.ssm}, {len(records)} prompts, {common.machine().split(';')[0]}",
                  fontsize=9)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     fig.savefig(args.out, dpi=110)
     print(f"# plot: {args.out}")
-    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-        json.dump({"totals": totals, "machine": common.machine(), "ssm": args.ssm}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,19 @@ import _bench_common as common  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--prefix", type=int, default=256)
-    ap.add_argument("--sizes", default="1,2,4,8,16,32,64")
-    ap.add_argument("--impls", default="xla,pallas")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prefix", type=common.positive_int, default=256)
+    ap.add_argument("--sizes", type=common.int_list(), default=[1, 2, 4, 8, 16, 32, 64], help="comma-separated")
+    ap.add_argument("--impls", default="xla,pallas", help="comma-separated tree attention impls")
+    ap.add_argument("--repeats", type=common.positive_int, default=5)
     ap.add_argument("--out", default="bench_out/tree_forward.png")
     args = ap.parse_args()
+    common.require_plotting()
+    from specjax.attention.tree import IMPLS
+
+    impls = args.impls.split(",")
+    unknown = [impl for impl in impls if impl not in IMPLS]
+    if unknown:
+        ap.error(f"--impls: unknown {unknown}; choose from {', '.join(IMPLS)}")
 
     import jax
     import jax.numpy as jnp
@@ -39,8 +46,7 @@ def main() -> None:
     common.print_header("one tree forward of the LLM, wall time vs tree size")
     model = specjax.load_model(args.model, progress=False)
     cfg = model.config
-    sizes = [int(s) for s in args.sizes.split(",")]
-    impls = args.impls.split(",")
+    sizes = args.sizes
     rng = np.random.RandomState(0)
     max_len = args.prefix + max(sizes)
     cache = init_cache(cfg, 1, max_len)

@@ -34,9 +34,9 @@ def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct", help="a registered name or a model path")
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--prompt-tokens", type=int, default=40)
-    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--prompts", type=common.positive_int, default=4)
+    ap.add_argument("--prompt-tokens", type=common.positive_int, default=40)
+    ap.add_argument("--max-new-tokens", type=common.positive_int, default=48)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -47,6 +47,7 @@ def main() -> None:
     from specjax.decoding.sampling import SamplingParams
     from specjax.io import registry
     from specjax.speculation.drafters import FACTORIES
+    from specjax.speculation.drafters.ssm import parse_derived
     from specjax.speculation.expansion import Expansion
 
     common.print_header("lossless check: speculative == incremental (greedy and seeded)")
@@ -58,11 +59,19 @@ def main() -> None:
         ("lookup, budget auto", None, dict(drafters=[lookup], budget="auto")),
         ("lookup, whole tree", None, dict(drafters=[lookup])),
         ("lookup, whole tree, xla", None, dict(drafters=[lookup], impl="xla")),
-        ("SSM derived:4 tree", None, dict(drafters=[FACTORIES["ssm"]("derived:4", model, load=True, expansion=widths,
-                                                                  draft="topk")])),
-        ("SSM derived:4 tree, seeded T=1", "seeded", dict(drafters=[FACTORIES["ssm"](
-            "derived:4", model, load=True, expansion=widths, draft="coupled")], verifier="seeded")),
     ]
+    # the derived SSM's depth follows the model (derived:auto: the first min(4, max(1, L // 4)) layers), since a
+    # derived SSM needs K in [1, L - 1]; a one-layer model has no derived SSM to check
+    if model.config.num_layers >= 2:
+        ssm = f"derived:{len(parse_derived('derived:auto', model.config))}"
+        cases += [
+            (f"SSM {ssm} tree", None, dict(drafters=[FACTORIES["ssm"](ssm, model, load=True, expansion=widths,
+                                                                     draft="topk")])),
+            (f"SSM {ssm} tree, seeded T=1", "seeded", dict(drafters=[FACTORIES["ssm"](
+                ssm, model, load=True, expansion=widths, draft="coupled")], verifier="seeded")),
+        ]
+    else:
+        print(f"# SSM cases skipped: a derived SSM needs 2+ layers, {args.model} has {model.config.num_layers}")
     greedy_ref = specjax.generate(model, prompts, args.max_new_tokens, ignore_eos=True,
                                   mode="incremental").token_ids
     seeded = [SamplingParams(temperature=1.0, seed=args.seed + i) for i in range(len(prompts))]

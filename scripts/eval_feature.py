@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _bench_common as common  # noqa: E402
 
 TASKS = os.path.join(os.path.dirname(__file__), "data", "task_kinds.jsonl")
+PARTS = ("kinds", "budget")  # the parts of the evaluation, as the module docstring describes them
 DEFAULT = "the default"  # the configuration with no drafting arguments: whatever specjax.generate defaults to
 
 
@@ -237,25 +238,27 @@ def plot(results: dict, path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts-file", default=TASKS)
+    ap.add_argument("--prompts-file", type=common.existing_file, default=TASKS)
     ap.add_argument("--drafter", default="feature:auto", help="feature:NAME or feature:PATH")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--nodes", type=int, default=16, help="node budget of the equal-budget comparison")
+    ap.add_argument("--max-new-tokens", type=common.positive_int, default=128)
+    ap.add_argument("--nodes", type=common.positive_int, default=16, help="node budget of the equal-budget comparison")
     ap.add_argument("--ssm", default="smollm2-ssm-a")
-    ap.add_argument("--parts", default="kinds,budget")
-    ap.add_argument("--batch-sizes", default="1,2,4,8")
-    ap.add_argument("--budget-nodes", default="2,4,8,16,32,48")
-    ap.add_argument("--budget-tokens", type=int, default=64)
+    ap.add_argument("--parts", type=common.name_list(PARTS), default=list(PARTS),
+                    help=f"comma-separated, from {', '.join(PARTS)}")
+    ap.add_argument("--batch-sizes", type=common.int_list(), default=[1, 2, 4, 8], help="comma-separated")
+    ap.add_argument("--budget-nodes", type=common.int_list(), default=[2, 4, 8, 16, 32, 48], help="comma-separated")
+    ap.add_argument("--budget-tokens", type=common.positive_int, default=64)
     ap.add_argument("--out", default="bench_out/feature")
     args = ap.parse_args()
+    common.require_plotting()
     import specjax
 
     common.print_header("feature drafter evaluation (SmolLM2-135M-Instruct, float32)")
+    records = common.load_prompts(args.prompts_file, None)  # before the model loads: a bad file fails at once
     llm = specjax.load_model("smollm2-135m-instruct", progress=False)
-    records = common.load_prompts(args.prompts_file, None)
     arg = args.drafter.split(":", 1)[1] if args.drafter.startswith("feature:") else args.drafter
     results = {"machine": common.machine(), "command": sys.argv}
-    parts = set(args.parts.split(","))
+    parts = set(args.parts)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
 
     def save():  # after every part (and every batch size): a later failure keeps what was measured
@@ -266,8 +269,7 @@ def main() -> None:
         part_kinds(llm, records, _configs(llm, arg, args.nodes, args.ssm), args.max_new_tokens, results)
         save()
     if "budget" in parts:
-        part_budget(llm, records, arg, args.budget_tokens, [int(b) for b in args.batch_sizes.split(",")],
-                    [int(x) for x in args.budget_nodes.split(",")], results, save)
+        part_budget(llm, records, arg, args.budget_tokens, args.batch_sizes, args.budget_nodes, results, save)
     save()
     plot(results, args.out + ".png")
     print(f"# results: {args.out}.json, plot: {args.out}.png")

@@ -12,7 +12,9 @@ none of them is in the boost-tuning corpus (``specjax boost-tune --exclude-promp
   vs its members at equal tree size.
 * Figure 9: CDF of tokens per pass. Figure 10: ms per token vs tree width and batch size.
 
-    python scripts/eval_ssm.py --ssm ssm-a --ssm ssm-b --max-new-tokens 128
+    python scripts/eval_ssm.py --ssm smollm2-ssm-a --ssm smollm2-ssm-b --max-new-tokens 128
+
+docs/ssm_eval.json merges three such runs: write new runs under bench_out/ (the default ``--out``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _bench_common as common  # noqa: E402
 
 OTHER_TASKS = os.path.join(os.path.dirname(__file__), "data", "other_tasks.jsonl")
+PARTS = ("tables", "pool", "latency")  # Tables 1-2, the pool vs its members, Figure 10
 
 
 def table1(llm, ssms, names, prompts, n):
@@ -80,14 +83,16 @@ def tokens_per_pass(llm, ssms, prompts, n, expansion, temperature, verifier="aut
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ssm", action="append", required=True, help="SSM name or path; repeat for a pool (first = main)")
-    ap.add_argument("--stride", type=int, default=6)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--latency-tokens", type=int, default=32)
-    ap.add_argument("--batches", default="1,2,4,8")
-    ap.add_argument("--parts", default="tables,pool,latency",
+    ap.add_argument("--stride", type=common.positive_int, default=6)
+    ap.add_argument("--max-new-tokens", type=common.positive_int, default=128)
+    ap.add_argument("--latency-tokens", type=common.positive_int, default=32)
+    ap.add_argument("--batches", type=common.int_list(), default=[1, 2, 4, 8], help="comma-separated")
+    ap.add_argument("--parts", type=common.name_list(PARTS), default=list(PARTS),
                     help="comma-separated subset of tables (1 and 2), pool, latency (timings: run on an idle machine)")
-    ap.add_argument("--out", default="docs/ssm_eval")
+    ap.add_argument("--out", default="bench_out/ssm_eval",
+                    help="path prefix of the JSON and the plots (default: %(default)s)")
     args = ap.parse_args()
+    common.require_plotting()
 
     import specjax
 
@@ -99,15 +104,18 @@ def main() -> None:
     prompts = specjax.api.encode_prompts(llm, [r["prompt"] for r in records])
     kinds = sorted({r.get("category", "?") for r in records})
     print(f"# {len(records)} held-out prompts, kinds: {', '.join(kinds)}; {args.max_new_tokens} new tokens")
-    result = {"machine": common.machine(), "ssms": args.ssm, "prompts": len(records), "kinds": kinds}
+    result = {"machine": common.machine(), "command": common.command(), "ssms": args.ssm, "prompts": len(records),
+              "kinds": kinds}
 
-    parts = set(args.parts.split(","))
+    parts = set(args.parts)
     t0 = time.perf_counter()
     if "tables" in parts:
         run_tables(result, llm, ssms, names, prompts, args.max_new_tokens)
     if "pool" in parts and len(ssms) > 1:
         run_pool(result, llm, ssms, names, prompts, args.max_new_tokens)
-    batches = [int(b) for b in args.batches.split(",")]
+    elif "pool" in parts:
+        print("\n# pool: skipped, it needs two or more --ssm")
+    batches = args.batches
     if "latency" in parts:
         run_latency(result, llm, ssms, prompts, batches, args.latency_tokens)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

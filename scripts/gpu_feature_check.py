@@ -6,14 +6,14 @@ of the width 99% of the run's batches stay within (a step's cost follows its wid
 agreement and the export. The LLM can be SmolLM2's architecture with random weights, built on the GPU
 machine from the tracked config in one step (``scripts/random_weights_model.py``, first line below;
 SmolLM2's GGUF takes two calls to reach that machine), since a pass costs the same whatever the weights.
-Prints one JSON line: seconds per training step at ``--batch-size`` and what each stage took, so the real
-run's ``--epochs`` can be sized to the time it has (``scripts/gpu_feature_tune.sh``'s STEP_SECONDS, in a
-later session: this check's compiles take minutes). Run as a script, its matmuls run at the precision the
-training run uses (``JAX_DEFAULT_MATMUL_PRECISION``, default "highest" as there; a caller that imported jax
-first keeps its own). The step time is an upper bound for batches of its width or less (the JSON has
-the run's share of each width, ``run_widths``): the timed call follows a first call of 5 steps but compiles its step
-function again (one per call), and meets checkpoint saves. From the repository root there (specjax
-importable: installed, or ``PYTHONPATH=$PWD``; $OUT is what comes back):
+Prints its command and device kind, then one JSON line (with both): seconds per training step at ``--batch-size``
+and what each stage took, so the real run's ``--epochs`` can be sized to the time it has
+(``scripts/gpu_feature_tune.sh``'s STEP_SECONDS, in a later session: this check's compiles take minutes). Run as a
+script, its matmuls run at the precision the training run uses (``JAX_DEFAULT_MATMUL_PRECISION``, default
+"highest" as there; a caller that imported jax first keeps its own). The step time is an upper bound for batches
+of its width or less (the JSON has the run's share of each width, ``run_widths``): the timed call follows a first
+call of 5 steps but compiles its step function again (one per call), and meets checkpoint saves. From the
+repository root there (specjax importable: installed, or ``PYTHONPATH=$PWD``; $OUT is what comes back):
 
     python scripts/random_weights_model.py --config scripts/data/smollm2-135m-config.json --out /tmp/smollm2-random
     PYTHONPATH=$PWD python scripts/gpu_feature_check.py --model /tmp/smollm2-random \
@@ -27,6 +27,8 @@ import argparse
 import glob
 import json
 import os
+import shlex
+import sys
 import time
 
 import numpy as np
@@ -125,6 +127,12 @@ def main(argv=None) -> None:
 
     import jax
 
+    # what ran and on what, beside the numbers (argv: the arguments given to main, as when a test calls it)
+    command = shlex.join(["python", sys.argv[0] if argv is None else "scripts/gpu_feature_check.py",
+                          *(sys.argv[1:] if argv is None else argv)])
+    device_kind = jax.devices()[0].device_kind
+    print(f"# command: {command}\n# device: {device_kind} ({jax.default_backend()})", flush=True)
+
     from specjax.boost.feature_corpus import CorpusPlan
     from specjax.boost.feature_loading import load_feature_set
     from specjax.boost.feature_train import (
@@ -150,7 +158,8 @@ def main(argv=None) -> None:
     widths = run_widths([lengths for _, lengths in shards], args.batch_size, window, shapes.width_multiple)
     width = widths["p99"] if args.width is None else args.width
     chosen = choose_shards(shards, width, args.batch_size, window, shapes.width_multiple)
-    report = {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()], "jax": jax.__version__,
+    report = {"command": command, "device_kind": device_kind,
+              "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()], "jax": jax.__version__,
               "width": width, "run_widths": widths["share"], "run_mean_width": widths["mean"]}
     stage = time.perf_counter()
     llm = load_model(args.model, progress=False)

@@ -46,7 +46,7 @@ jax.__version__, "jaxlib", jaxlib.__version__, "flax", flax.__version__, "torch"
 "transformers", transformers.__version__, jax.devices())'
         nproc; } 2>&1 | tee "$OUT/env.txt" ;;
     kernels) step "compiled tree kernel and tree-pass tests"
-      timeout "${TEST_SECONDS:-150}" $PY -m pytest -q -p no:cacheprovider --timeout 100 -k "pallas or lowers" \
+      timeout "${TEST_SECONDS:-150}" $PY -m pytest -q -p no:cacheprovider -k "pallas or lowers" \
         tests/test_tree_attention.py tests/test_tree_forward.py 2>&1 | tee "$OUT/kernels.txt" | tail -30
       check "${PIPESTATUS[0]}" kernels ;;
     lossless) model; step "lossless end to end (SmolLM2 architecture, random weights)"
@@ -55,7 +55,7 @@ jax.__version__, "jaxlib", jaxlib.__version__, "flax", flax.__version__, "torch"
     f32) table float32 f32 ;;
     bf16) table bfloat16 bf16 ;;
     tests) step "speculative and transformers-equivalence tests"
-      timeout "${TEST_SECONDS:-120}" $PY -m pytest -q -p no:cacheprovider --timeout 100 \
+      timeout "${TEST_SECONDS:-120}" $PY -m pytest -q -p no:cacheprovider \
         tests/test_speculative.py tests/test_hf_equivalence.py 2>&1 | tee "$OUT/tests.txt" | tail -30
       check "${PIPESTATUS[0]}" tests ;;
     *) echo "unknown step $s (env kernels lossless f32 bf16 tests)"; exit 2 ;;

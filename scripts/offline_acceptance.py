@@ -101,19 +101,49 @@ def _accepted_by_node(tokens, parent, ok, truth):
     return run
 
 
-def _parse_costs(text: str) -> list[float]:
-    """--costs: one positive number of seconds per level of the default lookup drafter's ladder."""
+def _lookup_ladder() -> tuple[int, ...]:
+    """The default lookup drafter's budget ladder: nodes below the root at each level."""
     from specjax.speculation.drafters.lookup import LookupDrafter
 
-    ladder = LookupDrafter().budget_ladder()
+    return LookupDrafter().budget_ladder()
+
+
+def _parse_costs(text: str) -> list[float]:
+    """argparse type of --costs: one positive number of seconds per level of the default lookup drafter's ladder."""
+    ladder = _lookup_ladder()
     try:
         costs = [float(x) for x in text.split(",")]
     except ValueError:
-        sys.exit(f"--costs: not a comma-separated list of seconds: {text!r}")
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of seconds: {text!r}") from None
     if len(costs) != len(ladder) or not all(np.isfinite(c) and c > 0 for c in costs):
-        sys.exit(f"--costs: need {len(ladder)} positive seconds, one per level of the lookup ladder {ladder} "
-                 f"(nodes below the root), got {text!r}")
+        raise argparse.ArgumentTypeError(f"need {len(ladder)} positive seconds, one per level of the lookup ladder "
+                                         f"{ladder} (nodes below the root), got {text!r}")
     return costs
+
+
+def _parse_settings(text: str) -> list[tuple[int, int]]:
+    """argparse type of --settings: comma-separated DEPTHxBRANCHES, both >= 1 ("8x1,8x2")."""
+    settings = []
+    for item in text.split(","):
+        try:
+            depth, branches = (int(x) for x in item.split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} in {text!r} is not DEPTHxBRANCHES (e.g. 8x2)") from None
+        if depth < 1 or branches < 1:
+            raise argparse.ArgumentTypeError(f"{item!r} in {text!r}: depth and branches must be >= 1")
+        settings.append((depth, branches))
+    return settings
+
+
+def _parse_agreement(text: str) -> list[float]:
+    """argparse type of --agreement: comma-separated probabilities in [0, 1], one per depth."""
+    try:
+        profile = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of probabilities: {text!r}") from None
+    if not all(0.0 <= a <= 1.0 for a in profile):
+        raise argparse.ArgumentTypeError(f"every agreement must lie in [0, 1], got {text!r}")
+    return profile
 
 
 def replay_budget(sequences, costs, policy: str) -> list[tuple[int, float]]:
@@ -222,23 +252,40 @@ def simulate_merged(lookup_steps, profile, depth: int, seed: int = 0):
     return float(np.mean(alone)), float(np.mean(merged))
 
 
+def _corpus_shards(root: str, parts: list[str]) -> dict[str, list[str]]:
+    """{part: its shard files}, every part checked before any is read: exits naming a missing corpus, part or
+    a part with no shards (whose empty replay would fail much later)."""
+    if not os.path.isdir(root):
+        sys.exit(f"--corpus: no such directory: {root!r}")
+    shards = {}
+    for part in parts:
+        folder = os.path.join(root, part)
+        if not os.path.isdir(folder):
+            sys.exit(f"--parts: {part!r} is not a folder of the corpus {root!r}")
+        shards[part] = [os.path.join(folder, name) for name in sorted(os.listdir(folder))
+                        if name.startswith("shard-") and name.endswith(".npz")]
+        if not shards[part]:
+            sys.exit(f"--parts: {folder!r} holds no shard-*.npz files")
+    return shards
+
+
 def _sequences_from_corpus(root: str, parts: list[str]):
     from specjax.boost.corpus import read_shard
 
     out = collections.defaultdict(list)
-    for part in parts:
-        folder = os.path.join(root, part)
-        for name in sorted(os.listdir(folder)):
-            if name.startswith("shard-") and name.endswith(".npz"):
-                out[part] += read_shard(os.path.join(folder, name))
+    for part, paths in _corpus_shards(root, parts).items():
+        for path in paths:
+            out[part] += read_shard(path)
+        if not out[part]:
+            sys.exit(f"--parts: the shards of {part!r} in {root!r} hold no sequences")
     return out
 
 
 def _sequences_from_prompts(path: str, max_new_tokens: int):
     import specjax
 
+    records = common.load_prompts(path, None)  # before the model loads: a bad file fails at once
     model = specjax.load_model("smollm2-135m-instruct", progress=False)
-    records = common.load_prompts(path, None)
     out = collections.defaultdict(list)
     for r in records:
         ids = specjax.api.encode_prompts(model, [r["prompt"]])[0]
@@ -249,35 +296,38 @@ def _sequences_from_prompts(path: str, max_new_tokens: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--corpus", help="a feature corpus directory (specjax.boost.feature_corpus)")
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--corpus", help="a feature corpus directory (specjax.boost.feature_corpus)")
     ap.add_argument("--parts", default="passages,grounded-greedy,tasks-greedy", help="its greedy parts to replay")
-    ap.add_argument("--prompts-file", help="or: prompts whose greedy continuations are generated here")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--max-sequences", type=int, default=400, help="per part (a seeded sample)")
-    ap.add_argument("--settings", default="8x1,8x2,16x2,8x4", help="lookup depth x branches to replay")
-    ap.add_argument("--agreement", help="drafter agreement by depth, comma-separated (e.g. held-out values)")
-    ap.add_argument("--costs", help="seconds per LLM pass at each level of the lookup drafter's budget ladder "
-                                    "(none, 1, 4, 8, 16 nodes below the root): replay the tree budget against "
-                                    "an oracle")
+    source.add_argument("--prompts-file", type=common.existing_file,
+                        help="or: prompts whose greedy continuations are generated here")
+    ap.add_argument("--max-new-tokens", type=common.positive_int, default=128)
+    ap.add_argument("--max-sequences", type=common.positive_int, default=400, help="per part (a seeded sample)")
+    ap.add_argument("--settings", type=_parse_settings, default="8x1,8x2,16x2,8x4",
+                    help="lookup depth x branches to replay")
+    ap.add_argument("--agreement", type=_parse_agreement,
+                    help="drafter agreement by depth, comma-separated (e.g. held-out values)")
+    ladder = ", ".join(map(str, _lookup_ladder()))
+    ap.add_argument("--costs", type=_parse_costs,
+                    help=f"seconds per LLM pass at each level of the lookup drafter's budget ladder "
+                         f"({ladder} nodes below the root): replay the tree budget against an oracle")
     ap.add_argument("--answers", help="also replay the corpus drafter over this corpus (auto = the shipped one "
                                       "for SmolLM2, a shipped name, or a path as --drafter corpus: takes)")
     ap.add_argument("--json", help="write the numbers here")
     args = ap.parse_args()
+    costs = args.costs  # checked while parsing, before any generation
     common.print_header("offline acceptance: lookup replay and the agreement a drafter needs")
-    costs = _parse_costs(args.costs) if args.costs else None  # checked before any generation
     if args.prompts_file:
         data = _sequences_from_prompts(args.prompts_file, args.max_new_tokens)
-    elif args.corpus:
-        data = _sequences_from_corpus(args.corpus, args.parts.split(","))
     else:
-        sys.exit("give --corpus or --prompts-file")
+        data = _sequences_from_corpus(args.corpus, args.parts.split(","))
     rng = np.random.default_rng(0)
     for part in data:
         if len(data[part]) > args.max_sequences:
             pick = rng.choice(len(data[part]), args.max_sequences, replace=False)
             data[part] = [data[part][i] for i in sorted(pick)]
     report = {"lookup": {}, "needed": {}}
-    settings = [tuple(int(x) for x in s.split("x")) for s in args.settings.split(",")]
+    settings = args.settings
     print("\n## lookup drafting alone (greedy replay): mean tokens per LLM pass")
     print("| part | sequences | " + " | ".join(f"depth {d} x {b}" for d, b in settings) + " |")
     print("|---|---|" + "---|" * len(settings))
@@ -307,8 +357,8 @@ def main() -> None:
             print(f"| {part} | {len(seqs)} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
     if costs:
         policies = ["budget", "oracle"] + [f"level={i}" for i in range(len(costs))]
-        print(f"\n## the tree budget's level choice (costs {args.costs} s per pass): modelled speed over "
-              f"incremental decoding (one token per {costs[0]} s), tokens per pass")
+        print(f"\n## the tree budget's level choice (costs {','.join(map(str, costs))} s per pass): modelled speed "
+              f"over incremental decoding (one token per {costs[0]} s), tokens per pass")
         print("| part | " + " | ".join(policies) + " |")
         print("|---|" + "---|" * len(policies))
         report["budget"] = {}
@@ -328,7 +378,7 @@ def main() -> None:
         report["needed"][depth] = need
         print(f"| {depth} | " + " | ".join("-" if a is None else f"{a:.3f}" for a in need) + " |")
     if args.agreement:
-        profile = [float(x) for x in args.agreement.split(",")]
+        profile = args.agreement
         d0, b0 = settings[0]
         print(f"\n## a drafter with agreement {profile} by depth, alone and merged with lookup {d0}x{b0}")
         report["drafter"] = {}

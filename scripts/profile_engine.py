@@ -41,9 +41,10 @@ def _best(fn, repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--contexts", default="64,512,2048")
-    ap.add_argument("--cache-len", type=int, default=4096, help="cache buffer slots (unused ones must cost nothing)")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--contexts", type=common.int_list(), default=[64, 512, 2048], help="comma-separated")
+    ap.add_argument("--cache-len", type=common.positive_int, default=4096,
+                    help="cache buffer slots (unused ones must cost nothing)")
+    ap.add_argument("--repeats", type=common.positive_int, default=5)
     args = ap.parse_args()
 
     import jax
@@ -53,7 +54,7 @@ def main() -> None:
     from specjax.attention.meta import causal_meta
     from specjax.attention.xla import attend
     from specjax.decoding.incremental import PREFILL_CHUNKS
-    from specjax.decoding.programs import kernel_enabled
+    from specjax.decoding.programs import prefill_kernel_enabled
     from specjax.kernels.cpu import prefill_attention
     from specjax.models import forward
     from specjax.models.cache import init_cache
@@ -61,7 +62,8 @@ def main() -> None:
     from specjax.models.params import take_layers
 
     common.print_header("profile_engine")
-    kernels = kernel_enabled()
+    # the prefill kernel needs AVX-512F beyond what the step kernels need: decide as prefill() does
+    kernels = prefill_kernel_enabled()
     print(f"# prefill attention: {'specjax CPU prefill kernel' if kernels else 'XLA'}; decode attention: XLA "
           f"(the step programs' own kernels are profiled by `specjax tree-cost`)")
     model = specjax.load_model(args.model, dtype="float32", progress=False)
@@ -101,7 +103,7 @@ def main() -> None:
     layer_weights = layers * sum(int(np.prod(lp[w].shape)) for w in matmuls)
     print(f"{'pass':>8} {'context':>7} {'tokens':>6} | {'total ms':>8} | {'qkv+rope':>8} {'kv write':>8} "
           f"{'attend':>8} {'o-proj':>8} {'mlp':>8} {'lm head':>8} {'rest':>8} | {'GFLOP/s':>7}")
-    for context in (int(c) for c in args.contexts.split(",")):
+    for context in args.contexts:
         for kind in ("prefill", "decode"):
             if kind == "prefill":
                 num_new = min(context, PREFILL_CHUNKS[0])

@@ -115,6 +115,30 @@ def test_pairing_asks_the_declared_law(llama):
         SpecConfig(drafters=(ssm.config,))
 
 
+def test_a_drafter_declaring_one_hot_entries_is_verified_one_hot(llama):
+    """check_pairing asks the declared law: a drafter that declares deterministic drafts but returns laws
+    anyway must not have its entries verified against them (MSS against its q is the biased top-k rule)."""
+    from specjax.speculation.loop import propose_all
+
+    @dataclasses.dataclass(frozen=True)
+    class ReturnsLaws(RepeatDrafter):
+        def propose(self, params, state, ctx):
+            proposal, state = super().propose(params, state, ctx)
+            batch, vocab = proposal.tokens.shape[0], llama.config.vocab_size
+            return proposal.replace(law_row=jnp.zeros_like(proposal.law_row),
+                                    laws=jnp.full((batch, 1, vocab), -np.log(vocab), jnp.float32)), state
+
+    sampling = specjax.SamplingArrays.from_params([specjax.SamplingParams(temperature=1.0, seed=1)])
+    for fault, kept in ((None, False), ("allow_mss_on_topk", True)):  # the mutation test re-creates the rule
+        spec = SpecConfig((ReturnsLaws(),), verifier="mss", impl="xla", fault=fault)
+        state = init_state_jit(llama.params, ((),), jnp.asarray([[5, 6, 7, 0]], jnp.int32), jnp.asarray([3]),
+                               jnp.asarray([4]), sampling, stop_rows((), 1), cfg=llama.config, spec=spec,
+                               cache_len=16, max_out=8)
+        (proposal,), _, _ = propose_all(((),), state, spec, sampling)
+        assert (proposal.laws is not None) == kept
+        assert (np.asarray(proposal.law_row) == (0 if kept else -1)).all()
+
+
 @pytest.mark.parametrize("family", ["llama", "opt"])
 def test_hidden_state_drafter_receives_the_accepted_nodes_hidden_states(family, tiny_llama_dir, tiny_opt_dir):
     model = specjax.load_model(tiny_llama_dir if family == "llama" else tiny_opt_dir, progress=False)

@@ -134,3 +134,51 @@ def test_no_probability_mass_is_reported_never_token_0():
     verdict = run(case, 4)
     assert not np.asarray(verdict.ok).any()
     assert (np.asarray(verdict.bonus) == -2).all()
+
+
+def _seeded(batch: int):
+    from specjax.decoding.sampling import SamplingArrays, SamplingParams
+
+    return SamplingArrays.from_params([SamplingParams(temperature=1.0, seed=i) for i in range(batch)])
+
+
+@pytest.mark.parametrize("rule", ["naive", "mss", "rrs"])
+def test_without_stored_laws_every_entry_is_one_hot_whatever_its_law_row(rule):
+    """``laws=None`` means one-hot entries (``Proposal``); an entry that still named a law row was checked
+    against a law of zeros and accepted whenever the target gave its token any mass (P(token 1) = 1.0 where
+    the LLM says 0.1)."""
+    from specjax.speculation.tree import from_parents
+    from specjax.speculation.verify.sampled import verify_sampled
+
+    batch = 64
+    tree = from_parents([[0, 1]] * batch, [[-1, 0]] * batch, n_max=2)
+    logits = jnp.broadcast_to(jnp.log(jnp.asarray([[0.9, 0.1], [0.5, 0.5]], jnp.float32)), (batch, 2, 2))
+    length = jnp.full((batch,), 10)
+    one_hot = verify_sampled(logits, tree, None, _seeded(batch), length, rule, 1)
+    named = verify_sampled(logits, tree.replace(law_row=tree.law_row.at[:, 0, 0].set(0)), None, _seeded(batch),
+                           length, rule, 1)
+    np.testing.assert_array_equal(np.asarray(named.emitted), np.asarray(one_hot.emitted))
+    assert 0 < np.mean(np.asarray(one_hot.emitted)[:, 0] == 1) < 0.5  # the LLM's 0.1, not every draw
+
+
+@pytest.mark.parametrize("rule", ["naive", "mss", "rrs"])
+def test_a_tree_deeper_than_max_depth_is_cut_at_the_bound(rule):
+    """A drafter deeper than it declares: the sampled walk went on past ``max_depth`` and reported more
+    accepted tokens than ``emitted`` holds (the greedy walk stops there)."""
+    from specjax.speculation.tree import from_parents
+    from specjax.speculation.verify.sampled import verify_sampled
+
+    tree = from_parents([[0, 1, 2, 3]], [[-1, 0, 1, 2]], n_max=4)  # a chain of depth 3
+    logits = jnp.full((1, 4, 5), -10.0).at[0, 0, 1].set(10).at[0, 1, 2].set(10).at[0, 2, 3].set(10).at[0, 3, 4].set(10)
+    for max_depth in (1, 2, 3):
+        verdict = verify_sampled(logits, tree, None, _seeded(1), jnp.array([5]), rule, max_depth)
+        assert int(verdict.num_accepted[0]) == max_depth
+        assert np.asarray(verdict.emitted)[0].tolist() == list(range(1, max_depth + 2))  # accepted, then the bonus
+
+
+def test_a_tree_without_room_for_children_is_refused():
+    from specjax.speculation.tree import TreeError, from_parents
+
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(TreeError, match="max_children must be an int >= 1"):
+            from_parents([[2]], [[-1]], n_max=1, max_children=bad)

@@ -48,7 +48,13 @@ def propose_all(drafter_params: tuple, state: SpecState, spec: SpecConfig, sampl
         ctx = DraftContext(history=history, length=length, sampling=sampling, index=i, impl=spec.impl,
                            fault=spec.fault, max_depth=spec.max_depth, noise=noise)
         proposal, dstate = drafter.propose(params, dstate, ctx)
-        proposals.append(proposal.replace(tokens=proposal.tokens.at[:, 0].set(root[:, 0])))
+        proposal = proposal.replace(tokens=proposal.tokens.at[:, 0].set(root[:, 0]))
+        if drafter.law == "onehot" and spec.fault != "allow_mss_on_topk":
+            # the declared law is the one the verifier was checked against (check_pairing): a drafter
+            # declaring deterministic drafts is verified one-hot, never against laws it returns anyway (MSS
+            # against its q is the paper's biased top-k rule, which that mutation test re-creates)
+            proposal = proposal.replace(laws=None, law_row=jnp.full_like(proposal.law_row, -1))
+        proposals.append(proposal)
         states.append(dstate)
     return proposals, tuple(states), root
 

@@ -146,6 +146,9 @@ def from_parents_host(tokens: Sequence[Sequence[int]], parents: Sequence[Sequenc
         for i in range(1, len(parents[b])):
             kids[b][parents[b][i]].append(i)
     widest = max((len(k) for req in kids for k in req), default=0)
+    if max_children is not None and (isinstance(max_children, bool) or not isinstance(max_children, int)
+                                     or max_children < 1):
+        raise TreeError(f"max_children must be an int >= 1 (the children array's last axis), got {max_children!r}")
     k_max = max_children if max_children is not None else max(widest, 1)
     if widest > k_max:
         raise TreeError(f"a node has {widest} children, more than max_children={k_max}")

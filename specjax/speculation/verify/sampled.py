@@ -66,9 +66,10 @@ def verify_sampled(logits: jax.Array, tree: TokenTree, laws: jax.Array | None, s
     probs = jnp.exp(warp_logits(logits, warp_with))
     one_hot_argmax = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
     target = jnp.where(sampling.sampled[:, None, None], probs, one_hot_argmax)  # [B, N, V]
-    if laws is None:
-        laws = jnp.full((batch, 1, vocab), -jnp.inf, jnp.float32)
     children, law_row = _entries_in_draw_order(tree, mutation)
+    if laws is None:  # no stored laws: every entry is one-hot (as ``Proposal`` documents), whatever its law_row
+        laws = jnp.full((batch, 1, vocab), -jnp.inf, jnp.float32)
+        law_row = jnp.full_like(law_row, -1)
     num_entries = children.shape[-1]
 
     if injected is None:
@@ -82,7 +83,9 @@ def verify_sampled(logits: jax.Array, tree: TokenTree, laws: jax.Array | None, s
             t = length_b + w.depth + 1  # absolute position of the token decided at this node
             j = jnp.minimum(w.entry, num_entries - 1)
             c = jnp.where(w.entry < num_entries, children_b[w.node, j], -1)
-            has = c >= 0
+            # a tree deeper than max_depth (a drafter deeper than it declares) is cut at the bound, which
+            # stays exact; walking on would accept more tokens than ``emitted`` holds
+            has = (c >= 0) & (w.depth < max_depth)
             x = tokens_b[jnp.maximum(c, 0)]
             lam = _entry_law(x, w.node, w.entry, tokens_b, children_b, law_row_b, laws_b, rule, mutation)
             coin_slot = 0 if mutation == "shared_coins" else w.entry

@@ -42,8 +42,11 @@ def assert_within(got, reference, *floors: float, what: str = "") -> None:
 
 @contextlib.contextmanager
 def float64():
-    """Trace and run in float64 (jax's x64 mode) inside the block."""
-    with jax.enable_x64(True):
+    """Trace and run in float64 (jax's x64 mode) inside the block (also specjax's entry points, which
+    otherwise run in 32-bit types whatever the x64 switch says)."""
+    from specjax.x32 import keep_64_bit
+
+    with jax.enable_x64(True), keep_64_bit():
         yield
 
 

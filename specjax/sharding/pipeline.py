@@ -33,6 +33,15 @@ def _split(x, axis: int, groups: int):
     return x.reshape(x.shape[:axis] + (x.shape[axis] // groups, groups) + x.shape[axis + 1:])
 
 
+def _broadcast_sum(x, cpu: bool):
+    """psum over "pp" of a value only one stage holds (the others hold exact zeros): a broadcast. XLA:CPU
+    (jax 0.10) aborts the whole process compiling a bfloat16 all-reduce ("Invalid binary instruction opcode
+    copy"), so on CPU the sum runs in float32; adding zeros makes it exact either way."""
+    if cpu and x.dtype == jnp.bfloat16:
+        return jax.lax.psum(x.astype(jnp.float32), AXIS).astype(x.dtype)
+    return jax.lax.psum(x, AXIS)
+
+
 def _merge(x, axis: int):
     return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
 
@@ -49,6 +58,7 @@ def pipeline_layers(layer_fn, h, layer_params, cache: KVCache, per_request, para
     """
     stages = parallel.pp
     batch_axis = parallel.request_axis
+    cpu = parallel.mesh.devices.flat[0].platform == "cpu"
     groups = parallel.num_microbatches(h.shape[0] // parallel.replicas)
     batch, width = h.shape[:2]
     positions = logits_indices if logits_indices is not None else jnp.zeros((batch, 1), jnp.int32)
@@ -92,8 +102,7 @@ def pipeline_layers(layer_fn, h, layer_params, cache: KVCache, per_request, para
         _, km, vm, out, capm = jax.lax.fori_loop(0, groups + stages - 1, tick, carry)
         # Only the last stage wrote ``out`` (and only a layer's own stage its capture); the others
         # add exact zeros, so these sums are broadcasts.
-        out = jax.lax.psum(out, AXIS)
-        capm = jax.lax.psum(capm, AXIS)
+        out, capm = _broadcast_sum(out, cpu), _broadcast_sum(capm, cpu)
         return _merge(out, 0), _merge(km, 1), _merge(vm, 1), _merge(capm, 1)
 
     # "pp" and the request axis are manual (each dp replica pipelines its own requests); "tp" is automatic.

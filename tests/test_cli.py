@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+import specjax
 from specjax.boost.feature_corpus import WRITTEN_ROUNDS
 from specjax.cli import build_parser, main
 from specjax.errors import InputError
@@ -186,6 +187,8 @@ def test_stdout_is_protected_from_native_writes():
     (["--mesh", "tp=4"], "mesh pp=1,dp=1,tp=4 uses 4 of the 8 devices; a mesh must use every device"),
     (["--mesh", "tp=3,dp=x"], "expected comma-separated AXIS=SIZE"),
     (["--mesh", "tp=8"], "--replicate-attention"),
+    (["--mesh", "tp=8", "--replicate-attention", "--microbatches", "1"], "--microbatches needs --mesh with pp > 1"),
+    (["--replicate-attention"], "--replicate-attention shapes how a --mesh splits attention"),
     (["--temperature", "0.5", "--verifier", "greedy"], "verifier 'greedy' decodes greedily"),
     (["--temperature", "0.5", "--verifier", "rrs", "--draft", "iid", "--ssm", "derived:1"],
      "verifier 'rrs' is not lossless"),
@@ -204,6 +207,22 @@ def test_bad_generate_flags_fail_fast_with_status_2(tiny_llama_dir, args, messag
     assert message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
     assert "loading" not in r.stderr  # refused before the weights load
+
+
+def test_a_mesh_runs_an_ssm_loaded_by_path_and_a_short_last_batch_of_microbatches(tiny_llama_dir, tmp_path):
+    """``--ssm PATH --mesh ...`` was always refused (an SSM loaded by path has split layers on one CPU
+    device), and ``--microbatches`` equal to ``--batch-size`` failed on a shorter last batch."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"prompt": {p}}}\n' for p in ([1, 2, 3], [7, 8, 9, 10], [4, 4, 4])))
+    r = cli("generate", "--model", tiny_llama_dir, "--prompts-file", str(prompts), "--max-new-tokens", "5",
+            "--ssm", tiny_llama_dir, "--expansion", "1,2", "--mesh", "pp=2,tp=4", "--replicate-attention",
+            "--batch-size", "2", "--microbatches", "2", "--json", "--compile-cache", "none",
+            env={"JAX_NUM_CPU_DEVICES": "8"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = [json.loads(line) for line in r.stdout.splitlines()]
+    alone = specjax.generate(specjax.load_model(tiny_llama_dir, progress=False), [[1, 2, 3], [7, 8, 9, 10], [4, 4, 4]],
+                             max_new_tokens=5, mode="incremental")
+    assert [rec["token_ids"] for rec in records] == alone.token_ids
 
 
 @pytest.mark.parametrize("ids,message", [

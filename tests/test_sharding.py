@@ -155,6 +155,21 @@ def test_pipeline_with_dp_and_odd_batch_pads_requests():
     precision.assert_within(np.asarray(got)[valid], ref, precision.error(np.asarray(want)[valid], ref))
 
 
+def test_an_ssm_with_split_layers_runs_on_a_mesh():
+    """An SSM loaded by name on one CPU device has split layers (load_model's default there): the CLI's
+    ``--ssm NAME --mesh ...`` was always refused for it. A mesh now restacks it."""
+    from specjax.models.params import layers_split, split_layers
+
+    model = tiny("llama")
+    ssm = derive_ssm(model, 1)
+    ssm = ssm._replace(params=split_layers(ssm.params))
+    assert layers_split(ssm.params)
+    prompts = _prompts(model.config)[:2]
+    kw = dict(max_new_tokens=6, ignore_eos=True, ssms=[ssm], expansion=(2, 1))
+    want = specjax.generate(model, prompts, max_new_tokens=6, ignore_eos=True, mode="incremental").token_ids
+    assert specjax.generate(model, prompts, parallel=Parallel.create("dp=2,tp=4"), **kw).token_ids == want
+
+
 def test_pipeline_equals_sequential_reference():
     """The shard_map pipeline vs one scan over the same pp-split weights (PP=4 x TP=2, 2 microbatches)."""
     model = tiny("opt")
@@ -251,6 +266,8 @@ def test_rules_errors_name_the_leaf():
         Parallel.create("pp=2,dp=2,tp=2", microbatches=3).validate(cfg, batch=4)
     with pytest.raises(ShardingError, match="rules.batch must be 'dp' or None"):
         Parallel.create("tp=8", rules=ShardingRules(batch="tp"))
+    with pytest.raises(ShardingError, match=r"microbatches=2 splits a pipeline's batch, but this mesh has pp=1"):
+        Parallel.create("dp=2,tp=4", microbatches=2)  # was accepted and ignored
 
 
 def test_checkpoint_saved_on_pp2_tp4_restores_on_tp8_and_one_device(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -90,12 +91,19 @@ def _check_generate_args(args) -> None:
                              f"add --ssm NAME or --drafter ssm:ARG, or drop {flag}")
     if args.layers == "split" and args.mesh is not None:
         raise InputError("--layers split keeps the weights on one device; a --mesh shards stacked layers: drop one")
+    if args.mesh is not None:
+        from specjax.sharding.mesh import MeshShape
+
+        mesh = MeshShape.parse(args.mesh)  # a ShardingError naming the bad part, before anything loads
     if args.microbatches is not None:
-        if args.mesh is None:
-            raise InputError("--microbatches needs --mesh with pp > 1 (pipeline request groups)")
+        if args.mesh is None or mesh.pp == 1:
+            raise InputError(f"--microbatches needs --mesh with pp > 1 (pipeline request groups), got "
+                             f"{'no --mesh' if args.mesh is None else '--mesh ' + args.mesh}")
         if args.microbatches > args.batch_size:
             raise InputError(f"--microbatches {args.microbatches} exceeds --batch-size {args.batch_size}: the extra "
                              f"pipeline groups would hold nothing but padding")
+    if args.replicate_attention and args.mesh is None:
+        raise InputError("--replicate-attention shapes how a --mesh splits attention; without --mesh it does nothing")
     if args.init_timeout <= 0:
         raise InputError(f"--init-timeout must be > 0 seconds, got {args.init_timeout}")
 
@@ -239,6 +247,15 @@ def _compile_cache(directory: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+def _batch_parallel(parallel, requests: int):
+    """The mesh for a batch of ``requests``: ``--microbatches`` lowered to the requests each dp replica gets
+    when a short last batch has fewer (the flag is checked against --batch-size, which full batches have)."""
+    if parallel is None or parallel.microbatches is None:
+        return parallel
+    per_replica = -(-requests // parallel.replicas)
+    return dataclasses.replace(parallel, microbatches=min(parallel.microbatches, per_replica))
+
+
 def _cmd_generate(args, out) -> int:
     _check_generate_args(args)
     prompts, labels = _read_prompts(args)
@@ -248,6 +265,7 @@ def _cmd_generate(args, out) -> int:
 
     import specjax
     from specjax.api import plan_generation, run_plan
+    from specjax.models.params import stack_layers
 
     printing = jax.process_index() == 0  # every process computes; process 0 reports
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if printing else (lambda *a: None)
@@ -268,10 +286,11 @@ def _cmd_generate(args, out) -> int:
               budget=_budget(args, ssm_specs, [b.drafter for b in light_drafters]))
     plans = [plan_generation(light, batch, ssms=light_ssms, drafters=light_drafters, labels=names, **kw)
              for batch, names in zip(batches, batch_labels)]
-    if parallel is not None:
-        for batch in batches:
-            extra = parallel.padding_for(len(batch))
-            parallel.validate(light.config, len(batch) + extra, [s.config for s in light_ssms])
+    meshes = [_batch_parallel(parallel, len(batch)) for batch in batches]
+    for batch, batch_mesh in zip(batches, meshes):
+        if batch_mesh is not None:
+            batch_mesh.validate(light.config, len(batch) + batch_mesh.padding_for(len(batch)),
+                                [s.config for s in light_ssms])
     t0 = time.perf_counter()
     # With a mesh the LLM goes straight to its sharding (a model larger than one device never sits on one).
     model = specjax.load_model(args.model, dtype=args.dtype, progress=not args.json and printing, parallel=parallel,
@@ -279,7 +298,9 @@ def _cmd_generate(args, out) -> int:
     ssms = [_ssm(s, model, load=True) for s in ssm_specs]
     drafters = _drafters(args, model, True, args.verifier, args.draft)
     if parallel is not None:  # place once; generation then finds everything where it belongs
-        ssms = [s._replace(params=parallel.put_params(s.params, s.config, parallel.ssm_rules)) for s in ssms]
+        # an SSM loaded by name has split layers on one CPU device (load_model's default there): restacked
+        ssms = [s._replace(params=parallel.put_params(stack_layers(s.params), s.config, parallel.ssm_rules))
+                for s in ssms]
     load_s = time.perf_counter() - t0
     from specjax.speculation.cost import cache_path
 
@@ -292,7 +313,7 @@ def _cmd_generate(args, out) -> int:
                                if names else "")
     failures = []
     headers = len(prompts) > 1 and not args.json  # "### prompt i" before each text
-    for number, (batch, plan) in enumerate(zip(batches, plans)):
+    for number, (batch, plan, batch_mesh) in enumerate(zip(batches, plans, meshes)):
         first = number * args.batch_size
         streams = [_TextStream(model.tokenizer) for _ in batch]
         stream_live = printing and not args.json and len(batch) == 1
@@ -307,7 +328,7 @@ def _cmd_generate(args, out) -> int:
 
         try:
             # the budget measures its costs here, on one device while the programs compile (``run_plan``)
-            result = run_plan(model, plan, ssms, parallel=parallel, on_tokens=on_tokens, drafters=drafters,
+            result = run_plan(model, plan, ssms, parallel=batch_mesh, on_tokens=on_tokens, drafters=drafters,
                               progress=lambda n, b=len(plan.ids): measuring(n, b))
             failed = set()
         except GenerationError as e:

@@ -48,6 +48,9 @@ class Parallel:
             raise ShardingError(f"rules.batch must be 'dp' or None, got {self.rules.batch!r}")
         if self.microbatches is not None and (isinstance(self.microbatches, bool) or self.microbatches < 1):
             raise ShardingError(f"microbatches must be a positive int, got {self.microbatches!r}")
+        if self.microbatches is not None and self.pp == 1:
+            raise ShardingError(f"microbatches={self.microbatches} splits a pipeline's batch, but this mesh has "
+                                f"pp=1 (nothing is pipelined)")
 
     @classmethod
     def create(cls, shape: MeshShape | str, devices=None, **kwargs) -> "Parallel":

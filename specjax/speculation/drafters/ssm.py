@@ -35,7 +35,7 @@ from specjax.errors import InputError
 from specjax.io.loader import describe_model, load_model
 from specjax.models import forward
 from specjax.models.cache import KVCache, init_cache
-from specjax.models.params import layers_split, take_layers
+from specjax.models.params import layers_split, stack_layers, take_layers
 from specjax.speculation.drafters.base import Bound, DraftContext, Drafter, Proposal
 from specjax.speculation.expansion import Expansion, static_tree
 from specjax.types import Model
@@ -82,7 +82,9 @@ class SSMDrafter(Drafter):
         parallel.param_shardings(self.config, parallel.ssm_rules)  # raises ShardingError naming the leaf
 
     def place(self, params, parallel):
-        return parallel.put_params(params, self.config, parallel.ssm_rules)
+        # an SSM loaded by name for one CPU device has split layers (load_model's default there); a mesh
+        # shards stacked ones, and an SSM is small enough to restack here
+        return parallel.put_params(stack_layers(params), self.config, parallel.ssm_rules)
 
     def step_params(self, params):
         """The SSM's matmul weights and head packed for the CPU kernel, as the LLM's are

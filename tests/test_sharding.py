@@ -266,6 +266,9 @@ def test_rules_errors_name_the_leaf():
         Parallel.create("pp=2,dp=2,tp=2", microbatches=3).validate(cfg, batch=4)
     with pytest.raises(ShardingError, match="rules.batch must be 'dp' or None"):
         Parallel.create("tp=8", rules=ShardingRules(batch="tp"))
+    pp4 = Parallel.create("pp=4,tp=2")  # a short batch is not padded to pp request groups of its own
+    assert [pp4.padding_for(n) for n in (1, 2, 3, 4, 5, 8)] == [0, 0, 0, 0, 3, 0]
+    assert [Parallel.create("pp=2,dp=2,tp=2").padding_for(n) for n in (1, 2, 3, 5)] == [1, 0, 1, 3]
     with pytest.raises(ShardingError, match=r"microbatches=2 splits a pipeline's batch, but this mesh has pp=1"):
         Parallel.create("dp=2,tp=4", microbatches=2)  # was accepted and ignored
 

@@ -110,11 +110,6 @@ class Parallel:
         """How many dp replicas share the requests (each pipelines its own)."""
         return self.dp if self.request_axis else 1
 
-    def batch_multiple(self) -> int:
-        """Batches that are a multiple of this split evenly over dp and the pipeline microbatches."""
-        per_replica = (self.microbatches or self.pp) if self.pipelined else 1
-        return self.replicas * per_replica
-
     def padding_for(self, requests: int) -> int:
         """Inert requests to add to a batch of ``requests`` so it splits over dp and the microbatches.
 
@@ -126,7 +121,10 @@ class Parallel:
             raise ShardingError(f"microbatches={self.microbatches} exceeds the {per_replica} request(s) per dp replica "
                                 f"of this batch of {requests}; use at most {per_replica} microbatches (CLI: "
                                 f"--microbatches, at most --batch-size / dp)")
-        return (-requests) % self.batch_multiple()
+        # request groups per replica: microbatches, or pp but never more than the requests (a single request
+        # on pp=4 ran as 4 groups, 3 of them padding, over 7 ticks instead of 4)
+        groups = (self.microbatches or min(self.pp, per_replica)) if self.pipelined else 1
+        return (-requests) % (self.replicas * groups)
 
     def num_microbatches(self, local_batch: int) -> int:
         """Request groups for one dp replica's ``local_batch`` requests: ``microbatches`` or pp."""

@@ -170,6 +170,21 @@ def test_an_ssm_with_split_layers_runs_on_a_mesh():
     assert specjax.generate(model, prompts, parallel=Parallel.create("dp=2,tp=4"), **kw).token_ids == want
 
 
+def test_the_tree_cost_table_keys_what_changes_a_meshs_pass_time():
+    """Costs measured with replicated attention, another schedule or other request groups steered the budget
+    of a run without them (the key held the mesh's shape alone)."""
+    from specjax.speculation.cost import table_key
+
+    cfg = tiny("llama").config
+    variants = [Parallel.create("pp=2,tp=4"), Parallel.create("pp=2,tp=4", microbatches=1),
+                Parallel.create("pp=2,tp=4", rules=ShardingRules(heads=None, kv_heads=None)),
+                Parallel(make_mesh("pp=2,tp=4"), schedule="sequential")]
+    keys = {table_key(cfg, jnp.float32, 4, "xla", parallel=p) for p in variants}
+    assert len(keys) == len(variants)
+    assert table_key(cfg, jnp.float32, 4, "xla", parallel=variants[0]) == table_key(
+        cfg, jnp.float32, 4, "xla", parallel=Parallel.create("pp=2,tp=4"))
+
+
 def test_pipeline_equals_sequential_reference():
     """The shard_map pipeline vs one scan over the same pp-split weights (PP=4 x TP=2, 2 microbatches)."""
     model = tiny("opt")

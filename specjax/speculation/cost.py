@@ -106,11 +106,24 @@ def table_key(cfg: ModelConfig, dtype, batch: int, impl: str, parallel=None, spl
     ``head``: what the pass computes in its head (``HEADS``; the greedy and seeded verifiers' passes
     decide each node's token, not its logits)."""
     _check_head(head)
-    mesh = "none" if parallel is None else str(dict(parallel.mesh.shape))
+    mesh = "none" if parallel is None else _mesh_key(parallel, batch)
     model = hashlib.sha256(repr(cfg).encode()).hexdigest()[:16]
     return (f"{model}|{jnp.dtype(dtype).name}|{machine_key()}|mesh={mesh}|batch={batch}|impl={impl}"
             f"|layers={'split' if split else 'stacked'}|dots={step_library(batch)}|pass=v{PASS_VERSION}"
             + ("" if head == "logits" else f"|head={head}"))
+
+
+def _mesh_key(parallel, batch: int) -> str:
+    """What changes a pass's time on a mesh besides its shape: the sharding rules (replicated attention
+    moves other bytes), the pipeline's schedule and request groups, and the processes it spans (one
+    process of 8 devices is not two of 4 over gloo)."""
+    groups = 1
+    if parallel.pipelined:
+        per_replica = -(-batch // parallel.replicas)
+        groups = parallel.microbatches or min(parallel.pp, per_replica)
+    rules = hashlib.sha256(repr((parallel.rules, parallel.ssm_rules)).encode()).hexdigest()[:8]
+    return (f"{dict(parallel.mesh.shape)};rules={rules};schedule={parallel.schedule};groups={groups};"
+            f"processes={jax.process_count()}")
 
 
 def _chain(batch: int, nodes: int):

@@ -256,10 +256,28 @@ def test_constrain_batch_puts_requests_over_dp_and_replicates_scalars():
     assert int(out["max_new_tokens"]) == 7
 
 
+def test_a_mesh_that_cannot_split_the_weights_is_refused_before_they_are_read(tiny_llama_dir, monkeypatch):
+    from specjax.io import loader
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("the weights were read before the mesh was checked")
+
+    monkeypatch.setattr(loader, "load_hf_dir", no_reads)
+    with pytest.raises(ShardingError, match=r"dimension 0 \(layers\) has size 2, which mesh axis 'pp' of size 8"):
+        specjax.load_model(tiny_llama_dir, parallel=Parallel.create("pp=8"), progress=False)
+
+
 def test_rules_errors_name_the_leaf():
     cfg = tiny("llama").config
     with pytest.raises(ShardingError, match=r"param \['layers'\]\['attn_norm'\]: dimension 0 \(layers\) has size 4"):
         Parallel.create("pp=8").param_shardings(cfg)
+    import dataclasses
+
+    odd_vocab = dataclasses.replace(cfg, vocab_size=250)
+    with pytest.raises(ShardingError, match=r"\(vocab\) has size 250.*keep that dimension whole on every tensor "
+                                            r"shard \(Python: ShardingRules\(vocab=None\)\)"):
+        Parallel.create("tp=8").param_shardings(odd_vocab)
+    Parallel.create("tp=8", rules=ShardingRules(vocab=None)).param_shardings(odd_vocab)  # the way out works
     with pytest.raises(ShardingError, match="both map to mesh axis 'tp'"):
         Parallel.create("tp=8", rules=ShardingRules(embed="tp")).param_shardings(cfg)
     with pytest.raises(ShardingError, match=r"\['layers'\]\['wk'\]: dimension 2 \(kv_heads\) has size 2"):

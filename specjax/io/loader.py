@@ -97,9 +97,11 @@ def _load(name_or_path: str, dtype: str, shardings, progress: bool, parallel, sp
     # (and, for a GGUF, written to the weights cache).
     if os.path.isdir(path):
         tokenizer = tok_lib.load_dir_tokenizer(path)
+        _check_mesh(parallel, lambda: config_from_hf_file(os.path.join(path, "config.json")))
         cfg, np_params = load_hf_dir(path, progress=progress)
     elif path.endswith(".gguf"):
         tokenizer = tok_lib.load_gguf_tokenizer(path)
+        _check_mesh(parallel, lambda: gguf_config(*read_gguf_metadata(path)))
         cfg, np_params = gguf_params(path, split, progress)
     else:
         raise CheckpointError(f"{path}: unsupported model file (expected an HF directory, a .gguf file "
@@ -115,6 +117,12 @@ def _load(name_or_path: str, dtype: str, shardings, progress: bool, parallel, sp
         shardings = shardings(cfg) if callable(shardings) else shardings
         params = jax.tree.map(lambda a, s: _to_device(a, _DTYPES[dtype], s), np_params, shardings)
     return Model(cfg, params, tokenizer)
+
+
+def _check_mesh(parallel, config) -> None:
+    """A mesh that cannot split this model's weights, refused from its config before they are read."""
+    if parallel is not None:
+        parallel.param_shardings(config())
 
 
 def gguf_params(path: str, split: bool, progress: bool = True) -> tuple:

@@ -96,4 +96,7 @@ def _hint(logical: str) -> str:
         return "; choose a pp that divides the layer count"
     if logical == "batch":
         return "; pad the batch to a multiple of dp"
+    if logical in ("vocab", "mlp"):  # no CLI flag: a model whose sizes tp cannot split is rare enough
+        return (f"; choose a tp that divides it, or keep that dimension whole on every tensor shard (Python: "
+                f"ShardingRules({logical}=None))")
     return ""

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.decoding.buckets import cache_bucket, next_pow2, output_bucket
+from specjax.decoding.contract import host_value
 from specjax.decoding.host_step import MAX_CHUNK_STEPS, AheadCompile, run_host_loop, run_two_programs
 from specjax.decoding.incremental import decode_host_step, decode_init_jit, finish_incremental, full_logits
 from specjax.decoding.programs import step_drafter_params, step_matmuls, step_program
@@ -84,9 +85,11 @@ def eos_ids_of(model: Model) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _check_max_new_tokens(max_new_tokens) -> None:
+def _check_max_new_tokens(max_new_tokens) -> int:
+    max_new_tokens = host_value(max_new_tokens, "max_new_tokens")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    return int(max_new_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +123,7 @@ def plan_generation(model: Model, prompts, max_new_tokens: int = 128, sampling=N
     mode = mode or ("tree" if ssms or drafters else "incremental")
     if mode not in MODES:
         raise InputError(f"mode must be one of {MODES}, got {mode!r}")
-    _check_max_new_tokens(max_new_tokens)
+    max_new_tokens = _check_max_new_tokens(max_new_tokens)
     n = len(normalize_prompts(prompts, labels))
     samplings = _sampling_list(sampling, n)
     spec = verifier_name = draft_name = None
@@ -206,6 +209,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
     A request whose LLM logits turn non-finite (NaN weights, overflow) stops without emitting a
     token from that pass: ``GenerationError`` names it, with the whole result attached.
     """
+    _check_on_host(model)
     default = mode is None and not ssms and not drafters
     if default:
         if expansion is not None:
@@ -219,6 +223,14 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
     if default:
         drafters = default_drafters(model, sampled, verifier, draft)
     return run_plan(model, plan, list(ssms), parallel=parallel, on_tokens=on_tokens, drafters=drafters)
+
+
+def _check_on_host(model: Model) -> None:
+    """Weights traced by a caller's jit: refused before any work (the prefill ran, then a nested jit failed
+    with a message about ``compiler_options``)."""
+    traced = next((leaf for leaf in jax.tree.leaves(model.params) if isinstance(leaf, jax.core.Tracer)), None)
+    if traced is not None:
+        host_value(traced, "model.params")  # raises, naming the way to do it inside jit
 
 
 def _check_run_args(parallel, on_tokens) -> None:
@@ -240,6 +252,7 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
     """Execute a validated plan (``plan_generation``) with loaded weights (the SSMs' and drafters'
     params in the plan's drafter order: SSMs first). ``progress``: called with each tree size the budget
     measures, if it measures (``measure_pass_costs``)."""
+    _check_on_host(model)
     _check_run_args(parallel, on_tokens)
     n = len(plan.ids)
     drafter_params = tuple(s.params for s in ssms) + tuple(as_bound(d).params for d in drafters)

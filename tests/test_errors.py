@@ -338,6 +338,29 @@ def test_sampling_params_take_numpy_numbers_as_their_python_values():
         specjax.SamplingParams(seed=np.float32(3))
 
 
+def test_the_host_api_takes_concrete_jax_values_as_numpy_ones_and_refuses_traced_ones(model):
+    import jax
+    import jax.numpy as jnp
+
+    got = specjax.SamplingParams(temperature=jnp.float32(0.5), top_k=jnp.int32(4), seed=jnp.int32(3))
+    assert got == specjax.SamplingParams(temperature=0.5, top_k=4, seed=3) and type(got.seed) is int
+    with pytest.raises(InputError, match="seed must be an int"):
+        specjax.SamplingParams(seed=jax.random.key(3))  # a key is no seed
+    want = specjax.generate(model, [[1, 2, 3], [4, 5, 6]], max_new_tokens=3, mode="incremental").token_ids
+    for prompts in (jnp.asarray([[1, 2, 3], [4, 5, 6]]), [jnp.asarray([1, 2, 3]), jnp.asarray([4, 5, 6])]):
+        assert specjax.generate(model, prompts, max_new_tokens=jnp.int32(3), mode="incremental").token_ids == want
+
+    @jax.jit
+    def inside(params):
+        return specjax.generate(model._replace(params=params), [[1, 2, 3]], max_new_tokens=3).token_ids
+
+    with pytest.raises(InputError, match=r"model.params is a traced value .* inside jit call "
+                                         r"specjax.generate_incremental"):
+        inside(model.params)
+    with pytest.raises(InputError, match="prompts is a traced value"):
+        jax.jit(lambda p: specjax.generate(model, p, max_new_tokens=3))(jnp.asarray([[1, 2, 3]]))
+
+
 def test_bad_prompts(model):
     with pytest.raises(InputError, match="prompt 0 is empty"):
         specjax.generate(model, [[]], max_new_tokens=2)

@@ -141,6 +141,36 @@ def test_callable_inside_user_jit_and_streaming_twin_agrees(llama):
     assert [tokens[b, :24].tolist() for b in range(2)] == want
 
 
+def test_the_jittable_cores_refuse_inputs_that_are_not_one_batch(llama):
+    """Inside a caller's jit these silently gave other tokens (a narrow cache), a vmap error naming no argument
+    (a sampling batch of 1 for 2 prompts) or more generated tokens than the output holds."""
+    from specjax.decoding.incremental import generate_incremental
+    from specjax.speculation.loop import generate_speculative
+
+    prompts = jnp.asarray([[1, 2, 3, 0], [4, 5, 0, 0]], jnp.int32)
+    lens, budget = jnp.asarray([3, 2], jnp.int32), jnp.full((2,), 6, jnp.int32)
+    sampling = specjax.SamplingArrays.from_params([specjax.SamplingParams()] * 2)
+    ssm = derive_ssm(llama, 1)
+    spec = SpecConfig(ssm_drafters([ssm.config], [(2, 1)]), impl="xla")
+    cases = [
+        (dict(sampling=specjax.SamplingArrays.from_params([specjax.SamplingParams()])),
+         r"sampling.temperature must have shape \(2,\), one entry per prompt"),
+        (dict(max_new=jnp.int32(6)), r"max_new_tokens must have shape \(2,\)"),
+        (dict(cache_len=2), "cache_len=2 is narrower than the prompts' width T=4"),
+        (dict(max_new=jnp.full((2,), 12, jnp.int32)), r"max_new_tokens must be in \[1, max_out=8\], got \[12, 12\]"),
+        (dict(lens=jnp.asarray([0, 2], jnp.int32)), r"prompt_lens must be in \[1, 4\]"),
+    ]
+    for change, message in cases:
+        a = {**dict(lens=lens, max_new=budget, sampling=sampling, cache_len=32, max_out=8), **change}
+        with pytest.raises(InputError, match="generate_incremental: " + message):
+            jax.jit(lambda p, t: generate_incremental(p, t, a["lens"], a["max_new"], a["sampling"], cfg=llama.config,
+                                                      cache_len=a["cache_len"], max_out=a["max_out"]))(
+                llama.params, prompts)
+        with pytest.raises(InputError, match="generate_speculative: " + message):
+            generate_speculative(llama.params, (ssm.params,), prompts, a["lens"], a["max_new"], a["sampling"],
+                                 cfg=llama.config, spec=spec, cache_len=a["cache_len"], max_out=a["max_out"])
+
+
 def test_64_bit_types_switched_on_change_nothing(llama):
     """``jax_enable_x64`` (a global switch of much scientific JAX code) made every loop carry int64 and
     every speculative run a carry-type TypeError; the entry points now run in JAX's 32-bit types."""

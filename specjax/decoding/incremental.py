@@ -17,6 +17,7 @@ from flax import struct
 
 from specjax.attention.meta import causal_meta
 from specjax.config import ModelConfig
+from specjax.decoding.contract import check_batch
 from specjax.decoding.host_step import steps_while_active
 from specjax.decoding.programs import prefill_kernel_enabled
 from specjax.decoding.sampling import SamplingArrays, finite_rows, sample_tokens
@@ -174,6 +175,8 @@ def decode_init(params, prompt_tokens: jax.Array, prompt_lens: jax.Array, max_ne
                 sampling: SamplingArrays, *, cfg: ModelConfig, cache_len: int, max_out: int,
                 eos_ids: tuple[int, ...] = (), parallel=None) -> DecodeState:
     """Prefill and sample each request's first token: the loop state before the first decode step."""
+    check_batch(prompt_tokens, prompt_lens, max_new_tokens, sampling, cache_len=cache_len, max_out=max_out,
+                where="generate_incremental")
     batch = prompt_tokens.shape[0]
     dtype = jax.tree.leaves(params)[0].dtype
     cache = init_cache(cfg, batch, cache_len, dtype)
@@ -200,7 +203,8 @@ def generate_incremental(params, prompt_tokens: jax.Array, prompt_lens: jax.Arra
     parallel (a ``specjax.sharding.Parallel``: the cache is pinned to its sharding and pp > 1 runs
     the layers as a pipeline; None = whatever device the inputs are on; a pipelined mesh of several
     CPU devices in one process is warned against: ``Parallel.one_pass_per_call``).
-    The host wrapper validates these bounds; inside jit they are the caller's contract.
+    Shapes are checked at trace time and values where they are concrete (``specjax.decoding.contract``);
+    inside jit the value bounds are the caller's contract (the host wrapper meets them).
     """
     state = decode_init(params, prompt_tokens, prompt_lens, max_new_tokens, sampling, cfg=cfg, cache_len=cache_len,
                         max_out=max_out, eos_ids=eos_ids, parallel=parallel)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax.decoding.contract import host_value
 from specjax.decoding.keys import sampling_key
 from specjax.errors import InputError
 
@@ -46,8 +47,8 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("temperature", "top_k", "top_p", "seed"):  # NumPy scalars (a value read from an array)
-            value = getattr(self, name)
+        for name in ("temperature", "top_k", "top_p", "seed"):  # NumPy or JAX scalars (read from an array)
+            value = host_value(getattr(self, name), f"SamplingParams.{name}")
             if isinstance(value, (np.integer, np.floating)):
                 object.__setattr__(self, name, value.item())
         t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed

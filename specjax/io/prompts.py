@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
+from specjax.decoding.contract import host_value
 from specjax.errors import InputError
 
 
@@ -51,7 +52,10 @@ def prompt_labels(labels, n: int) -> list[str]:
 
 def normalize_prompts(prompts, labels=None) -> list:
     """Strings or token-id lists -> a non-empty list of them (a single prompt is wrapped), checked.
-    ``labels``: what errors call each prompt (default "prompt i")."""
+    ``labels``: what errors call each prompt (default "prompt i"). Concrete JAX arrays are taken as NumPy."""
+    prompts = host_value(prompts, "prompts")
+    if isinstance(prompts, Sequence) and not isinstance(prompts, str):
+        prompts = [host_value(p, "a prompt") for p in prompts]
     if isinstance(prompts, str) or (_is_token_list(prompts) and len(prompts) > 0):
         prompts = [prompts]
     if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, (Sequence, np.ndarray)) \

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
+from specjax.decoding.contract import check_batch
 from specjax.decoding.host_step import steps_while_active
 from specjax.decoding.incremental import PAD_TOKEN, prefill
 from specjax.decoding.sampling import SamplingArrays, finite_rows, first_argmax, sample_tokens
@@ -244,7 +245,10 @@ def init_state(llm_params, drafter_params: tuple, prompt_tokens, prompt_lens, ma
     decoding samples it) becomes the first root. With ``parallel`` the LLM cache is pinned to the LLM's
     sharding (stage-local layers); drafters place their own state (SSM caches under the SSM rules).
 
-    prompt_tokens [B, T] right-padded, prompt_lens / max_new_tokens [B], sampling [B], stop_ids [B, E]."""
+    prompt_tokens [B, T] right-padded, prompt_lens / max_new_tokens [B], sampling [B], stop_ids [B, E]
+    (shapes checked at trace time, values where concrete: ``specjax.decoding.contract``)."""
+    check_batch(prompt_tokens, prompt_lens, max_new_tokens, sampling, cache_len=cache_len, max_out=max_out,
+                stop_ids=stop_ids, where="generate_speculative")
     batch, width = prompt_tokens.shape
     dtype = jax.tree.leaves(llm_params)[0].dtype
     llm_cache = init_cache(cfg, batch, cache_len, dtype)

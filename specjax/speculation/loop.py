@@ -50,10 +50,11 @@ def propose_all(drafter_params: tuple, state: SpecState, spec: SpecConfig, sampl
                            fault=spec.fault, max_depth=spec.max_depth, noise=noise)
         proposal, dstate = drafter.propose(params, dstate, ctx)
         proposal = proposal.replace(tokens=proposal.tokens.at[:, 0].set(root[:, 0]))
-        if drafter.law == "onehot" and spec.fault != "allow_mss_on_topk":
+        if drafter.law == "onehot" and proposal.laws is not None and spec.fault != "allow_mss_on_topk":
             # the declared law is the one the verifier was checked against (check_pairing): a drafter
             # declaring deterministic drafts is verified one-hot, never against laws it returns anyway (MSS
-            # against its q is the paper's biased top-k rule, which that mutation test re-creates)
+            # against its q is the paper's biased top-k rule, which that mutation test re-creates). Without
+            # laws every entry is one-hot already (``verify_sampled``), and the step program stays as it was
             proposal = proposal.replace(laws=None, law_row=jnp.full_like(proposal.law_row, -1))
         proposals.append(proposal)
         states.append(dstate)

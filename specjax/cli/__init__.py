@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--mesh", help="device mesh using every device, e.g. 'tp=8', 'pp=2,tp=4', 'dp=2,tp=4' "
                                   "(default: one device)")
     m.add_argument("--microbatches", type=int, default=None,
-                   help="pipeline request groups, at most --batch-size (default: pp)")
+                   help="pipeline request groups, at most --batch-size / dp (default: pp, or fewer when a dp "
+                        "replica has fewer requests)")
     m.add_argument("--replicate-attention", action="store_true",
                    help="keep attention heads whole on every tensor shard (for head counts tp does not divide)")
     m.add_argument("--distributed", default="auto", choices=["auto", "slurm", "off"],

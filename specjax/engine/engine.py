@@ -54,7 +54,7 @@ class Engine:
     verifier: "seeded" (default) serves greedy requests exactly and sampled ones bit-identically to
     incremental sampling with their seed; "greedy", "naive", "mss" or "rrs" as in ``SpecConfig``.
     Sizes are fixed at construction so every step reuses one compiled program: a prompt may have up
-    to ``max_prompt_tokens`` tokens (prefill compiles once per power-of-two prompt bucket) and a
+    to ``max_prompt_tokens`` tokens (every prompt is padded to one width: one compiled prefill) and a
     request up to ``max_new_tokens`` new tokens and ``max_stop_tokens`` stop tokens. budget: None
     (verify whole proposals), "auto" (the tree budget with this machine's measured pass costs at
     ``slots`` requests and goal "rate": slots are refilled as requests end, so emitted tokens per

@@ -228,6 +228,26 @@ def test_bad_corpora_and_settings_are_refused(tmp_path):
         parse_arg("docs.jsonl,deep=3")
     with pytest.raises(InputError, match="beyond the tree limit of 64"):
         parse_arg("docs.jsonl,depth=40,branches=2")
+    with pytest.raises(InputError, match=r"64 nodes, beyond the tree limit of 64 \(the root and 63 drafted"):
+        parse_arg("docs.jsonl,depth=32,branches=2")  # 64 drafted nodes and the root: past the tree's 64
+    with pytest.raises(InputError, match="window 65 exceeds 64"):
+        CorpusDrafter(window=65)
+    with pytest.raises(InputError, match="corpus_max_ngram 33 exceeds 32"):
+        CorpusDrafter(corpus_max_ngram=33)
+    with pytest.raises(InputError, match="2 labels for 3 documents"):  # zip dropped the third document
+        corpus_index.document_arrays([[1, 2], [3, 4], [5, 6]], 10, labels=["a", "b"])
+    from specjax.speculation.drafters.corpus import from_arg
+    from tests.toy import toy_model
+
+    text = tmp_path / "t.jsonl"
+    text.write_text('{"text": "a text"}\n')
+    no_tokenizer = specjax.Model(toy_model(8, 0)[0], None, None)  # as described before the weights load
+    with pytest.raises(InputError, match="t.jsonl:1 is text but the model has no tokenizer"):
+        from_arg(str(text), no_tokenizer, load=False, expansion=None, draft="topk")
+    with pytest.raises(InputError, match="1 labels for 2 documents"):
+        corpus_drafter(no_tokenizer, [[1, 2], [3, 4]], labels=["a"])
+    with pytest.raises(InputError, match=r"its params are the corpus index .* specjax.corpus_drafter\(model"):
+        CorpusDrafter().propose((), {}, None)  # Bound(CorpusDrafter()) without its index
     with pytest.raises(InputError, match="does not exist"):
         read_documents(str(tmp_path / "missing.jsonl"))
     bad = tmp_path / "bad.jsonl"

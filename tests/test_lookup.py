@@ -90,6 +90,11 @@ def test_lookup_parses_and_refuses_bad_settings():
         LookupDrafter(depth=40, branches=2)
     with pytest.raises(InputError, match="min_ngram 3 exceeds max_ngram 2"):
         LookupDrafter(max_ngram=2, min_ngram=3)
+    with pytest.raises(InputError, match="max_ngram 33 exceeds 32"):  # its search unrolls once per length
+        LookupDrafter(max_ngram=33)
+    with pytest.raises(InputError, match=r"64 nodes, beyond the tree limit of 64 \(the root and 63"):
+        LookupDrafter(depth=32, branches=2)
+    assert LookupDrafter(depth=21, branches=3).num_nodes == 63
 
 
 def test_budget_checks_and_chooses_the_best_rate():
@@ -106,6 +111,10 @@ def test_budget_checks_and_chooses_the_best_rate():
         SpecConfig((ssm,), budget=Budget(((0,), (2,))))
     with pytest.raises(InputError, match=r"goal must be one of \('finish', 'rate'\), got 'fast'"):
         Budget(((0,), (1,)), goal="fast")
+    # NumPy numbers and lists are taken as the plain ints and floats of a hashable static config
+    budget = Budget([[np.int64(0)], [np.int64(2)]], costs=[1, np.float32(1.5)])
+    assert budget == Budget(((0,), (2,)), costs=(1.0, 1.5)) and hash(budget) == hash(Budget(((0,), (2,)), (1.0, 1.5)))
+    assert type(budget.levels[1][0]) is int and type(budget.costs[0]) is float
 
 
 def test_budget_goals_choose_the_best_level():
@@ -138,7 +147,8 @@ def test_one_request_chooses_alike_under_both_goals():
         costs = tuple(float(c) for c in np.cumsum(rng.uniform(0.1, 1.0, 5)))
         expected = jnp.asarray(rng.uniform(0, 4, (1, 5)), jnp.float32)
         left = jnp.asarray([rng.randint(1, 200)])
-        picks = {int(choose_level(Budget(((0,),) * 5, costs=costs, goal=g), expected, jnp.asarray([True]), left))
+        levels = tuple((m,) for m in range(5))  # choose_level reads only the costs and the goal
+        picks = {int(choose_level(Budget(levels, costs=costs, goal=g), expected, jnp.asarray([True]), left))
                  for g in ("rate", "finish")}
         assert len(picks) == 1, (costs, expected)
 

@@ -44,6 +44,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.errors import InputError
 from specjax.speculation.drafters.base import estimates_acceptance
@@ -68,18 +69,28 @@ class Budget:
     goal: str = "finish"
 
     def __post_init__(self):
-        if not isinstance(self.levels, tuple) or not self.levels or not all(
-                isinstance(lv, tuple) and lv and all(isinstance(m, int) and m >= 0 for m in lv) for lv in self.levels):
+        def count(m) -> bool:
+            return isinstance(m, (int, np.integer)) and not isinstance(m, bool) and m >= 0
+
+        if not isinstance(self.levels, (tuple, list)) or not self.levels or not all(
+                isinstance(lv, (tuple, list)) and lv and all(count(m) for m in lv) for lv in self.levels):
             raise InputError(f"Budget.levels must be a non-empty tuple of tuples of node counts >= 0 (one per "
                              f"drafter), got {self.levels!r}")
+        # plain ints in tuples: the budget is part of the loop's static, hashed config
+        object.__setattr__(self, "levels", tuple(tuple(int(m) for m in lv) for lv in self.levels))
         if len({len(lv) for lv in self.levels}) != 1:
             raise InputError(f"Budget.levels: every level needs one node count per drafter, got {self.levels!r}")
         if self.costs is not None:
+            if not isinstance(self.costs, (tuple, list, np.ndarray)):
+                raise InputError(f"Budget: costs must be one number of seconds per level, got {self.costs!r}")
             if len(self.costs) != len(self.levels):
                 raise InputError(f"Budget: {len(self.costs)} costs for {len(self.levels)} levels")
-            bad = [c for c in self.costs if not (isinstance(c, float) and math.isfinite(c) and c > 0)]
+            real = (int, float, np.integer, np.floating)
+            bad = [c for c in self.costs
+                   if isinstance(c, bool) or not isinstance(c, real) or not (math.isfinite(c) and c > 0)]
             if bad:
-                raise InputError(f"Budget.costs must be positive finite seconds (floats), got {bad[0]!r}")
+                raise InputError(f"Budget.costs must be positive finite seconds, got {bad[0]!r}")
+            object.__setattr__(self, "costs", tuple(float(c) for c in self.costs))
         if self.goal not in GOALS:
             raise InputError(f"Budget.goal must be one of {GOALS}, got {self.goal!r}")
 

@@ -46,6 +46,8 @@ _WHY = {"mss": "MSS needs entries drawn i.i.d. from their declared law (or deter
         "rrs": "RRS needs entries drawn without replacement from their declared law (or deterministic ones)"}
 
 
+MAX_DRAFTED_NODES = 63  # a drafter's nodes below the root: the token tree's limit of 64 counts the root
+
 @struct.dataclass
 class Proposal:
     """One drafter's nodes for this step, node 0 = the root (the last committed token).

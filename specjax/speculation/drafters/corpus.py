@@ -45,8 +45,10 @@ import numpy as np
 from specjax.errors import InputError
 from specjax.speculation.drafters.base import Bound, DraftContext, Proposal
 from specjax.speculation.drafters.corpus_index import SEPARATOR, build_index, document_arrays, require_copyable
-from specjax.speculation.drafters.lookup import LookupDrafter, find_chains
+from specjax.speculation.drafters.lookup import MAX_NGRAM, LookupDrafter, find_chains
 from specjax.speculation.drafters.settings import parse_int_settings
+
+MAX_WINDOW = 64  # corpus entries read after a match: its most frequent next tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +75,11 @@ class CorpusDrafter(LookupDrafter):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise InputError(f"corpus drafter: {name} must be a positive int, got {value!r}")
+        if self.corpus_max_ngram > MAX_NGRAM:  # the index holds one row of entries per n-gram length
+            raise InputError(f"corpus drafter: corpus_max_ngram {self.corpus_max_ngram} exceeds {MAX_NGRAM}")
+        if self.window > MAX_WINDOW:
+            raise InputError(f"corpus drafter: window {self.window} exceeds {MAX_WINDOW} (the most frequent next "
+                             f"tokens read after a match)")
         if self.corpus_min_ngram > self.corpus_max_ngram:
             raise InputError(f"corpus drafter: corpus_min_ngram {self.corpus_min_ngram} exceeds corpus_max_ngram "
                              f"{self.corpus_max_ngram}")
@@ -93,6 +100,9 @@ class CorpusDrafter(LookupDrafter):
                 f"corpus n-grams {self.corpus_max_ngram}..{self.corpus_min_ngram}, window {self.window})")
 
     def propose(self, params, state: dict, ctx: DraftContext) -> tuple[Proposal, dict]:
+        if not isinstance(params, dict) or not {"tokens", "index", "count"} <= params.keys():
+            raise InputError(f"corpus drafter: its params are the corpus index ({{'tokens', 'index', 'count'}}), got "
+                             f"{type(params).__name__}; bind it with specjax.corpus_drafter(model, documents)")
         own = find_chains(ctx.history, ctx.length, self.depth, self.branches, self.max_ngram, self.min_ngram)
         quoted = find_in_corpus(params, ctx.history, ctx.length, self.depth, self.branches, self.corpus_max_ngram,
                                 self.corpus_min_ngram, self.window)
@@ -253,6 +263,8 @@ def corpus_drafter(model, texts, capacity: int | None = None, labels=None, **set
         raise InputError("corpus drafter: pass a list of documents, not one string")
     texts = list(texts)
     labels = list(labels) if labels is not None else [f"document {i}" for i in range(len(texts))]
+    if len(labels) != len(texts):  # zip would drop the documents past the shorter list
+        raise InputError(f"corpus drafter: {len(labels)} labels for {len(texts)} documents; give one per document")
     docs = []
     for label, t in zip(labels, texts):
         if isinstance(t, str):
@@ -300,6 +312,10 @@ def from_arg(arg: str, llm, *, load: bool, expansion, draft: str) -> Bound:
         return shipped_corpus_drafter(name, llm, load=load, **values)
     named = read_documents(path, labels=True)
     if not load:  # the token-id documents checked now, before the weights load (texts are tokenized later)
+        text = next((label for label, d in named if isinstance(d, str)), None)
+        if text is not None and llm.tokenizer is None:
+            raise InputError(f"corpus drafter: {text} is text but the model has no tokenizer; give its documents as "
+                             f"token ids (\"token_ids\" in a .jsonl)")
         given = [(label, d) for label, d in named if not isinstance(d, str)]
         arrays = document_arrays([d for _, d in given], llm.config.vocab_size, [label for label, _ in given])
         if len(given) == len(named):  # no text documents, whose tokens could still make one

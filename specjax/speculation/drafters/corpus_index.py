@@ -27,6 +27,8 @@ def document_arrays(documents, vocab_size: int, labels=None) -> list[np.ndarray]
     name them in errors (default "document i")."""
     docs = list(documents)
     labels = list(labels) if labels is not None else [f"document {i}" for i in range(len(docs))]
+    if len(labels) != len(docs):  # zip would drop the documents past the shorter list
+        raise InputError(f"corpus drafter: {len(labels)} labels for {len(docs)} documents; give one per document")
     arrays = []
     for label, d in zip(labels, docs):
         if isinstance(d, (str, bytes)):

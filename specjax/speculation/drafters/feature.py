@@ -43,7 +43,7 @@ from specjax.errors import InputError
 from specjax.models.cache import KVCache
 from specjax.models.feature import FeatureConfig, feature_forward, init_feature_cache, llm_features, logits_of
 from specjax.models.params import fuse_layer
-from specjax.speculation.drafters.base import Accepted, Bound, DraftContext, Drafter, Proposal
+from specjax.speculation.drafters.base import MAX_DRAFTED_NODES, Accepted, Bound, DraftContext, Drafter, Proposal
 from specjax.speculation.drafters.merge import depths
 from specjax.speculation.drafters.settings import parse_int_settings
 from specjax.types import Model
@@ -74,8 +74,9 @@ class FeatureDrafter(Drafter):
         if self.nodes > self.candidates:
             raise InputError(f"feature drafter: {self.nodes} nodes but beam {self.beam} x depth {self.depth} grows "
                              f"only {self.candidates} candidates")
-        if self.nodes > 64:
-            raise InputError(f"feature drafter: {self.nodes} nodes, beyond the tree limit of 64")
+        if self.nodes > MAX_DRAFTED_NODES:
+            raise InputError(f"feature drafter: {self.nodes} nodes, beyond the tree limit of 64 (the root and "
+                             f"{MAX_DRAFTED_NODES} drafted nodes)")
         if not self.ladder or list(self.ladder) != sorted(set(self.ladder)) or self.ladder[0] < 0 \
                 or self.ladder[-1] > self.nodes:
             raise InputError(f"feature drafter: ladder must be increasing node counts in [0, {self.nodes}], "

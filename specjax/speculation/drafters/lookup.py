@@ -33,8 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.errors import InputError
-from specjax.speculation.drafters.base import Accepted, Bound, DraftContext, Drafter, Proposal
+from specjax.speculation.drafters.base import MAX_DRAFTED_NODES, Accepted, Bound, DraftContext, Drafter, Proposal
 from specjax.speculation.drafters.settings import parse_int_settings
+
+MAX_NGRAM = 32  # the longest match a lookup searches for (its search unrolls once per length)
 
 DECAY = 0.95  # per update: recent agreement counts more (text switches between copying and writing)
 PRIOR = (1.0, 1.0)  # pseudo-counts (right, wrong) before a request has been observed: alpha = 0.5
@@ -56,9 +58,12 @@ class LookupDrafter(Drafter):
                 raise InputError(f"lookup drafter: {name} must be a positive int, got {value!r}")
         if self.min_ngram > self.max_ngram:
             raise InputError(f"lookup drafter: min_ngram {self.min_ngram} exceeds max_ngram {self.max_ngram}")
-        if self.depth * self.branches > 64:
+        if self.max_ngram > MAX_NGRAM:  # one block of ops per n-gram length: 300 took 27 s to compile
+            raise InputError(f"lookup drafter: max_ngram {self.max_ngram} exceeds {MAX_NGRAM}")
+        if self.depth * self.branches > MAX_DRAFTED_NODES:
             raise InputError(f"lookup drafter: {self.branches} branches x depth {self.depth} = "
-                             f"{self.branches * self.depth} nodes, beyond the tree limit of 64")
+                             f"{self.branches * self.depth} nodes, beyond the tree limit of 64 (the root and "
+                             f"{MAX_DRAFTED_NODES} drafted nodes)")
 
     @property
     def law(self) -> str:

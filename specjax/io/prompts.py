@@ -54,7 +54,7 @@ def normalize_prompts(prompts, labels=None) -> list:
     """Strings or token-id lists -> a non-empty list of them (a single prompt is wrapped), checked.
     ``labels``: what errors call each prompt (default "prompt i"). Concrete JAX arrays are taken as NumPy."""
     prompts = host_value(prompts, "prompts")
-    if isinstance(prompts, Sequence) and not isinstance(prompts, str):
+    if isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes, bytearray)):
         prompts = [host_value(p, "a prompt") for p in prompts]
     if isinstance(prompts, str) or (_is_token_list(prompts) and len(prompts) > 0):
         prompts = [prompts]

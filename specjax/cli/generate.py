@@ -252,8 +252,7 @@ def _batch_parallel(parallel, requests: int):
     when a short last batch has fewer (the flag is checked against --batch-size, which full batches have)."""
     if parallel is None or parallel.microbatches is None:
         return parallel
-    per_replica = -(-requests // parallel.replicas)
-    return dataclasses.replace(parallel, microbatches=min(parallel.microbatches, per_replica))
+    return dataclasses.replace(parallel, microbatches=min(parallel.microbatches, parallel.per_replica(requests)))
 
 
 def _cmd_generate(args, out) -> int:

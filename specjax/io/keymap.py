@@ -109,7 +109,7 @@ def load_params(cfg: ModelConfig, table: list[KeyMapEntry], keys: Iterable[str],
                               f"for this configuration")
     for key in sorted(expected.keys() - seen):
         raise CheckpointError(f"{source}: missing key {key!r} (for parameter {expected[key][0]})")
-    _check_shapes(cfg, entries, specs, expected, shape_of, source)
+    wants = _check_shapes(cfg, entries, specs, expected, shape_of, source)
 
     params: dict = {}
     stacked: dict[str, np.ndarray] = {}
@@ -124,8 +124,8 @@ def load_params(cfg: ModelConfig, table: list[KeyMapEntry], keys: Iterable[str],
                                   f"(parameter {path})")
         if entry.prepare is not None:
             raw = entry.prepare(raw)
-        want = tuple(entry.layout.source_shape(target))
-        if tuple(raw.shape) != want:
+        want = wants[key]
+        if tuple(raw.shape) != want:  # the data read against its header's shape
             raise CheckpointError(f"{source}: key {key!r} has shape {tuple(raw.shape)}, expected {want} "
                                   f"(parameter {path}, layout {entry.layout.name})")
         # One copy per tensor, converting the dtype on the way: into its own array (never a view of the
@@ -142,14 +142,17 @@ def load_params(cfg: ModelConfig, table: list[KeyMapEntry], keys: Iterable[str],
     return params
 
 
-def _check_shapes(cfg: ModelConfig, entries: dict, specs: dict, expected: dict, shape_of, source: str) -> None:
+def _check_shapes(cfg: ModelConfig, entries: dict, specs: dict, expected: dict, shape_of,
+                  source: str) -> dict[str, tuple[int, ...]]:
     """Every tensor's stored shape against the config, from the headers alone: a checkpoint that does not
-    fit its config is refused before gigabytes are read and dequantized, with every misfit named at once."""
-    wrong = []
+    fit its config is refused before gigabytes are read and dequantized, with every misfit named at once.
+    Returns each source key's expected shape."""
+    wants, wrong = {}, []
     for key in sorted(expected):
         path, layer = expected[key]
         spec = _spec_at(specs, path)
-        want = tuple(entries[path].layout.source_shape(spec.shape[1:] if layer is not None else spec.shape))
+        wants[key] = want = tuple(entries[path].layout.source_shape(spec.shape[1:] if layer is not None
+                                                                    else spec.shape))
         have = tuple(int(d) for d in shape_of(key))
         if have != want:
             wrong.append(f"{key!r} has shape {have}, expected {want} (parameter {path})")
@@ -158,6 +161,7 @@ def _check_shapes(cfg: ModelConfig, entries: dict, specs: dict, expected: dict, 
         raise CheckpointError(f"{source}: {len(wrong)} tensor(s) do not fit the {cfg.family} config "
                               f"(hidden {cfg.hidden_size}, {cfg.num_layers} layers, vocab {cfg.vocab_size}): "
                               + "; ".join(wrong[:8]) + more)
+    return wants
 
 
 def export_params(cfg: ModelConfig, table: list[KeyMapEntry], params: dict) -> dict[str, np.ndarray]:

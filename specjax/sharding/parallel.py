@@ -110,21 +110,28 @@ class Parallel:
         """How many dp replicas share the requests (each pipelines its own)."""
         return self.dp if self.request_axis else 1
 
+    def per_replica(self, requests: int) -> int:
+        """The requests each dp replica gets of a batch of ``requests`` (rounded up)."""
+        return -(-requests // self.replicas)
+
+    def groups_for(self, requests: int) -> int:
+        """Pipeline request groups per replica for a batch of ``requests``: ``microbatches``, or pp but never
+        more than the replica's requests (a single request on pp=4 ran as 4 groups, 3 of them padding, over 7
+        ticks instead of 4); 1 when nothing is pipelined."""
+        return (self.microbatches or min(self.pp, self.per_replica(requests))) if self.pipelined else 1
+
     def padding_for(self, requests: int) -> int:
         """Inert requests to add to a batch of ``requests`` so it splits over dp and the microbatches.
 
         An explicit ``microbatches`` larger than the requests each dp replica gets is refused: the
         extra groups would hold nothing but padding (1000 microbatches would turn one prompt into
         1000 requests)."""
-        per_replica = -(-requests // self.replicas)
+        per_replica = self.per_replica(requests)
         if self.pipelined and self.microbatches is not None and self.microbatches > per_replica:
             raise ShardingError(f"microbatches={self.microbatches} exceeds the {per_replica} request(s) per dp replica "
                                 f"of this batch of {requests}; use at most {per_replica} microbatches (CLI: "
                                 f"--microbatches, at most --batch-size / dp)")
-        # request groups per replica: microbatches, or pp but never more than the requests (a single request
-        # on pp=4 ran as 4 groups, 3 of them padding, over 7 ticks instead of 4)
-        groups = (self.microbatches or min(self.pp, per_replica)) if self.pipelined else 1
-        return (-requests) % (self.replicas * groups)
+        return (-requests) % (self.replicas * self.groups_for(requests))
 
     def num_microbatches(self, local_batch: int) -> int:
         """Request groups for one dp replica's ``local_batch`` requests: ``microbatches`` or pp."""

@@ -117,12 +117,9 @@ def _mesh_key(parallel, batch: int) -> str:
     """What changes a pass's time on a mesh besides its shape: the sharding rules (replicated attention
     moves other bytes), the pipeline's schedule and request groups, and the processes it spans (one
     process of 8 devices is not two of 4 over gloo)."""
-    groups = 1
-    if parallel.pipelined:
-        per_replica = -(-batch // parallel.replicas)
-        groups = parallel.microbatches or min(parallel.pp, per_replica)
     rules = hashlib.sha256(repr((parallel.rules, parallel.ssm_rules)).encode()).hexdigest()[:8]
-    return (f"{dict(parallel.mesh.shape)};rules={rules};schedule={parallel.schedule};groups={groups};"
+    return (f"{dict(parallel.mesh.shape)};rules={rules};schedule={parallel.schedule};"
+            f"groups={parallel.groups_for(batch)};"
             f"processes={jax.process_count()}")
 
 

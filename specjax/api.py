@@ -18,6 +18,7 @@ from specjax.decoding.programs import step_drafter_params, step_matmuls, step_pr
 from specjax.decoding.sampling import SamplingArrays, SamplingParams
 from specjax.errors import GenerationError, InputError
 from specjax.io.prompts import normalize_prompts, prompt_labels
+from specjax.io.special_tokens import check_policy, encode_chat, encode_text
 from specjax.speculation.choices import MODES
 from specjax.speculation.cost import pass_head, with_costs
 from specjax.speculation.drafters.ssm import SSMDrafter
@@ -36,9 +37,12 @@ class GenerationResult:
     stats: dict  # batch: llm_passes, generated_tokens, seconds, tokens_per_s, ...; "requests": one dict each
 
 
-def encode_prompts(model: Model, prompts, chat_template: bool = True, labels=None) -> list[list[int]]:
+def encode_prompts(model: Model, prompts, chat_template: bool = True, labels=None,
+                   special_tokens: str = "parse") -> list[list[int]]:
     """Strings (chat template applied by default) or token-id lists -> list of token-id lists.
-    ``labels``: what errors call each prompt (default "prompt i")."""
+    ``labels``: what errors call each prompt (default "prompt i"). ``special_tokens``: what a special
+    token's string inside a prompt's text becomes (``specjax.io.special_tokens``)."""
+    check_policy(special_tokens)
     out = []
     vocab = model.config.vocab_size
     prompts = normalize_prompts(prompts, labels)
@@ -48,10 +52,9 @@ def encode_prompts(model: Model, prompts, chat_template: bool = True, labels=Non
             if tok is None:
                 raise InputError(f"{label} is a string but the model has no tokenizer; pass token ids")
             if chat_template and getattr(tok, "chat_template", None):
-                ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=True)["input_ids"]
+                ids = encode_chat(tok, [{"role": "user", "content": p}], special_tokens, label)
             else:
-                ids = tok(p)["input_ids"]
+                ids = encode_text(tok, p, special_tokens, label)
         else:
             ids = p
         bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -114,12 +117,13 @@ class GenerationPlan:
 def plan_generation(model: Model, prompts, max_new_tokens: int = 128, sampling=None, chat_template: bool = True,
                     ignore_eos: bool = False, mode: str | None = None, ssms=(), expansion=None, impl: str = "auto",
                     verifier: str = "auto", draft: str = "auto", drafters=(), budget=None,
-                    labels=None) -> GenerationPlan:
+                    labels=None, special_tokens: str = "parse") -> GenerationPlan:
     """Validate a generation request and prepare it (see ``generate``). Reads only the configs and
     tokenizers of ``model`` and ``ssms`` (and the drafters' static parts), so it can run before their
     weights are loaded. Unlike ``generate``, it chooses no drafters: with no mode, SSMs or drafters the
     plan is incremental decoding (``generate`` passes the default drafters it chose). ``labels``: what
     errors call each prompt (default "prompt i"; the CLI passes a prompts file's ``path:line``)."""
+    check_policy(special_tokens)
     mode = mode or ("tree" if ssms or drafters else "incremental")
     if mode not in MODES:
         raise InputError(f"mode must be one of {MODES}, got {mode!r}")
@@ -142,7 +146,7 @@ def plan_generation(model: Model, prompts, max_new_tokens: int = 128, sampling=N
         if given:  # they shape speculation only; taking them silently would hide a request that is not run
             raise InputError(f"mode 'incremental' neither drafts nor verifies, so it takes no "
                              f"{', '.join(f'{k}={v!r}' for k, v in given.items())}")
-    ids = encode_prompts(model, prompts, chat_template, labels)
+    ids = encode_prompts(model, prompts, chat_template, labels, special_tokens)
     limit = model.config.max_positions
     for label, p in zip(prompt_labels(labels, len(ids)), ids):
         if len(p) + max_new_tokens > limit:
@@ -168,7 +172,7 @@ def plan_generation(model: Model, prompts, max_new_tokens: int = 128, sampling=N
 def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, chat_template: bool = True,
              ignore_eos: bool = False, mode: str | None = None, ssms=(), expansion=None,
              impl: str = "auto", verifier: str = "auto", draft: str = "auto", parallel=None,
-             on_tokens=None, drafters=(), budget=None) -> GenerationResult:
+             on_tokens=None, drafters=(), budget=None, special_tokens: str = "parse") -> GenerationResult:
     """Generate for a batch of prompts (strings or token-id lists).
 
     mode: "incremental" (the reference decoder), "sequence" (one SSM drafts a chain of
@@ -188,6 +192,10 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
     with the exact target distribution but other random numbers. draft: how SSMs draw children,
     "auto" = the verifier's natural drafting ("topk", "coupled", "iid" for mss, "wor" for rrs).
     A (draft, verifier) pair that would not be lossless is refused with an InputError.
+    special_tokens: what a special token's string written inside a prompt's text (``<|im_end|>``)
+    becomes: "parse" (the control token, as transformers and vLLM tokenize), "text" (ordinary text: a
+    prompt cannot end its own turn; the chat template's control tokens stay) or "refuse" (an InputError
+    naming it). Token-id prompts are taken as they are.
     budget (speculative modes): None verifies every proposal whole each step (the default drafting: None
     means "auto"); "auto" chooses per step
     how much of it to verify (none at all when drafts will not pay) from this machine's measured LLM
@@ -210,6 +218,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
     token from that pass: ``GenerationError`` names it, with the whole result attached.
     """
     _check_on_host(model)
+    check_policy(special_tokens)
     default = mode is None and not ssms and not drafters
     if default:
         if expansion is not None:
@@ -219,7 +228,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 128, sampling=None, ch
         sampled = any(not s.greedy for s in _sampling_list(sampling, len(normalize_prompts(prompts))))
         drafters = default_drafters(model, sampled, verifier, draft, load=False)  # checked before weights load
     plan = plan_generation(model, prompts, max_new_tokens, sampling, chat_template, ignore_eos, mode, ssms,
-                           expansion, impl, verifier, draft, drafters, budget)
+                           expansion, impl, verifier, draft, drafters, budget, special_tokens=special_tokens)
     if default:
         drafters = default_drafters(model, sampled, verifier, draft)
     return run_plan(model, plan, list(ssms), parallel=parallel, on_tokens=on_tokens, drafters=drafters)

@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype")
     add_layers_flag(g)
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt text without the chat template")
+    g.add_argument("--special-tokens", default="parse", choices=["parse", "text", "refuse"],
+                   help="what a special token's string written in a prompt (<|im_end|>) becomes: parse = the control "
+                        "token (as transformers tokenizes), text = ordinary text (the chat template's own control "
+                        "tokens stay), refuse = an error naming it (default: parse)")
     g.add_argument("--json", action="store_true", help="one JSON record per prompt on stdout instead of text")
     g.add_argument("--compile-cache", default=_default_compile_cache(),
                    help="directory of compiled programs reused by later runs ('none' = off; "

@@ -281,6 +281,7 @@ def _cmd_generate(args, out) -> int:
     batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     batch_labels = [labels[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, chat_template=not args.no_chat_template,
+              special_tokens=args.special_tokens,
               mode=args.mode, expansion=expansion, verifier=args.verifier, draft=args.draft,
               budget=_budget(args, ssm_specs, [b.drafter for b in light_drafters]))
     plans = [plan_generation(light, batch, ssms=light_ssms, drafters=light_drafters, labels=names, **kw)

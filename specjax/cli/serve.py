@@ -96,6 +96,7 @@ def _cmd_serve(args, out) -> int:
     state = build_state(model, model_name=args.served_model_name or args.model, slots=args.slots,
                         max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
                         max_queue=args.max_queue, drafters=bound, budget=budget, log=log,
+                        special_tokens=args.special_tokens,
                         **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
     warm_up(state.scheduler.engine, log=log)  # the prefill and the step compile before the server listens
     run(state, host=args.host, port=args.port, shutdown_grace=args.shutdown_grace, log=log)
@@ -143,6 +144,11 @@ def add_parser(sub, fmt, compile_cache_default: str) -> None:
                         "at --slots requests and measured acceptance; off: whole trees (default: auto when every "
                         "drafter estimates its acceptance, else off)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype")
+    s.add_argument("--special-tokens", default="parse", choices=["parse", "text", "refuse"],
+                   help="what a special token's string written in a prompt or message (<|im_end|>) becomes: parse = "
+                        "the control token (as transformers and vLLM tokenize), text = ordinary text, so a message "
+                        "cannot end its turn or open another (the chat template's own control tokens stay), "
+                        "refuse = a 400 naming it (default: parse)")
     add_layers_flag(s)
     s.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running requests may finish after SIGTERM before they fail")

@@ -16,6 +16,8 @@ import secrets
 import sys
 
 from specjax.decoding.sampling import MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
+from specjax.errors import InputError
+from specjax.io.special_tokens import encode_chat, encode_text
 from specjax.serving.scheduler import Submission
 
 
@@ -44,6 +46,8 @@ class Limits:
     # A body past it is refused unread (413): reading and tokenizing it would cost memory and a worker's
     # time before the prompt's token count could refuse it (10M characters take about 7.5 s to tokenize).
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # What a special token's string inside a prompt's or message's text becomes (specjax.io.special_tokens).
+    special_tokens: str = "parse"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +176,7 @@ def _sampling(body: dict) -> SamplingParams:
                           seed=seed)
 
 
-def _completion_prompt(body: dict, tokenizer) -> list[int]:
+def _completion_prompt(body: dict, tokenizer, special_tokens: str) -> list[int]:
     if body.get("prompt") is None:  # null means "not given", as for every field
         raise APIError(400, "'prompt' is required", param="prompt")
     p = body["prompt"]
@@ -185,7 +189,9 @@ def _completion_prompt(body: dict, tokenizer) -> list[int]:
         if p == "":
             raise APIError(400, "'prompt' is empty", param="prompt")
         try:
-            ids = tokenizer(p)["input_ids"]
+            ids = encode_text(tokenizer, p, special_tokens, "'prompt'")
+        except InputError as e:  # special_tokens="refuse"
+            raise APIError(400, str(e), param="prompt", code="special_token_in_prompt") from None
         except Exception as e:  # noqa: BLE001 - the tokenizer's own message says what it could not encode
             raise APIError(400, f"'prompt' could not be tokenized: {type(e).__name__}: {e}", param="prompt") from None
     elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
@@ -202,7 +208,7 @@ def _completion_prompt(body: dict, tokenizer) -> list[int]:
 _ROLES = ("system", "user", "assistant")
 
 
-def _chat_prompt(body: dict, tokenizer) -> list[int]:
+def _chat_prompt(body: dict, tokenizer, special_tokens: str) -> list[int]:
     if body.get("messages") is None:  # null means "not given", as for every field
         raise APIError(400, "'messages' is required", param="messages")
     messages = body["messages"]
@@ -236,8 +242,10 @@ def _chat_prompt(body: dict, tokenizer) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
     try:
-        ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True,
-                                            return_dict=True)["input_ids"]
+        ids = encode_chat(tokenizer, plain, special_tokens, "'messages'",
+                          [f"'messages[{i}].content'" for i in range(len(plain))])
+    except InputError as e:  # special_tokens="refuse", or a template that "text" cannot split
+        raise APIError(400, str(e), param="messages", code="special_token_in_prompt") from None
     except Exception as e:  # noqa: BLE001 - templates refuse conversations in their own words (jinja raise_exception)
         raise APIError(400, f"the model's chat template refused 'messages': {type(e).__name__}: {e}",
                        param="messages") from None
@@ -263,7 +271,8 @@ def parse_request(body: dict, *, chat: bool, limits: Limits, tokenizer, vocab: i
     stop_strings = _stop(body)
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, key)
-    ids = _chat_prompt(body, tokenizer) if chat else _completion_prompt(body, tokenizer)
+    ids = (_chat_prompt(body, tokenizer, limits.special_tokens) if chat
+           else _completion_prompt(body, tokenizer, limits.special_tokens))
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:  # given ids, or a tokenizer with more (added) tokens than the model's embedding rows
         field = "messages" if chat else "prompt"

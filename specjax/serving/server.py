@@ -24,14 +24,18 @@ from specjax.types import Model
 
 def build_state(model: Model, *, model_name: str, slots: int, max_prompt_tokens: int, max_tokens: int,
                 max_queue: int, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, drafters=(),
-                budget: str | None = "auto", impl: str = "xla", log=lambda *a: None) -> ServerState:
+                budget: str | None = "auto", impl: str = "xla", log=lambda *a: None,
+                special_tokens: str = "parse") -> ServerState:
     """The engine, its scheduler (not started) and the HTTP side's state. ``drafters``: ``Bound`` pairs
-    (none: plain decoding); ``budget``: "auto" (measured tree budget) or None (whole tree)."""
+    (none: plain decoding); ``budget``: "auto" (measured tree budget) or None (whole tree);
+    ``special_tokens``: what special-token text in prompts becomes (``specjax.io.special_tokens``)."""
     from specjax.api import eos_ids_of
     from specjax.errors import InputError
+    from specjax.io.special_tokens import check_policy
 
     if model.tokenizer is None:
         raise InputError("serving needs a tokenizer (text in, text out); this model has none")
+    check_policy(special_tokens)
     if not isinstance(max_queue, int) or max_queue < 1:
         raise InputError(f"max_queue must be a positive int, got {max_queue!r}")
     stop_ids = eos_ids_of(model)
@@ -42,7 +46,7 @@ def build_state(model: Model, *, model_name: str, slots: int, max_prompt_tokens:
     metrics = Metrics(slots)
     limits = Limits(model_name=model_name, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens,
                     context_window=model.config.max_positions, max_stop_tokens=len(stop_ids),
-                    max_request_bytes=max_request_bytes)
+                    max_request_bytes=max_request_bytes, special_tokens=special_tokens)
     return ServerState(scheduler=Scheduler(engine, max_queue=max_queue, metrics=metrics, log=log), metrics=metrics,
                        limits=limits, tokenizer=model.tokenizer, vocab=model.config.vocab_size, stop_ids=stop_ids)
 

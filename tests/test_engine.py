@@ -132,6 +132,20 @@ def test_insert_refuses_rows_and_states_that_are_not_this_engines(llama):
     assert int(engine.read(engine.insert(state, row, 2)).num_generated[2]) == 1
 
 
+def test_release_and_step_refuse_states_that_are_not_this_engines(llama):
+    """release() took a prefilled row or another engine's state and changed nothing (JAX drops out-of-range
+    writes), so the slot it was asked to free stayed busy."""
+    engine, other = _engine(llama, "none", slots=3), _engine(llama, "none", slots=2)
+    row = engine.prefill([1, 2, 3])
+    for bad in (row, other.init()):
+        with pytest.raises(InputError, match=r"state is not a state of this engine's 3 request\(s\)"):
+            engine.release(bad, 2)
+        with pytest.raises(InputError, match=r"state is not a state of this engine's 3 request\(s\)"):
+            engine.step(bad)
+    state = engine.insert(engine.init(), row, 2)
+    assert bool(engine.read(engine.release(state, 2)).done[2])
+
+
 def test_free_slots_hold_valid_sampling_settings(llama):
     """Free slots run through every step like busy ones (static shapes), so they must hold settings a
     request could have: all-zero rows (top_p = 0) sent the step's sampling code through non-finite

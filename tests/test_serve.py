@@ -431,7 +431,8 @@ def test_full_queue_answers_429_and_sigterm_ends_everything_cleanly(one_slot):
         assert last["choices"][0]["finish_reason"] == "length"
     # uvicorn shuts down cleanly, then re-raises the signal: the status says SIGTERM, the log says how
     assert s.proc.wait(60) in (0, -signal.SIGTERM) and time.time() - t0 < 30, s.output()
-    assert "# specjax serve: stopped (" in s.output()
+    failed = 1 if "error" in last else 0  # the running request, failed at the grace period's end
+    assert f"# specjax serve: stopped ({failed} running request(s) failed at shutdown)" in s.output()
 
 
 @pytest.mark.parametrize("args,message", [
@@ -533,7 +534,7 @@ async def _asgi(app, method: str, path: str, chunks=(), headers=(), sent=None) -
             "body": b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")}
 
 
-def _scripted_app(tokenizer, **limits):
+def _scripted_app(tokenizer, engine=None, **limits):
     """The app over a scheduler (not started) with a scripted engine: no model, no compilation."""
     from specjax.serving.app import ServerState, create_app
     from specjax.serving.metrics import Metrics
@@ -541,7 +542,7 @@ def _scripted_app(tokenizer, **limits):
     from specjax.serving.scheduler import Scheduler
     from tests.test_scheduler import ScriptedEngine
 
-    scheduler = Scheduler(ScriptedEngine(end_at=3), max_queue=4)
+    scheduler = Scheduler(engine or ScriptedEngine(end_at=3), max_queue=4)
     limits = Limits(**{"model_name": NAME, "max_prompt_tokens": 16, "max_tokens": 8, "context_window": 64,
                        "max_stop_tokens": 1, **limits})
     state = ServerState(scheduler=scheduler, metrics=Metrics(1), tokenizer=tokenizer, vocab=100, stop_ids=(2,),
@@ -550,17 +551,25 @@ def _scripted_app(tokenizer, **limits):
 
 
 class _FailingDecoder:
-    """Decoding (the text of an admitted request) fails."""
+    """Decoding the generated token (the scripted engine's 7: the text of an admitted request) fails."""
 
     def decode(self, ids, skip_special_tokens=True):
-        raise RuntimeError("injected decode failure")
+        if 7 in ids:
+            raise RuntimeError("injected decode failure")
+        return "".join(chr(96 + t) for t in ids)
+
+
+def _outcomes(app) -> dict:
+    text = asyncio.run(_asgi(app, "GET", "/metrics"))["body"].decode()
+    return {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("specjax_requests_total{")}
 
 
 def test_an_error_after_admission_is_a_500_in_openai_shape():
     """A whole response whose text cannot be decoded answers 500 with OpenAI's error object, as every other
-    error does."""
+    error does, and /metrics counts it as an error, not as a client that went away."""
     app, scheduler = _scripted_app(_FailingDecoder())
-    body = json.dumps({"model": NAME, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}).encode()
+    body = json.dumps({"model": NAME, "prompt": [5, 6, 8], "max_tokens": 4, "temperature": 0}).encode()
     sent = []
     scheduler.start()
     try:
@@ -574,6 +583,59 @@ def test_an_error_after_admission_is_a_500_in_openai_shape():
     error = json.loads(body)["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == "internal_error" and "injected decode failure" in error["message"]
+    assert _outcomes(app) == {"stop": 0, "length": 0, "cancelled": 0, "error": 1, "rejected": 0}
+
+
+def test_after_an_engine_failure_requests_are_refused_naming_it_and_the_server_exits():
+    from tests.test_scheduler import ScriptedEngine
+
+    app, scheduler = _scripted_app(_ByteFallbackTokenizer(), engine=ScriptedEngine(fail="step"))
+    exits = []
+    scheduler.on_failure = lambda: exits.append(True)
+    body = json.dumps({"model": NAME, "prompt": [5, 6, 8], "max_tokens": 4, "temperature": 0}).encode()
+    scheduler.start()
+    try:
+        victim = asyncio.run(asyncio.wait_for(_asgi(app, "POST", "/v1/completions", [body]), 60))
+        later = asyncio.run(asyncio.wait_for(_asgi(app, "POST", "/v1/completions", [body]), 60))
+    finally:
+        scheduler.stop()
+    assert victim["status"] == 500 and json.loads(victim["body"])["error"]["code"] == "engine_error"
+    error = json.loads(later["body"])["error"]
+    assert later["status"] == 503 and error["code"] == "engine_failed", later
+    assert "the engine failed: RuntimeError: injected step failure" in error["message"]
+    assert exits == [True] and "injected step failure" in scheduler.failure
+
+
+def test_a_request_still_queued_at_shutdown_counts_as_rejected():
+    import time as _time
+
+    from tests.test_scheduler import ScriptedEngine
+
+    app, scheduler = _scripted_app(_ByteFallbackTokenizer(), engine=ScriptedEngine(
+        end_at=10**6, during_step=lambda: _time.sleep(0.005)))
+    body = json.dumps({"model": NAME, "prompt": [97, 98], "max_tokens": 4, "temperature": 0}).encode()
+
+    async def scenario():
+        running = asyncio.create_task(_asgi(app, "POST", "/v1/completions", [body]))
+        while scheduler.counts()[1] < 1:
+            await asyncio.sleep(0.01)
+        queued = asyncio.create_task(_asgi(app, "POST", "/v1/completions", [body]))
+        while scheduler.counts()[0] < 1:
+            await asyncio.sleep(0.01)
+        scheduler.begin_shutdown()
+        refused = await queued
+        await asyncio.to_thread(scheduler.stop)
+        return refused, await running
+
+    scheduler.start()
+    try:
+        refused, failed = asyncio.run(asyncio.wait_for(scenario(), 60))
+    finally:
+        scheduler.stop()
+    assert refused["status"] == 503 and json.loads(refused["body"])["error"]["code"] == "shutting_down"
+    assert failed["status"] == 503 and scheduler.failed_at_stop == 1
+    outcomes = _outcomes(app)
+    assert outcomes["rejected"] == 1 and outcomes["error"] == 1, outcomes  # the queued one, the running one
 
 
 class _BlockingTokenizer:

@@ -11,6 +11,7 @@ import time
 from specjax.cli.layers import split_layers_arg
 from specjax.errors import GenerationError, InputError
 from specjax.io import registry
+from specjax.io.detokenize import IncrementalText
 from specjax.speculation.drafters.base import estimates_acceptance
 
 
@@ -186,29 +187,23 @@ def _ssm(spec: str, llm, load: bool):
 
 
 class _TextStream:
-    """Incremental detokenisation: the new text since the last call, holding back an incomplete
-    UTF-8 sequence (a token may end in the middle of a character)."""
+    """The new text since the last call (``specjax.io.detokenize``: a few tokens decoded per token, an
+    unfinished UTF-8 character held back); token ids space-separated without a tokenizer. No prompt
+    context: the stream shows what the result's text will be, the generated tokens decoded alone."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.shown = tokenizer, [], 0
+        self.tokenizer, self.count = tokenizer, 0
+        self.decoder = IncrementalText(tokenizer) if tokenizer is not None else None
 
     def feed(self, ids) -> str:
-        if self.tokenizer is None:  # token ids, space-separated
+        if self.decoder is None:
             new = " ".join(map(str, ids))
-            new, self.ids = (" " + new if self.ids else new), self.ids + list(ids)
+            new, self.count = (" " + new if self.count else new), self.count + len(ids)
             return new
-        self.ids += list(ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        new, self.shown = text[self.shown:], len(text)
-        return new
+        return "".join(self.decoder.add(t) for t in ids)
 
     def finish(self) -> str:
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        return text[self.shown:]
+        return self.decoder.flush() if self.decoder is not None else ""
 
 
 def _budget_record(stats: dict, req: dict) -> dict:

@@ -100,7 +100,7 @@ def _cmd_serve(args, out) -> int:
                         **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
     warm_up(state.scheduler.engine, log=log)  # the prefill and the step compile before the server listens
     run(state, host=args.host, port=args.port, shutdown_grace=args.shutdown_grace, log=log)
-    return 0
+    return 1 if state.scheduler.failure is not None else 0  # the engine failed: a supervisor should restart it
 
 
 def add_parser(sub, fmt, compile_cache_default: str) -> None:

@@ -163,12 +163,14 @@ class Engine:
     @in_32_bit
     def step(self, state: SpecState) -> SpecState:
         """One speculative step (one LLM pass) of every slot; finished and free slots stay as they are."""
+        self._check_state(state, self.slots, "state")
         return self._step(state)
 
     @in_32_bit
     def release(self, state: SpecState, slot: int) -> SpecState:
         """Free slot ``slot`` (a finished or cancelled request): later steps skip it."""
         self._check_slot(slot)
+        self._check_state(state, self.slots, "state")  # a row, or another engine's: out-of-range writes are dropped
         return _release_jit(state, jnp.int32(slot))
 
     @staticmethod

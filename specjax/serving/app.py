@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specjax.serving.metrics import Metrics
 from specjax.serving.protocol import APIError, Limits, Parsed, TextTracker, parse_body, parse_request
-from specjax.serving.scheduler import Failed, Finished, QueueFull, Scheduler, ShuttingDown, Ticket, Tokens
+from specjax.serving.scheduler import EngineFailed, Failed, Finished, QueueFull, Scheduler, ShuttingDown, Ticket, Tokens
 
 # A non-streaming request checks this often whether its client is still there.
 _DISCONNECT_POLL_S = 0.25
@@ -70,11 +70,12 @@ class _Run:
 
     def __init__(self, server: ServerState, ticket: Ticket, parsed: Parsed, arrived: float):
         self.server, self.ticket, self.parsed, self.arrived = server, ticket, parsed, arrived
-        self.text = TextTracker(server.tokenizer, parsed.stop_strings)
+        self.text = TextTracker(server.tokenizer, parsed.stop_strings, parsed.submission.prompt)
         self.finish_reason: str | None = None
         self.error: Failed | None = None
         self.first = self.last = None
         self.accounted = False
+        self.failed = False  # the server failed while serving it (a 500)
 
     async def deltas(self, request: Request | None = None):
         """Text deltas until the request ends. ``request``: poll it for a disconnect every
@@ -114,6 +115,10 @@ class _Run:
                 else:
                     self.error = event
                     return
+        except BaseException as e:
+            # the server's own failure (decoding the text, say): an error, not a client that went away
+            self.failed = not isinstance(e, (asyncio.CancelledError, GeneratorExit))
+            raise
         finally:
             self.account()
 
@@ -123,11 +128,17 @@ class _Run:
             return
         self.accounted = True
         m = self.server.metrics
-        if self.finish_reason is None and self.error is None:
+        if self.failed:
+            self.server.scheduler.cancel(self.ticket)
+            outcome = "error"
+        elif self.finish_reason is None and self.error is None:
             self.server.scheduler.cancel(self.ticket)
             outcome = "cancelled"
+        elif self.error is not None:
+            # a request failed while still queued (shutdown) was never admitted: the metric's "rejected"
+            outcome = "rejected" if self.ticket.slot is None and self.error.code == "shutting_down" else "error"
         else:
-            outcome = "error" if self.error else self.finish_reason
+            outcome = self.finish_reason
         m.requests.labels(outcome).inc()
         m.generation_tokens.inc(self.text.served_tokens)
         if self.first is not None and self.text.served_tokens > 1:
@@ -225,10 +236,11 @@ def create_app(server: ServerState, lifespan=None) -> FastAPI:
                 lambda: parse_request(parse_body(body), chat=chat, limits=server.limits, tokenizer=server.tokenizer,
                                       vocab=server.vocab, stop_ids=server.stop_ids))
             ticket = Ticket(parsed.submission, asyncio.get_running_loop())
+            run = _Run(server, ticket, parsed, arrived)  # before submitting: once admitted, only the run cancels it
             server.scheduler.submit(ticket)
         except Exception as e:  # noqa: BLE001 - whatever goes wrong with one request, the server answers and lives on
             server.metrics.requests.labels("rejected").inc()
-            if not isinstance(e, (APIError, QueueFull, ShuttingDown)):
+            if not isinstance(e, (APIError, QueueFull, ShuttingDown, EngineFailed)):
                 server.scheduler.log_safely(
                     f"# specjax serve: a request failed before admission:\n{traceback.format_exc()}")
                 e = APIError(500, f"the server failed to read the request: {type(e).__name__}: {e}",
@@ -237,11 +249,12 @@ def create_app(server: ServerState, lifespan=None) -> FastAPI:
                 e = APIError(429, f"the queue is full ({server.scheduler.max_queue} requests waiting for "
                                   f"{server.scheduler.engine.slots} busy slots); retry "
                                   f"later", type="rate_limit_error", code="queue_full")
+            elif isinstance(e, EngineFailed):
+                e = APIError(503, f"the server is stopping because {e}", type="server_error", code="engine_failed")
             elif isinstance(e, ShuttingDown):
                 e = APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
             return _error(e)
         server.metrics.prompt_tokens.inc(len(parsed.submission.prompt))
-        run = _Run(server, ticket, parsed, arrived)
         rid, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time())
         if parsed.stream:
             return EventSourceResponse(_stream(run, rid, created), headers={"Cache-Control": "no-cache"})

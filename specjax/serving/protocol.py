@@ -17,6 +17,7 @@ import sys
 
 from specjax.decoding.sampling import MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
 from specjax.errors import InputError
+from specjax.io.detokenize import IncrementalText
 from specjax.io.special_tokens import encode_chat, encode_text
 from specjax.serving.scheduler import Submission
 
@@ -299,45 +300,43 @@ def parse_request(body: dict, *, chat: bool, limits: Limits, tokenizer, vocab: i
 
 
 class TextTracker:
-    """The client's text of one request: the decoded tokens, cut at the first stop string, holding back
-    what may still become a stop string or is an incomplete UTF-8 character."""
+    """The client's text of one request: the generated tokens decoded incrementally (after the prompt's last
+    tokens, so the first word keeps its leading space; ``specjax.io.detokenize``), cut at the first stop
+    string, holding back what may still become a stop string or is an unfinished UTF-8 character."""
 
-    def __init__(self, tokenizer, stop_strings: tuple[str, ...]):
-        self.tokenizer, self.stops = tokenizer, stop_strings
-        self.ids: list[int] = []
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...], prompt_ids=()):
+        self.decoder = IncrementalText(tokenizer, prompt_ids)
+        self.stops = stop_strings
         self.sent = 0  # characters already given to the client
         self.stopped = False  # a stop string was found; later tokens are not the client's
         self.served_tokens = 0  # tokens behind the client's text (up to the stop string's last token)
 
     def feed(self, ids: list[int]) -> str:
-        """The new text to send after ``ids`` (maybe empty)."""
+        """The new text to send after ``ids`` (maybe empty; always, once a stop string was found)."""
+        if self.stopped:
+            return ""
         for t in ids:  # token by token: the stop string's last token bounds the tokens served
-            if self.stopped:
-                break
-            self.ids.append(t)
             self.served_tokens += 1
-            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-            cut = self._first_stop(text)
-            if cut is not None:
-                self.stopped = True
-                return self._take(text[:cut])
-        return self._take(self._safe(self.tokenizer.decode(self.ids, skip_special_tokens=True)))
+            if self.decoder.add(t) and self.stops:
+                cut = self._first_stop(self.decoder.text)
+                if cut is not None:
+                    self.stopped = True
+                    return self._take(self.decoder.text[:cut])
+        return self._take(self._hold_stop_prefix(self.decoder.text))
 
     def finish(self) -> str:
         """The held-back rest once the request ended without a stop string."""
         if self.stopped:
             return ""
-        return self._take(self.tokenizer.decode(self.ids, skip_special_tokens=True))
+        self.decoder.flush()
+        return self._take(self.decoder.text)
 
     def _first_stop(self, text: str) -> int | None:
         start = max(0, self.sent - max((len(s) for s in self.stops), default=0))
         hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
         return min(hits) if hits else None
 
-    def _safe(self, text: str) -> str:
-        # The last token ends inside a UTF-8 character: byte-fallback tokenizers (LLaMA-2, Mistral) decode each
-        # byte of it as a U+FFFD of its own, so all of them wait for the rest of the character.
-        text = text.rstrip("\ufffd")
+    def _hold_stop_prefix(self, text: str) -> str:
         hold = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(text)), hold, -1):

@@ -36,6 +36,10 @@ class ShuttingDown(Exception):
     """The server stopped admitting requests."""
 
 
+class EngineFailed(Exception):
+    """The engine failed in a step; the server admits nothing more and exits."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Submission:
     """One request at the token level: what the engine needs."""
@@ -110,6 +114,9 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.state = None
         self.steps = 0
+        self.failure: str | None = None  # the engine's failure, once it failed
+        self.on_failure = None  # called (on the scheduler thread) after an engine failure
+        self.failed_at_stop = 0  # running requests that ``stop`` failed
 
     # -- the HTTP side ------------------------------------------------------------------------
 
@@ -120,6 +127,8 @@ class Scheduler:
 
     def submit(self, ticket: Ticket) -> None:
         with self._lock:
+            if self.failure is not None:
+                raise EngineFailed(self.failure)
             if not self._accepting:
                 raise ShuttingDown()
             if len(self._queue) >= self.max_queue:
@@ -183,6 +192,7 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - any engine failure ends every request with its message
             message = f"the engine failed: {type(e).__name__}: {e}"
             with self._lock:
+                self.failure = message
                 self._accepting = False
                 tickets = [t for t in self._slots if t is not None] + self._admitting + list(self._queue)
                 self._queue.clear()
@@ -191,10 +201,13 @@ class Scheduler:
             for t in tickets:  # before the log: a log that fails (stderr a closed pipe) must not leave them waiting
                 t._push(Failed(message, "engine_error"))
             self.log_safely(f"# specjax serve: the engine failed:\n{traceback.format_exc()}")
+            if self.on_failure is not None:
+                self.on_failure()  # the server exits, so that a supervisor can start it again
             return
         with self._lock:
             running = [t for t in self._slots if t is not None]
             self._slots = [None] * len(self._slots)
+            self.failed_at_stop = len(running)
             self._gauges()
         for t in running:
             t._push(Failed(self._stop_message, "shutting_down"))

@@ -93,10 +93,16 @@ def run(state: ServerState, *, host: str, port: int, shutdown_grace: float = 10.
         if on_ready is not None:
             on_ready()
         yield
-        queued, busy = state.scheduler.counts()
         state.scheduler.stop()
-        log(f"# specjax serve: stopped ({busy} running request(s) failed at shutdown)")
+        if state.scheduler.failure is not None:
+            log(f"# specjax serve: stopped, because {state.scheduler.failure}")
+        else:  # counted by the scheduler as it failed them (the grace timer's stop may have come first)
+            log(f"# specjax serve: stopped ({state.scheduler.failed_at_stop} running request(s) failed at shutdown)")
 
     config = uvicorn.Config(create_app(state, lifespan=lifespan), host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=shutdown_grace + 5.0, lifespan="on")
-    _Uvicorn(config, state, shutdown_grace).run()
+    server = _Uvicorn(config, state, shutdown_grace)
+    # An engine that failed in a step cannot serve again: exit (``specjax serve`` with status 1), so that a
+    # supervisor starts a fresh one, rather than answer every request with an error while /health says 503.
+    state.scheduler.on_failure = lambda: setattr(server, "should_exit", True)
+    server.run()

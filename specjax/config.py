@@ -125,6 +125,18 @@ class ModelConfig:
             if ids.min() < 0 or ids.max() >= self.vocab_size or len(np.unique(ids)) != len(ids):
                 raise ConfigError(f"draft_vocab must hold distinct token ids in [0, {self.vocab_size}), got "
                                   f"min {ids.min()}, max {ids.max()}, {len(ids) - len(np.unique(ids))} repeats")
+        if self.family == "opt" and self.num_kv_heads != self.num_heads:  # OPT's k/v projections have every head
+            raise ConfigError(f"OPT has no grouped-query attention: num_kv_heads must equal num_heads, got "
+                              f"{self.num_kv_heads} and {self.num_heads}")
+        if self.family == "llama":  # OPT's variants: a LLaMA would compute without them, silently
+            opt_only = [f"{name}={value!r}" for name, value, default in (
+                ("do_layer_norm_before", self.do_layer_norm_before, True),
+                ("final_layer_norm", self.final_layer_norm, True),
+                ("enable_bias", self.enable_bias, True)) if value != default]
+            if self.word_embed_proj_dim not in (None, self.hidden_size):
+                opt_only.append(f"word_embed_proj_dim={self.word_embed_proj_dim}")
+            if opt_only:
+                raise ConfigError(f"{', '.join(opt_only)}: OPT-only settings, which the llama family does not have")
         if self.family == "opt" and self.num_heads * self.head_dim != self.hidden_size:
             raise ConfigError(f"OPT needs num_heads*head_dim == hidden_size, got "
                               f"{self.num_heads}*{self.head_dim} != {self.hidden_size}")
@@ -372,19 +384,38 @@ def config_from_hf(d: Mapping[str, Any], source: str = "config.json") -> ModelCo
                       f"(architectures={r.d.get('architectures')}); supported: 'llama', 'opt'")
 
 
-def config_from_hf_file(path: str | os.PathLike) -> ModelConfig:
+def _read_json(path, what: str = "config.json") -> Any:
     try:
         with open(path, encoding="utf-8") as f:
-            d = json.load(f)
+            return json.load(f)
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
     except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, expected a config.json file") from None
+        raise ConfigError(f"{path}: is a directory, expected a {what} file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     except RecursionError:
         raise ConfigError(f"{path}: JSON nested too deeply") from None
-    return config_from_hf(d, source=str(path))
+
+
+def config_from_hf_file(path: str | os.PathLike) -> ModelConfig:
+    """An HF directory's config.json, with the end-of-sequence ids of the ``generation_config.json`` beside
+    it added (transformers' ``generate`` stops at those: Llama-3-Instruct's end-of-turn 128009 is only there)."""
+    cfg = config_from_hf(_read_json(path), source=str(path))
+    gen_path = os.path.join(os.path.dirname(os.fspath(path)), "generation_config.json")
+    if not os.path.exists(gen_path):
+        return cfg
+    gen = _read_json(gen_path, "generation_config.json")
+    if not isinstance(gen, Mapping):
+        raise ConfigError(f"{gen_path}: expected a JSON object (key/value mapping), got {type(gen).__name__}")
+    extra = _Reader(gen, gen_path).token_ids("eos_token_id")
+    merged = cfg.eos_token_ids + tuple(dict.fromkeys(t for t in extra if t not in cfg.eos_token_ids))
+    if merged == cfg.eos_token_ids:
+        return cfg
+    try:
+        return dataclasses.replace(cfg, eos_token_ids=merged)
+    except ConfigError as e:
+        raise ConfigError(f"{gen_path}: {e}") from None
 
 
 def _rope_from_gguf(r: _Reader) -> RopeScaling | None:
@@ -421,11 +452,21 @@ def config_from_gguf(fields: Mapping[str, Any], source: str, vocab_size: int | N
     vocab = r.int("vocab_size") or vocab_size
     if vocab is None:
         raise ConfigError(f"{source}: neither 'llama.vocab_size' nor a token list gives the vocabulary size")
-    head_dim = r.int("rope.dimension_count")
+    # llama.cpp's head width: attention.key_length, else hidden / heads; RoPE rotates rope.dimension_count
+    # of it (default: all). specjax rotates whole heads, and values as wide as keys.
+    key_length, value_length = r.int("attention.key_length"), r.int("attention.value_length")
+    rope_dims = r.int("rope.dimension_count")
+    head_dim = key_length or rope_dims
     if head_dim is None:
         if hidden % heads:
             raise ConfigError(f"{source}: embedding_length={hidden} is not a multiple of head_count={heads}")
         head_dim = hidden // heads
+    if rope_dims not in (None, head_dim):
+        raise ConfigError(f"{source}: 'llama.rope.dimension_count'={rope_dims} rotates part of a head of "
+                          f"{head_dim} ('llama.attention.key_length'); partial rotary embeddings are not supported")
+    if value_length not in (None, head_dim):
+        raise ConfigError(f"{source}: 'llama.attention.value_length'={value_length} differs from the key length "
+                          f"{head_dim}; specjax needs values as wide as keys")
     return _build(
         source,
         family="llama",

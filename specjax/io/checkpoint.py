@@ -135,9 +135,32 @@ def restore_checkpoint(path: str, shardings=None, dtype=None):
                             specs, shardings, is_leaf=is_param_spec)
     try:
         with ocp.StandardCheckpointer() as ckptr:
+            stored = ckptr.metadata(os.path.join(path, "params"))
+            _check_stored_shapes(path, specs, getattr(stored, "item_metadata", stored))
             params = ckptr.restore(os.path.join(path, "params"), abstract)
+    except CheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
         raise CheckpointError(f"{path}: cannot restore params ({type(e).__name__}: {e})") from None
     check_params(cfg, params, source=path)
     tok_dir = os.path.join(path, "tokenizer")
     return cfg, params, (tok_dir if os.path.isdir(tok_dir) else None)
+
+
+def _leaf_names(tree, is_leaf=None) -> dict:
+    return {".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
+
+
+def _check_stored_shapes(path: str, specs, stored) -> None:
+    """The stored params against the config's, from orbax's metadata before any tensor is read: every misfit
+    named in one error (orbax's own says only that some requested shape differs from a stored one)."""
+    want, have = _leaf_names(specs, is_param_spec), _leaf_names(stored)
+    misfits = [f"{k}: missing" for k in sorted(want.keys() - have.keys())]
+    misfits += [f"{k}: stored but not in the config" for k in sorted(have.keys() - want.keys())]
+    misfits += [f"{k}: stored {tuple(have[k].shape)}, the config needs {tuple(want[k].shape)}"
+                for k in sorted(want.keys() & have.keys())
+                if getattr(have[k], "shape", None) is not None and tuple(have[k].shape) != tuple(want[k].shape)]
+    if misfits:
+        raise CheckpointError(f"{path}: the stored params do not fit {CONFIG_FILE}'s config "
+                              f"({len(misfits)} misfit(s)): " + "; ".join(misfits))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 
 import numpy as np
 
 from specjax.config import ModelConfig, config_from_hf_file
-from specjax.errors import CheckpointError
+from specjax.errors import CheckpointError, ConfigError
 from specjax.io.keymap import (
     HEADS_BIAS,
     HEADS_IN,
@@ -71,6 +73,8 @@ OPT_HF = [
 ]
 
 TABLES = {"llama": LLAMA_HF, "opt": OPT_HF}
+# An SSM's draft vocabulary beside its HF export (specjax.io.hf_export), read back by load_hf_dir.
+DRAFT_VOCAB_FILE = "specjax_draft_vocab.json"
 _EMBED_KEY = {"llama": "model.embed_tokens.weight", "opt": _D + "embed_tokens.weight"}
 
 
@@ -99,4 +103,38 @@ def load_hf_dir(model_dir: str, dtype=np.float32, progress: bool = True) -> tupl
             ignored[key] = "recomputed from the config"
     params = load_params(cfg, TABLES[cfg.family], keys, get, shape, source=model_dir, dtype=dtype,
                          optional_ignored=ignored, progress=progress)
+    if os.path.exists(os.path.join(model_dir, DRAFT_VOCAB_FILE)):
+        cfg, params = _restore_draft_vocab(model_dir, cfg, params)
+    return cfg, params
+
+
+def _restore_draft_vocab(model_dir: str, cfg: ModelConfig, params: dict) -> tuple[ModelConfig, dict]:
+    """An SSM with a draft vocabulary as ``export_hf`` writes it (the full vocabulary, untied, plus the list
+    of draft tokens) back to the model it was: the draft tokens' rows, then one "other" row (the embedding
+    of every token outside the list; its head column is never read: those logits are -inf)."""
+    path = os.path.join(model_dir, DRAFT_VOCAB_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            ids = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if cfg.family != "llama" or cfg.tie_word_embeddings or "lm_head" not in params:
+        raise CheckpointError(f"{path}: a draft vocabulary belongs to an untied llama-family export "
+                              f"(specjax.io.hf_export.export_hf), and {model_dir} is not one")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise CheckpointError(f"{path}: expected a JSON list of token ids")
+    try:
+        cfg = dataclasses.replace(cfg, draft_vocab=tuple(ids))
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    rows = np.asarray(ids, np.int64)
+    outside = np.setdiff1d(np.arange(cfg.vocab_size), rows)
+    embed = np.asarray(params["embed"])
+    other = embed[outside[0]] if len(outside) else np.zeros_like(embed[0])
+    if len(outside) and not np.array_equal(embed[outside], np.broadcast_to(other, (len(outside), embed.shape[1]))):
+        raise CheckpointError(f"{path}: the tokens outside the draft vocabulary have different embeddings, so "
+                              f"{model_dir} is not a draft-vocabulary export (they all share one 'other' row)")
+    head = np.asarray(params["lm_head"])  # [D, vocab]
+    params = dict(params, embed=np.concatenate([embed[rows], other[None]]),
+                  lm_head=np.concatenate([head[:, rows], np.zeros_like(head[:, :1])], axis=1))
     return cfg, params

@@ -10,13 +10,12 @@ import jax
 import numpy as np
 
 from specjax.errors import InputError
-from specjax.io.hf import LLAMA_HF
+from specjax.io.checkpoint import check_destination, written_aside
+from specjax.io.hf import DRAFT_VOCAB_FILE, LLAMA_HF
 from specjax.io.keymap import export_params
 from specjax.models.llama import draft_rows
 from specjax.models.params import stack_layers
 from specjax.types import Model
-
-DRAFT_VOCAB_FILE = "specjax_draft_vocab.json"
 
 
 def draft_vocab_mask(hf_dir: str, vocab_size: int) -> np.ndarray | None:
@@ -38,13 +37,21 @@ def export_hf(model: Model, path: str) -> None:
 
     A model with a draft vocabulary is written with the full vocabulary (every token outside it
     embeds as the "other" row; its head column is zero) plus ``DRAFT_VOCAB_FILE``: transformers must
-    add ``draft_vocab_mask`` to the logits (e.g. a forward hook on lm_head) to get the same model."""
-    from safetensors.numpy import save_file
-
+    add ``draft_vocab_mask`` to the logits (e.g. a forward hook on lm_head) to get the same model;
+    ``specjax.load_model`` reads it back as the model it was. ``path``: a new or empty directory."""
     cfg = model.config
     if cfg.family != "llama":
         raise InputError(f"HF export supports the llama family only, got {cfg.family!r}")
-    os.makedirs(path, exist_ok=True)
+    # A new or empty directory, written aside and renamed into place: files of an earlier model left there
+    # (shards and their index beside the new model.safetensors) would be loaded with the new config.
+    path = check_destination(path)
+    with written_aside(path) as tmp:
+        _write_hf(model, cfg, tmp)
+
+
+def _write_hf(model: Model, cfg, path: str) -> None:
+    from safetensors.numpy import save_file
+
     p = stack_layers(jax.tree.map(lambda a: np.asarray(a, np.float32), model.params))
     tied = cfg.tie_word_embeddings
     if cfg.draft_vocab is not None:  # back to the full vocabulary, untied (see the docstring)

@@ -119,6 +119,10 @@ def open_hf_weights(model_dir: str) -> tuple[list[str], callable, callable]:
     ``get(key)`` reads a tensor, ``shape(key)`` its stored shape from the header."""
     index_path = os.path.join(model_dir, "model.safetensors.index.json")
     single = os.path.join(model_dir, "model.safetensors")
+    if os.path.exists(index_path) and os.path.exists(single):  # transformers takes the single file, we took the shards
+        raise CheckpointError(f"{model_dir}: holds both model.safetensors and model.safetensors.index.json, so it is "
+                              f"unclear which weights belong to its config.json (an export into a directory of an "
+                              f"earlier model leaves that); remove the stale one")
     if os.path.exists(index_path):
         try:
             with open(index_path, encoding="utf-8") as f:

@@ -580,6 +580,30 @@ def test_feature_drafter_refuses_bad_settings(llama):
         FeatureDrafter(big, depth=2, beam=2, nodes=7, ladder=(0, 7))
     with pytest.raises(InputError, match="ladder must be increasing"):
         FeatureDrafter(big, ladder=(0, 20))
+    # a float rung failed later as a budget error; a list made the spec unhashable inside the loop's jit
+    with pytest.raises(InputError, match=r"ladder must be increasing int node counts in \[0, 16\], got \(0, 2.5, 8\)"):
+        FeatureDrafter(big, ladder=(0, 2.5, 8))
+    assert FeatureDrafter(big, ladder=[0, 4, np.int64(8)]).ladder == (0, 4, 8)
+    hash(FeatureDrafter(big, ladder=[0, 4, 8]))
+    # depths a tree of so few nodes cannot reach: one more drafter pass each, compiled and run for nothing
+    with pytest.raises(InputError, match="depth 9 exceeds nodes 8; a tree of 8 nodes is at most 8 deep"):
+        FeatureDrafter(big, depth=9, nodes=8, ladder=(0, 8))
+    assert FeatureDrafter(big, depth=8, nodes=8, ladder=(0, 8)).max_depth == 8
+
+
+def test_a_feature_drafter_for_another_llm_is_refused_before_any_work(llama):
+    """Through the API and the Engine (only load_feature_drafter compared the configs): the drafter failed
+    inside the tree pass, after compiling, with a message about layer indices."""
+    other = specjax.derive_ssm(llama, 1)  # another config: fewer layers
+    d = FeatureDrafter(FeatureConfig(llama.config, tuple(range(16))), depth=2, beam=2, nodes=4, ladder=(0, 4))
+    bound = specjax.Bound(d, None)
+    with pytest.raises(InputError, match=r"feature\(depth 2, beam 2, nodes 4\) was trained for another LLM "
+                                         r"\(config differs in \['num_layers'\]\)"):
+        specjax.generate(other, [[1, 2, 3]], max_new_tokens=2, drafters=[bound])
+    from specjax.engine import Engine
+
+    with pytest.raises(InputError, match="was trained for another LLM"):
+        Engine(other, slots=1, max_prompt_tokens=8, max_new_tokens=4, drafters=[bound], budget=None)
     with pytest.raises(InputError, match="distinct token ids"):
         FeatureConfig(llama.config, (1, 1))
     with pytest.raises(InputError, match="LLaMA-family"):

@@ -30,6 +30,7 @@ from specjax.speculation.budget import Budget, default_levels
 from specjax.speculation.cost import pass_head, with_costs
 from specjax.speculation.drafters.base import Bound
 from specjax.speculation.loop import init_state, init_state_jit, spec_step
+from specjax.speculation.request import check_spec
 from specjax.speculation.spec import SpecConfig
 from specjax.speculation.state import NO_STOP, SpecState, release_row, write_row
 from specjax.types import Model
@@ -77,6 +78,7 @@ class Engine:
         self.model = model
         self.slots = slots
         drafter_objs = tuple(b.drafter for b in bound)
+        check_spec(model.config, SpecConfig(drafters=drafter_objs, impl=resolve_impl(impl), verifier=verifier))
         if budget == "auto":
             # solo=False: the engine calls a step program per pass (see default_levels)
             levels = default_levels(drafter_objs, solo=False)

@@ -112,7 +112,14 @@ def spec_config(model: Model, ssms: list, drafters: list, mode: str, expansion, 
     elif budget is not None and not isinstance(budget, Budget):
         raise InputError(f"budget must be None, 'auto' or a specjax.Budget, got {type(budget).__name__}")
     spec = SpecConfig(drafters=drafter_objs, impl=resolve_impl(impl), verifier=verifier, budget=budget)
+    check_spec(model.config, spec)
+    return spec, verifier, draft
+
+
+def check_spec(config, spec) -> None:
+    """The drafters fit this LLM and one token tree (``specjax.generate`` and the ``Engine``)."""
+    for d in spec.drafters:
+        d.check_llm(config)
     if spec.num_nodes > MAX_TREE_NODES:
         raise InputError(f"the drafters {[d.describe() for d in spec.drafters]} make a token tree of {spec.num_nodes} "
                          f"nodes; the limit is {MAX_TREE_NODES} (N_max)")
-    return spec, verifier, draft

@@ -123,6 +123,9 @@ class Drafter:
         """The proposal's parent array when it never changes (expansion trees), else None."""
         return None
 
+    def check_llm(self, config) -> None:
+        """Refuse an LLM (its ModelConfig) this drafter was not made for, before any work (default: any fits)."""
+
     def init(self, params, prompt_tokens: jax.Array, prompt_lens: jax.Array, *, cache_len: int, parallel=None,
              hidden: jax.Array | None = None, first: jax.Array | None = None):
         """The drafter's state after the right-padded prompts [B, T] (lengths [B]). A drafter with

@@ -77,10 +77,16 @@ class FeatureDrafter(Drafter):
         if self.nodes > MAX_DRAFTED_NODES:
             raise InputError(f"feature drafter: {self.nodes} nodes, beyond the tree limit of 64 (the root and "
                              f"{MAX_DRAFTED_NODES} drafted nodes)")
-        if not self.ladder or list(self.ladder) != sorted(set(self.ladder)) or self.ladder[0] < 0 \
-                or self.ladder[-1] > self.nodes:
-            raise InputError(f"feature drafter: ladder must be increasing node counts in [0, {self.nodes}], "
-                             f"got {self.ladder}")
+        if self.depth > self.nodes:  # a kept node's ancestors are kept: N nodes reach depth N at most
+            raise InputError(f"feature drafter: depth {self.depth} exceeds nodes {self.nodes}; a tree of "
+                             f"{self.nodes} nodes is at most {self.nodes} deep (each level more is one more drafter "
+                             f"pass compiled and run for nothing)")
+        rungs = tuple(self.ladder) if isinstance(self.ladder, (tuple, list)) else ()
+        if not rungs or not all(isinstance(m, (int, np.integer)) and not isinstance(m, bool) for m in rungs) \
+                or list(rungs) != sorted(set(rungs)) or rungs[0] < 0 or rungs[-1] > self.nodes:
+            raise InputError(f"feature drafter: ladder must be increasing int node counts in [0, {self.nodes}], "
+                             f"got {self.ladder!r}")
+        object.__setattr__(self, "ladder", tuple(int(m) for m in rungs))  # hashable: part of the static spec
 
     @property
     def candidates(self) -> int:
@@ -108,6 +114,12 @@ class FeatureDrafter(Drafter):
 
     def budget_ladder(self) -> tuple[int, ...]:
         return tuple(self.ladder)
+
+    def check_llm(self, config) -> None:
+        if self.config.llm != config:
+            ours, theirs = config.to_dict(), self.config.llm.to_dict()
+            diff = sorted(k for k in ours if ours[k] != theirs.get(k))
+            raise InputError(f"{self.describe()} was trained for another LLM (config differs in {diff})")
 
     def scratch(self) -> int:
         """Drafter cache slots past the committed pairs: the drafted frontiers, or a commit's pairs."""

@@ -113,6 +113,24 @@ class TestGreedyHead(chex.TestCase):
         np.testing.assert_array_equal(got[1], want[1])
         assert want[1][[0, 3, 4, 5]].all() and not want[1][[1, 2]].any()
 
+    def test_a_dot_product_that_overflows_on_its_way_is_not_finite(self):
+        """The float32 sum of column 0 passes float32's range at its first product, then comes back: its logit
+        is inf. The rounded head's final value and error stayed in range, so the row was called finite and
+        column 1 chosen; a bound on every partial sum (|x| |w_j|) sends such rows to the full computation."""
+        x = np.full((1, 2), 5.197e33, np.float32)
+        w = np.array([[65480.0, 16.0], [-65472.0, 16.0]], np.float32)
+        got, want = decide(x, w), reference(x, w)
+        assert want[0][0] == 0 and not want[1][0]  # logits [inf, 1.66e35]
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+
+    def test_a_head_of_no_hidden_width_decides_on_zero_logits(self):
+        """K = 0: the matmul left the last partial panel's rows unwritten (stack garbage), and the head chose
+        from them."""
+        ids, finite = decide(np.zeros((2, 0), np.float32), np.zeros((0, 40), np.float32))
+        np.testing.assert_array_equal(ids, [0, 0])
+        assert finite.all()
+
     def test_the_bound_holds_against_float64(self):
         """|exact - approximate logit| <= |x| err_j for the float32 sums of both weights, measured against
         float64; the bound is not loose by more than Cauchy-Schwarz makes it."""
@@ -255,7 +273,10 @@ def test_the_avx2_build_decides_as_its_float32_kernel(tmp_path):
     x2[1, 5], x2[2] = np.nan, x2[2] * 1e4
     w2 = (rng.standard_normal((64, 300)) / 8).astype(np.float32)
     w2[:, 200], w2[3, 250] = 1e36, np.nan
-    for x, w in ((x, w), (x2, w2), (x[:3, :64], np.repeat(w2[:, :1] * 0 + w[:64, :1], 5, axis=1))):
+    # logits that underflow: both exactly 2**-149 (a tie: column 0), though float16's rounding of column 0
+    # is not; the bound needs an absolute term for subnormal rounding (XLA's threads flush them to zero)
+    x3, w3 = np.full((1, 1), 2.0**-149, np.float32), np.array([[0.5 + 2.0**-13, 0.75]], np.float32)
+    for x, w in ((x, w), (x2, w2), (x[:3, :64], np.repeat(w2[:, :1] * 0 + w[:64, :1], 5, axis=1)), (x3, w3)):
         m, (k, n) = x.shape[0], w.shape
         logits = np.full((m, n), np.nan, np.float32)
         lib.specjax_cpu_matmul_reference(ptr(x), ptr(panels(w, np.float32)), ptr(logits), *longs(m, k, n))

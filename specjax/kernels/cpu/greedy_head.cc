@@ -86,13 +86,16 @@ void decide_row(const float* x, const float* approx, const float* rows, const fl
   double norm2 = 0.0;
   for (long k = 0; k < K; ++k) norm2 += static_cast<double>(x[k]) * x[k];
   const double norm = std::sqrt(norm2) * (1.0 + 1e-12);
+  const double gamma = K * 0x1p-24 / (1.0 - K * 0x1p-24);
+  const double tiny = K * 0x1p-125;  // underflow / flush-to-zero: absolute error per FMA
   const double r = score.r;
   bool usable = std::isfinite(norm) && (score.greedy() || (std::isfinite(r) && r > 0.0));
   double floor = -std::numeric_limits<double>::infinity(), largest = 0.0;
   for (long j = 0; usable && j < N; ++j) {
-    const double a = approx[j], e = norm * err[j];
+    const double a = approx[j], e = norm * err[j] + tiny;
     if (!std::isfinite(a) || !std::isfinite(e)) usable = false;  // NaN or out-of-range weights: in full
-    largest = std::max(largest, std::fabs(a) + e);
+    // e / gamma >= |x| |w_j| >= every partial sum of either float32 dot product: none can overflow
+    largest = std::max(largest, std::fabs(a) + e + (gamma > 0 ? e / gamma : 0.0));
     if (score.greedy()) {
       floor = std::max(floor, a - e);
       continue;
@@ -106,7 +109,7 @@ void decide_row(const float* x, const float* approx, const float* rows, const fl
   long best = -1;
   float best_value = 0.0f;
   for (long j = 0; j < N; ++j) {
-    const double a = approx[j], e = norm * err[j];
+    const double a = approx[j], e = norm * err[j] + tiny;
     if (score.greedy()) {
       if (a + e < floor) continue;
     } else {

@@ -253,6 +253,8 @@ static void unit(const float* x, const W* w, float* y, long M, long K, long N, l
 template <typename W, typename Schedule>
 static void matmul(const float* x, const W* w, float* y, long M, long K, long N, long threads,
                    Schedule schedule) {
+  if (M <= 0 || N <= 0) return;
+  if (K == 0) { std::memset(y, 0, sizeof(float) * M * N); return; }  // else a partial panel copies unwritten scratch
   const long P = (N + CW - 1) / CW;
   const long units = P * ((M + MB - 1) / MB);
   // A small product (tiny models) runs on the calling thread alone: scheduling a helper on the pool

@@ -117,6 +117,12 @@ def test_pack_layout_and_checks():
         cpu_matmul.pack(jnp.asarray(w), contracted=2, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="does not match packed weight"):
         cpu_matmul.matmul(jnp.zeros((2, 7)), jnp.asarray(packed), width + 5)
+    # float16 panels: a weight past float16's range would turn inf (a drafter's drafts all NaN), so refused
+    big = w.copy()
+    big[1, 0, 3] = 7e4
+    with pytest.raises(ValueError, match="a weight of 7e\\+04 is past float16's range"):
+        cpu_matmul.pack(jnp.asarray(big), contracted=2, dtype=jnp.float16)
+    assert cpu_matmul.pack(jnp.asarray(w), contracted=2, dtype=jnp.float16).dtype == jnp.float16
 
 
 @needs_kernel

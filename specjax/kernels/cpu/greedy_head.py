@@ -79,7 +79,8 @@ def pack_head(head: jax.Array, rows: jax.Array | None = None) -> GreedyHead:
     if rows.shape != head.shape[::-1] or rows.dtype != jnp.float32:
         raise ValueError(f"rows {rows.dtype} {rows.shape} are not the head {head.shape} transposed")
     err = jnp.asarray(column_errors(np.asarray(rows)))
-    return GreedyHead(cpu_matmul.pack(head, 1, jnp.float16), rows, err)
+    # columns past float16's range: their bound is inf, and the kernel computes those rows in full
+    return GreedyHead(cpu_matmul.pack(head, 1, jnp.float16, past_float16=True), rows, err)
 
 
 def greedy_decision(x: jax.Array, head: GreedyHead) -> tuple[jax.Array, jax.Array]:

@@ -35,12 +35,20 @@ def panel_width() -> int:
     return int(library().specjax_cpu_matmul_panel_width())
 
 
-def pack(w: jax.Array, contracted: int = 1, dtype=jnp.float32) -> jax.Array:
+def pack(w: jax.Array, contracted: int = 1, dtype=jnp.float32, past_float16: bool = False) -> jax.Array:
     """A weight whose leading ``contracted`` axes are multiplied ([K..., N...]) -> panels [P, K, CW]
     (K, N the products of those axes; columns past N zero) of ``dtype``: float32, or float16 (rounded
-    to nearest; half the bytes each pass streams) for weights whose products need not be exact."""
+    to nearest; half the bytes each pass streams) for weights whose products need not be exact.
+    ``past_float16``: take float16 weights past its range (inf once rounded), for a caller that handles
+    them (the greedy head recomputes such columns exactly); otherwise they are refused."""
     if jnp.dtype(dtype) not in TARGETS:
         raise TypeError(f"the CPU matmul kernel packs float32 or float16 weights, not {jnp.dtype(dtype)}")
+    if jnp.dtype(dtype) == jnp.float16 and not past_float16 and not isinstance(w, jax.core.Tracer):
+        # rounded to float16, a weight past its range turns inf, and every product with it inf or NaN
+        largest = float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(w), w, 0)))) if w.size else 0.0
+        if largest > float(np.finfo(np.float16).max):
+            raise ValueError(f"a weight of {largest:.4g} is past float16's range ({np.finfo(np.float16).max:g}); "
+                             f"pack it as float32")
     width = panel_width()
     k = int(np.prod(w.shape[:contracted]))
     n = int(np.prod(w.shape[contracted:]))

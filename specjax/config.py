@@ -453,17 +453,19 @@ def config_from_gguf(fields: Mapping[str, Any], source: str, vocab_size: int | N
     if vocab is None:
         raise ConfigError(f"{source}: neither 'llama.vocab_size' nor a token list gives the vocabulary size")
     # llama.cpp's head width: attention.key_length, else hidden / heads; RoPE rotates rope.dimension_count
-    # of it (default: all). specjax rotates whole heads, and values as wide as keys.
+    # of it (default: all; llama.cpp refuses a llama that rotates less). specjax rotates whole heads, and
+    # values as wide as keys.
     key_length, value_length = r.int("attention.key_length"), r.int("attention.value_length")
     rope_dims = r.int("rope.dimension_count")
-    head_dim = key_length or rope_dims
+    head_dim = key_length
     if head_dim is None:
         if hidden % heads:
             raise ConfigError(f"{source}: embedding_length={hidden} is not a multiple of head_count={heads}")
         head_dim = hidden // heads
     if rope_dims not in (None, head_dim):
         raise ConfigError(f"{source}: 'llama.rope.dimension_count'={rope_dims} rotates part of a head of "
-                          f"{head_dim} ('llama.attention.key_length'); partial rotary embeddings are not supported")
+                          f"{head_dim} ('llama.attention.key_length', else embedding_length / head_count); partial "
+                          f"rotary embeddings are not supported")
     if value_length not in (None, head_dim):
         raise ConfigError(f"{source}: 'llama.attention.value_length'={value_length} differs from the key length "
                           f"{head_dim}; specjax needs values as wide as keys")

@@ -70,6 +70,8 @@ def test_an_exported_draft_vocabulary_loads_back_as_the_same_model(tmp_path, tie
     export_hf(model, str(tmp_path / "ssm"))
     back = specjax.load_model(str(tmp_path / "ssm"), progress=False)
     assert back.config.draft_vocab == cfg.draft_vocab
+    # what a request is planned with before the weights load (the CLI's --ssm) is the config that runs
+    assert specjax.describe_model(str(tmp_path / "ssm")).config == back.config
     ids = [[4, 8, 13, 16, 21]]  # 13 and 21 are outside the draft vocabulary: the "other" row
     want, got = np.asarray(specjax.logits(model, ids)), np.asarray(specjax.logits(back, ids))
     assert (np.isfinite(got) == np.isfinite(want)).all() and np.isfinite(want).sum(-1).tolist() == [[32] * 5]
@@ -106,6 +108,8 @@ def test_gguf_head_width_from_key_length_as_llama_cpp_reads_it():
     assert config_from_gguf(_gguf_fields(**{"llama.attention.key_length": 32}), "m.gguf").head_dim == 32
     assert config_from_gguf(_gguf_fields(**{"llama.attention.key_length": 32, "llama.attention.value_length": 32,
                                             "llama.rope.dimension_count": 32}), "m.gguf").head_dim == 32
+    with pytest.raises(ConfigError, match="rotates part of a head of 16"):  # no key_length: 64 / 4
+        config_from_gguf(_gguf_fields(**{"llama.rope.dimension_count": 8}), "m.gguf")
     with pytest.raises(ConfigError, match="rotates part of a head of 32"):
         config_from_gguf(_gguf_fields(**{"llama.attention.key_length": 32, "llama.rope.dimension_count": 16}),
                          "m.gguf")

@@ -123,6 +123,8 @@ def test_pack_layout_and_checks():
     with pytest.raises(ValueError, match="a weight of 7e\\+04 is past float16's range"):
         cpu_matmul.pack(jnp.asarray(big), contracted=2, dtype=jnp.float16)
     assert cpu_matmul.pack(jnp.asarray(w), contracted=2, dtype=jnp.float16).dtype == jnp.float16
+    big[1, 0, 3] = 65519.0  # rounds to float16's largest, 65504: taken
+    assert np.isfinite(np.asarray(cpu_matmul.pack(jnp.asarray(big), contracted=2, dtype=jnp.float16))).all()
 
 
 @needs_kernel

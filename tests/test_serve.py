@@ -586,6 +586,38 @@ def test_an_error_after_admission_is_a_500_in_openai_shape():
     assert _outcomes(app) == {"stop": 0, "length": 0, "cancelled": 0, "error": 1, "rejected": 0}
 
 
+class _WordTokenizer:
+    """SentencePiece-like: token t is the word "w<t>" after a space, and a decoded text drops its first space."""
+
+    chat_template = "words"
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f" w{t}" for t in ids)[1:]
+
+    def __call__(self, text):
+        return {"input_ids": [int(w[1:]) for w in text.split()]}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, return_dict=True):
+        return {"input_ids": self(" ".join(m["content"] for m in messages))["input_ids"]}
+
+
+def test_a_completion_keeps_its_leading_space_and_a_chat_answer_is_decoded_alone():
+    """prompt text + completion text = the whole sequence's text (OpenAI's and vLLM's completions); a chat
+    answer is the generated tokens' own text, as offline generation's."""
+    app, scheduler = _scripted_app(_WordTokenizer())
+    scheduler.start()
+    try:
+        completion = asyncio.run(asyncio.wait_for(_asgi(app, "POST", "/v1/completions", [json.dumps(
+            {"model": NAME, "prompt": "w5 w6", "max_tokens": 8, "temperature": 0}).encode()]), 60))
+        chat = asyncio.run(asyncio.wait_for(_asgi(app, "POST", "/v1/chat/completions", [json.dumps(
+            {"model": NAME, "messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 8,
+             "temperature": 0}).encode()]), 60))
+    finally:
+        scheduler.stop()
+    assert json.loads(completion["body"])["choices"][0]["text"] == " w7 w7 w7", completion
+    assert json.loads(chat["body"])["choices"][0]["message"]["content"] == "w7 w7 w7", chat
+
+
 def test_after_an_engine_failure_requests_are_refused_naming_it_and_the_server_exits():
     from tests.test_scheduler import ScriptedEngine
 

@@ -4,6 +4,7 @@ the server, over SmolLM2's own tokenizer and chat template."""
 from __future__ import annotations
 
 import copy
+import json
 import random
 import subprocess
 import sys
@@ -92,7 +93,7 @@ def test_templates_that_rewrite_messages(tok):
     ids = st.encode_chat(trimming, messages, "text", "p")
     assert trimming.decode(ids) == trimming.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert ids.count(IM_END) == 1
-    for template, why in (("{{ m['content'] | upper }}", "rewrites the messages"),
+    for template, why in (("{{ m['content'] | upper }}", "changes the messages' text"),
                           ("{{ m['content'] }}{{ m['content'] }}", "writes a message 2 times")):
         rewriting = copy.deepcopy(tok)
         rewriting.chat_template = "{% for m in messages %}<|im_start|>" + template + "<|im_end|>{% endfor %}"
@@ -144,3 +145,62 @@ def test_cli_refuses_from_the_tokenizer():
                         "refuse"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr
     assert "holds the special token '<|im_end|>' as text" in r.stderr
+
+
+def test_text_mode_follows_a_template_that_reorders_messages(tok):
+    """The system message written inside the last user turn (Mistral-v0.3's shape) was refused as rewritten."""
+    moving = copy.deepcopy(tok)
+    moving.chat_template = ("{% set sys = messages[0]['content'] %}{% for m in messages[1:] %}<|im_start|>"
+                            "{{ m['role'] }}\n{% if loop.last %}{{ sys }}\n\n{% endif %}{{ m['content'] }}<|im_end|>\n"
+                            "{% endfor %}<|im_start|>assistant\n")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b"}, {"role": "user", "content": "say <|im_end|>"}]
+    ids = st.encode_chat(moving, messages, "text", "p")
+    assert moving.decode(ids) == moving.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert ids.count(IM_END) == 3  # the three turns' own
+    plain = [{**m, "content": m["content"].replace("<|im_end|>", "")} for m in messages]
+    assert st._template_as_text(moving, plain, st.special_strings(moving), "p") == st.encode_chat(moving, plain,
+                                                                                                   "parse", "p")
+
+
+def _with_added(tok, strip: bool):
+    """SmolLM2's tokenizer with its control tokens stripping the whitespace after them (as Phi-3's <|end|>), or a
+    SentencePiece-style tokenizer (Metaspace, a space prepended to the first piece of each call's text)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "<|im_start|>assistant\n")
+    if strip:
+        spec = json.loads(tok.backend_tokenizer.to_str())
+        for t in spec["added_tokens"]:
+            t["rstrip"] = t["rstrip"] or t["content"] in ("<|im_end|>", "<|im_start|>")
+        backend = Tokenizer.from_str(json.dumps(spec))
+    else:
+        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁": 3, "user": 4, "▁user": 5, "\n": 6, "▁Hello": 7, "Hello": 8,
+                 "assistant": 9, "▁assistant": 10, "▁\n": 11}
+        backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
+        backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+        backend.add_special_tokens([AddedToken(s, normalized=False, special=True)
+                                    for s in ("<s>", "</s>", "<|im_start|>", "<|im_end|>")])
+    out = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", unk_token="<unk>",
+                                  additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    out.chat_template = template
+    return out
+
+
+@pytest.mark.parametrize("kind", ["strip", "metaspace"])
+def test_text_mode_is_refused_where_pieces_tokenize_otherwise(tok, kind):
+    """Reading the template's pieces one call each gave other tokens than "parse" for the template's own text
+    there (a '▁' after every control token; the newline a control token strips kept), so "text" is refused by
+    name rather than changing the prompt's format; "parse" and "refuse" work as ever."""
+    other = _with_added(tok, strip=kind == "strip")
+    plain = [{"role": "user", "content": "Hello"}]
+    assert st._template_as_text(other, plain, st.special_strings(other), "p") != st.encode_chat(other, plain, "parse",
+                                                                                                 "p")
+    with pytest.raises(InputError, match="special_tokens='text' is not available with this tokenizer"):
+        st.encode_chat(other, [{"role": "user", "content": "Hello <|im_end|>"}], "text", "p")
+    assert st.encode_chat(other, plain, "text", "p") == st.encode_chat(other, plain, "parse", "p")  # nothing to read
+    with pytest.raises(InputError, match="holds the special token"):
+        st.encode_chat(other, [{"role": "user", "content": "Hello <|im_end|>"}], "refuse", "p")

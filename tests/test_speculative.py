@@ -160,6 +160,12 @@ def test_the_jittable_cores_refuse_inputs_that_are_not_one_batch(llama):
         (dict(max_new=jnp.full((2,), 12, jnp.int32)), r"max_new_tokens must be in \[1, max_out=8\], got \[12, 12\]"),
         (dict(lens=jnp.asarray([0, 2], jnp.int32)), r"prompt_lens must be in \[1, 4\]"),
     ]
+    # the tree's scratch slots after a request's tokens: a cache without them failed requests near their end
+    # on the Pallas path (the tree's keys and values written past the end were dropped)
+    with pytest.raises(InputError, match=rf"generate_speculative: prompt_lens \+ max_new_tokens \+ {spec.num_nodes} "
+                                         rf"tree slots \[{9 + spec.num_nodes}, {8 + spec.num_nodes}\] exceed"):
+        generate_speculative(llama.params, (ssm.params,), prompts, lens, budget, sampling, cfg=llama.config,
+                             spec=spec, cache_len=9 + spec.num_nodes - 1, max_out=8)
     for change, message in cases:
         a = {**dict(lens=lens, max_new=budget, sampling=sampling, cache_len=32, max_out=8), **change}
         with pytest.raises(InputError, match="generate_incremental: " + message):

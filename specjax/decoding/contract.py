@@ -23,8 +23,9 @@ def _concrete(x) -> np.ndarray | None:
 
 
 def check_batch(prompt_tokens, prompt_lens, max_new_tokens, sampling, *, cache_len: int, max_out: int,
-                stop_ids=None, where: str) -> None:
-    """Refuse inputs of ``where`` (the function's name) that do not describe one batch of B requests."""
+                stop_ids=None, where: str, tree_slots: int = 0) -> None:
+    """Refuse inputs of ``where`` (the function's name) that do not describe one batch of B requests.
+    ``tree_slots``: the token tree's scratch slots, which the cache must hold after each request's tokens."""
     shape = tuple(np.shape(prompt_tokens))
     if len(shape) != 2 or shape[1] < 1:
         raise InputError(f"{where}: prompt_tokens must be [B, T] right-padded token ids, got shape {shape}")
@@ -47,9 +48,12 @@ def check_batch(prompt_tokens, prompt_lens, max_new_tokens, sampling, *, cache_l
         raise InputError(f"{where}: prompt_lens must be in [1, {width}] (the prompts' width), got {lens.tolist()}")
     if budget is not None and ((budget < 1) | (budget > max_out)).any():
         raise InputError(f"{where}: max_new_tokens must be in [1, max_out={max_out}], got {budget.tolist()}")
-    if lens is not None and budget is not None and (lens + budget > cache_len).any():
-        raise InputError(f"{where}: prompt_lens + max_new_tokens {(lens + budget).tolist()} exceed "
-                         f"cache_len={cache_len}")
+    if lens is not None and budget is not None and (lens + budget + tree_slots > cache_len).any():
+        # Past the cache's end the tree's keys and values are dropped when written (the Pallas path and
+        # pipelined meshes read them back from there): requests then failed near their end.
+        tree = f" + {tree_slots} tree slots" if tree_slots else ""
+        raise InputError(f"{where}: prompt_lens + max_new_tokens{tree} {(lens + budget + tree_slots).tolist()} "
+                         f"exceed cache_len={cache_len}")
 
 
 def host_value(x, what: str):

@@ -78,10 +78,34 @@ DRAFT_VOCAB_FILE = "specjax_draft_vocab.json"
 _EMBED_KEY = {"llama": "model.embed_tokens.weight", "opt": _D + "embed_tokens.weight"}
 
 
+def hf_dir_config(model_dir: str) -> ModelConfig:
+    """The config of an HF directory as ``load_hf_dir`` loads it (``describe_model`` reads the same): its
+    config.json, generation_config.json's eos ids, and an exported SSM's draft vocabulary."""
+    cfg = config_from_hf_file(os.path.join(model_dir, "config.json"))
+    path = os.path.join(model_dir, DRAFT_VOCAB_FILE)
+    if not os.path.exists(path):
+        return cfg
+    try:
+        with open(path, encoding="utf-8") as f:
+            ids = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if cfg.family != "llama" or cfg.tie_word_embeddings:
+        raise CheckpointError(f"{path}: a draft vocabulary belongs to an untied llama-family export "
+                              f"(specjax.io.hf_export.export_hf), and {model_dir} is not one")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise CheckpointError(f"{path}: expected a JSON list of token ids")
+    try:
+        return dataclasses.replace(cfg, draft_vocab=tuple(ids))
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
 def load_hf_dir(model_dir: str, dtype=np.float32, progress: bool = True) -> tuple[ModelConfig, dict]:
     if not os.path.isdir(model_dir):
         raise CheckpointError(f"{model_dir}: not a directory")
-    cfg = config_from_hf_file(os.path.join(model_dir, "config.json"))
+    cfg = hf_dir_config(model_dir)
+    draft_vocab, cfg = cfg.draft_vocab, dataclasses.replace(cfg, draft_vocab=None)  # the file holds every token
     keys, get, shape = open_hf_weights(model_dir)
     if cfg.family == "opt" and keys and all(k.startswith("decoder.") or k == "lm_head.weight" for k in keys):
         # Saved from OPTModel rather than OPTForCausalLM: same tensors without the "model." prefix.
@@ -103,8 +127,8 @@ def load_hf_dir(model_dir: str, dtype=np.float32, progress: bool = True) -> tupl
             ignored[key] = "recomputed from the config"
     params = load_params(cfg, TABLES[cfg.family], keys, get, shape, source=model_dir, dtype=dtype,
                          optional_ignored=ignored, progress=progress)
-    if os.path.exists(os.path.join(model_dir, DRAFT_VOCAB_FILE)):
-        cfg, params = _restore_draft_vocab(model_dir, cfg, params)
+    if draft_vocab is not None:
+        cfg, params = _restore_draft_vocab(model_dir, dataclasses.replace(cfg, draft_vocab=draft_vocab), params)
     return cfg, params
 
 
@@ -113,21 +137,7 @@ def _restore_draft_vocab(model_dir: str, cfg: ModelConfig, params: dict) -> tupl
     of draft tokens) back to the model it was: the draft tokens' rows, then one "other" row (the embedding
     of every token outside the list; its head column is never read: those logits are -inf)."""
     path = os.path.join(model_dir, DRAFT_VOCAB_FILE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            ids = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if cfg.family != "llama" or cfg.tie_word_embeddings or "lm_head" not in params:
-        raise CheckpointError(f"{path}: a draft vocabulary belongs to an untied llama-family export "
-                              f"(specjax.io.hf_export.export_hf), and {model_dir} is not one")
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise CheckpointError(f"{path}: expected a JSON list of token ids")
-    try:
-        cfg = dataclasses.replace(cfg, draft_vocab=tuple(ids))
-    except ConfigError as e:
-        raise CheckpointError(f"{path}: {e}") from None
-    rows = np.asarray(ids, np.int64)
+    rows = np.asarray(cfg.draft_vocab, np.int64)
     outside = np.setdiff1d(np.arange(cfg.vocab_size), rows)
     embed = np.asarray(params["embed"])
     other = embed[outside[0]] if len(outside) else np.zeros_like(embed[0])

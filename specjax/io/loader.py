@@ -8,12 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.config import config_from_hf_file
 from specjax.errors import CheckpointError, InputError
 from specjax.io import checkpoint, params_cache, registry
 from specjax.io import tokenizer as tok_lib
 from specjax.io.gguf import gguf_config, load_gguf, read_gguf_metadata
-from specjax.io.hf import load_hf_dir
+from specjax.io.hf import hf_dir_config, load_hf_dir
 from specjax.models import params as params_lib
 from specjax.types import Model
 
@@ -44,7 +43,7 @@ def describe_model(name_or_path: str = registry.DEFAULT_MODEL) -> Model:
         cfg, tok_dir = checkpoint.read_checkpoint_config(path)
         return Model(cfg, None, tok_lib.load_dir_tokenizer(tok_dir) if tok_dir else None)
     if os.path.isdir(path):
-        return Model(config_from_hf_file(os.path.join(path, "config.json")), None, tok_lib.load_dir_tokenizer(path))
+        return Model(hf_dir_config(path), None, tok_lib.load_dir_tokenizer(path))
     if path.endswith(".gguf"):
         return Model(gguf_config(*read_gguf_metadata(path)), None, tok_lib.load_gguf_tokenizer(path))
     raise CheckpointError(f"{path}: unsupported model file (expected an HF directory, a .gguf file "
@@ -97,7 +96,7 @@ def _load(name_or_path: str, dtype: str, shardings, progress: bool, parallel, sp
     # (and, for a GGUF, written to the weights cache).
     if os.path.isdir(path):
         tokenizer = tok_lib.load_dir_tokenizer(path)
-        _check_mesh(parallel, lambda: config_from_hf_file(os.path.join(path, "config.json")))
+        _check_mesh(parallel, lambda: hf_dir_config(path))
         cfg, np_params = load_hf_dir(path, progress=progress)
     elif path.endswith(".gguf"):
         tokenizer = tok_lib.load_gguf_tokenizer(path)

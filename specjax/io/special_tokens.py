@@ -78,8 +78,28 @@ def encode_chat(tokenizer, messages: list[dict], policy: str, label: str, messag
     if policy == "text":
         specials = special_strings(tokenizer)
         if any(first_special(m["content"], specials) for m in messages):
+            _check_pieces_tokenize_alike(tokenizer, messages, specials, label)
             return _template_as_text(tokenizer, messages, specials, label)
     return list(_apply_template(tokenizer, messages, tokenize=True))
+
+
+def _without_specials(text: str, specials) -> str:
+    while (hit := first_special(text, specials)) is not None:
+        text = text[:hit[0]] + text[hit[0] + len(hit[1]):]
+    return text
+
+
+def _check_pieces_tokenize_alike(tokenizer, messages, specials, label) -> None:
+    """Reading the pieces between the template's control tokens one call each must give what one call
+    gives. Checked on the same conversation with the special-token text taken out of the messages (where
+    the answer is known): it fails for SentencePiece tokenizers that prepend a space to every call's text
+    (LLaMA-2's, Mistral's) and control tokens that strip the whitespace beside them, which are refused."""
+    cleaned = [{**m, "content": _without_specials(m["content"], specials)} for m in messages]
+    if _template_as_text(tokenizer, cleaned, specials, label) != list(_apply_template(tokenizer, cleaned, True)):
+        raise InputError(f"{label}: special_tokens='text' is not available with this tokenizer: it reads the chat "
+                         f"template's text between control tokens differently piece by piece than in one text "
+                         f"(a space prepended to each piece, or control tokens that strip the whitespace beside "
+                         f"them); use special_tokens='refuse' or 'parse'")
 
 
 def _template_as_text(tokenizer, messages, specials, label) -> list[int]:
@@ -117,26 +137,27 @@ def _template_as_text(tokenizer, messages, specials, label) -> list[int]:
 
 
 def _split_at_marks(marked: str, marks, messages, real: str, label: str) -> list[tuple[str, bool]]:
-    """The rendered conversation as (piece, is_message_text) pieces. Checked against the real rendering: a
-    template that changes a message's text beyond trimming it cannot be split, and is refused by name."""
-    rewrites = InputError(f"{label}: special_tokens='text' cannot tell the chat template's control tokens from "
-                          f"the messages' text, because this template rewrites the messages; use "
-                          f"special_tokens='refuse' or 'parse'")
-    pieces, rest = [], marked
-    for k, m in zip(marks, messages):
-        if rest.count(k) == 0:
-            raise rewrites
-        if rest.count(k) > 1:
+    """The rendered conversation as (piece, is_message_text) pieces, the messages where the template put them
+    (in any order; one it leaves out is not there). Checked against the real rendering: a template that
+    changes a message's text beyond trimming it cannot be split, and is refused by name."""
+    found = []
+    for i, k in enumerate(marks):
+        if marked.count(k) > 1:
             raise InputError(f"{label}: special_tokens='text' needs each message's text to appear once in the "
                              f"chat template's output, and this template writes a message "
-                             f"{rest.count(k)} times; use special_tokens='refuse' or 'parse'")
-        before, rest = rest.split(k)
-        pieces.append((before, False))
-        pieces.append((m["content"], True))
-    pieces.append((rest, False))
+                             f"{marked.count(k)} times; use special_tokens='refuse' or 'parse'")
+        if k in marked:
+            found.append((marked.index(k), i))
+    pieces, at = [], 0
+    for pos, i in sorted(found):
+        pieces += [(marked[at:pos], False), (messages[i]["content"], True)]
+        at = pos + len(marks[i])
+    pieces.append((marked[at:], False))
     if "".join(p for p, _ in pieces) == real:
         return pieces
     trimmed = [(p.strip(), True) if is_msg else (p, False) for p, is_msg in pieces]
     if "".join(p for p, _ in trimmed) == real:  # templates that trim messages (LLaMA-3's)
         return trimmed
-    raise rewrites
+    raise InputError(f"{label}: special_tokens='text' cannot tell the chat template's control tokens from the "
+                     f"messages' text, because this template changes the messages' text (beyond trimming it); "
+                     f"use special_tokens='refuse' or 'parse'")

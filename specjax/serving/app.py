@@ -70,7 +70,10 @@ class _Run:
 
     def __init__(self, server: ServerState, ticket: Ticket, parsed: Parsed, arrived: float):
         self.server, self.ticket, self.parsed, self.arrived = server, ticket, parsed, arrived
-        self.text = TextTracker(server.tokenizer, parsed.stop_strings, parsed.submission.prompt)
+        # A completion continues its prompt's text: decoded after the prompt's last tokens, it keeps the space
+        # between them. A chat answer is a message of its own: decoded alone, as offline generation's text.
+        context = () if parsed.chat else parsed.submission.prompt
+        self.text = TextTracker(server.tokenizer, parsed.stop_strings, context)
         self.finish_reason: str | None = None
         self.error: Failed | None = None
         self.first = self.last = None

@@ -249,7 +249,7 @@ def init_state(llm_params, drafter_params: tuple, prompt_tokens, prompt_lens, ma
     prompt_tokens [B, T] right-padded, prompt_lens / max_new_tokens [B], sampling [B], stop_ids [B, E]
     (shapes checked at trace time, values where concrete: ``specjax.decoding.contract``)."""
     check_batch(prompt_tokens, prompt_lens, max_new_tokens, sampling, cache_len=cache_len, max_out=max_out,
-                stop_ids=stop_ids, where="generate_speculative")
+                stop_ids=stop_ids, where="generate_speculative", tree_slots=spec.num_nodes)
     batch, width = prompt_tokens.shape
     dtype = jax.tree.leaves(llm_params)[0].dtype
     llm_cache = init_cache(cfg, batch, cache_len, dtype)

@@ -46,7 +46,7 @@ def pack(w: jax.Array, contracted: int = 1, dtype=jnp.float32, past_float16: boo
     if jnp.dtype(dtype) == jnp.float16 and not past_float16 and not isinstance(w, jax.core.Tracer):
         # rounded to float16, a weight past its range turns inf, and every product with it inf or NaN
         largest = float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(w), w, 0)))) if w.size else 0.0
-        if largest > float(np.finfo(np.float16).max):
+        if largest >= 65520.0:  # float16's largest finite value is 65504; from 65520 on it rounds to inf
             raise ValueError(f"a weight of {largest:.4g} is past float16's range ({np.finfo(np.float16).max:g}); "
                              f"pack it as float32")
     width = panel_width()

@@ -116,10 +116,7 @@ class FeatureDrafter(Drafter):
         return tuple(self.ladder)
 
     def check_llm(self, config) -> None:
-        if self.config.llm != config:
-            ours, theirs = config.to_dict(), self.config.llm.to_dict()
-            diff = sorted(k for k in ours if ours[k] != theirs.get(k))
-            raise InputError(f"{self.describe()} was trained for another LLM (config differs in {diff})")
+        _check_trained_for(self.config.llm, config, self.describe())
 
     def scratch(self) -> int:
         """Drafter cache slots past the committed pairs: the drafted frontiers, or a commit's pairs."""
@@ -395,6 +392,13 @@ def feature_drafter_path(name_or_path: str) -> str:
     return path
 
 
+def _check_trained_for(trained, config, name: str) -> None:
+    if trained != config:
+        ours, theirs = config.to_dict(), trained.to_dict()
+        diff = sorted(k for k in ours if ours[k] != theirs.get(k))
+        raise InputError(f"{name} was trained for another LLM (config differs in {diff})")
+
+
 def load_feature_drafter(name_or_path: str, llm: Model, load: bool = True, **drafting) -> Bound:
     """A trained feature drafter (registered name or checkpoint directory) bound to ``llm``'s params.
     ``drafting`` overrides the shipped depth / beam / nodes / ladder. ``load=False``: the drafter only
@@ -404,10 +408,7 @@ def load_feature_drafter(name_or_path: str, llm: Model, load: bool = True, **dra
 
     path = feature_drafter_path(name_or_path)
     cfg, shipped, _ = read_feature_meta(path)
-    if cfg.llm != llm.config:
-        ours, theirs = llm.config.to_dict(), cfg.llm.to_dict()
-        diff = sorted(k for k in ours if ours[k] != theirs.get(k))
-        raise InputError(f"feature drafter {name_or_path!r} was trained for another LLM (config differs in {diff})")
+    _check_trained_for(cfg.llm, llm.config, f"feature drafter {name_or_path!r}")
     unknown = set(drafting) - set(shipped)
     if unknown:
         raise InputError(f"feature drafter settings: unknown {sorted(unknown)}; choose from {sorted(shipped)}")

@@ -11,7 +11,7 @@ import numpy as np
 
 from specjax.errors import InputError
 from specjax.io.checkpoint import check_destination, written_aside
-from specjax.io.hf import DRAFT_VOCAB_FILE, LLAMA_HF
+from specjax.io.hf import DRAFT_VOCAB_FILE, LLAMA_HF, hf_dir_config
 from specjax.io.keymap import export_params
 from specjax.models.llama import draft_rows
 from specjax.models.params import stack_layers
@@ -21,11 +21,9 @@ from specjax.types import Model
 def draft_vocab_mask(hf_dir: str, vocab_size: int) -> np.ndarray | None:
     """[vocab_size] float32 additive logit mask (0 on the draft vocabulary, -inf elsewhere) of an
     exported SSM, or None when it has the full vocabulary."""
-    path = os.path.join(hf_dir, DRAFT_VOCAB_FILE)
-    if not os.path.exists(path):
+    if not os.path.exists(os.path.join(hf_dir, DRAFT_VOCAB_FILE)):
         return None
-    with open(path) as f:
-        ids = json.load(f)
+    ids = hf_dir_config(hf_dir).draft_vocab  # the list beside the export, read and checked as the loader does
     mask = np.full((vocab_size,), -np.inf, np.float32)
     mask[np.asarray(ids, np.int64)] = 0.0
     return mask

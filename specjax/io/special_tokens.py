@@ -10,7 +10,10 @@ For chat prompts in ``"text"`` mode the template is rendered with a placeholder 
 that the control tokens the *template* wrote can be told from those in the messages. The tokenizer
 first splits text at its added tokens and tokenizes each piece between them on its own, so splitting
 at the template's control tokens only and tokenizing each piece with special tokens read as text gives
-exactly ``"parse"``'s tokens wherever the messages hold no special-token text (tested)."""
+exactly ``"parse"``'s tokens wherever the messages hold no special-token text (tested over SmolLM2's
+template), for tokenizers that read a piece alone as they read it within a text (byte-level BPE). That is
+checked per request on the conversation without its special text; other tokenizers (SentencePiece's prefix
+space on every call, control tokens that strip the whitespace beside them) are refused for "text"."""
 
 from __future__ import annotations
 

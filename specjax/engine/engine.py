@@ -78,7 +78,8 @@ class Engine:
         self.model = model
         self.slots = slots
         drafter_objs = tuple(b.drafter for b in bound)
-        check_spec(model.config, SpecConfig(drafters=drafter_objs, impl=resolve_impl(impl), verifier=verifier))
+        spec = SpecConfig(drafters=drafter_objs, impl=resolve_impl(impl), verifier=verifier)
+        check_spec(model.config, spec)  # before the budget measures any pass cost
         if budget == "auto":
             # solo=False: the engine calls a step program per pass (see default_levels)
             levels = default_levels(drafter_objs, solo=False)
@@ -87,7 +88,7 @@ class Engine:
                                 head=pass_head(verifier)) if drafter_objs else None
         elif budget is not None and not isinstance(budget, Budget):
             raise InputError(f"budget must be None, 'auto' or a Budget, got {budget!r}")
-        self.spec = SpecConfig(drafters=drafter_objs, impl=resolve_impl(impl), verifier=verifier, budget=budget)
+        self.spec = dataclasses.replace(spec, budget=budget)
         # the drafters' matmul weights packed for the CPU kernel, where it runs
         self.drafter_params = step_drafter_params(drafter_objs, tuple(b.params for b in bound))
         self.max_prompt_tokens = max_prompt_tokens

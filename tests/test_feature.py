@@ -831,6 +831,12 @@ def test_checkpoint_round_trip_and_loading_by_path(llama, trained, tmp_path):
     other = Model(dataclasses.replace(llama.config, norm_eps=1e-3), llama.params, None)
     with pytest.raises(InputError, match=r"trained for another LLM \(config differs in \['norm_eps'\]\)"):
         load_feature_drafter(str(tmp_path / "d"), other)
+    # the same weights with other end-of-sequence / padding ids (a generation_config.json's extra eos
+    # ids): no hidden state changes, so the drafter stays usable
+    retokened = Model(dataclasses.replace(llama.config, eos_token_ids=llama.config.eos_token_ids + (5,),
+                                          bos_token_id=3, pad_token_id=4), llama.params, None)
+    assert load_feature_drafter(str(tmp_path / "d"), retokened, load=False).drafter == FeatureDrafter(cfg, **drafting)
+    FeatureDrafter(cfg, **drafting).check_llm(retokened.config)
     with pytest.raises(CheckpointError, match="not empty"):
         save_feature_drafter(str(tmp_path / "d"), cfg, trained_part, drafting)
 

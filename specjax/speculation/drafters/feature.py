@@ -392,10 +392,16 @@ def feature_drafter_path(name_or_path: str) -> str:
     return path
 
 
+# Token ids name which tokens end or pad a request; they change no hidden state, so the same weights
+# loaded with another tokenizer config (a generation_config.json's extra eos ids) keep their drafter.
+_NOT_ARCHITECTURE = ("bos_token_id", "eos_token_ids", "pad_token_id")
+
+
 def _check_trained_for(trained, config, name: str) -> None:
-    if trained != config:
-        ours, theirs = config.to_dict(), trained.to_dict()
-        diff = sorted(k for k in ours if ours[k] != theirs.get(k))
+    ours, theirs = config.to_dict(), trained.to_dict()
+    diff = sorted(k for k in ours.keys() | theirs.keys()
+                  if k not in _NOT_ARCHITECTURE and ours.get(k) != theirs.get(k))
+    if diff:
         raise InputError(f"{name} was trained for another LLM (config differs in {diff})")
 
 

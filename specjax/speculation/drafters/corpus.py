@@ -44,8 +44,15 @@ import numpy as np
 
 from specjax.errors import InputError
 from specjax.speculation.drafters.base import Bound, DraftContext, Proposal
-from specjax.speculation.drafters.corpus_index import SEPARATOR, build_index, document_arrays, require_copyable
-from specjax.speculation.drafters.lookup import MAX_NGRAM, LookupDrafter, find_chains
+from specjax.speculation.drafters.corpus_index import (
+    MAX_CORPUS_TOKENS,
+    SEPARATOR,
+    build_index,
+    capacity_bucket,
+    document_arrays,
+    require_copyable,
+)
+from specjax.speculation.drafters.lookup import MAX_NGRAM, LookupDrafter, default_note, find_chains
 from specjax.speculation.drafters.settings import parse_int_settings
 
 MAX_WINDOW = 64  # corpus entries read after a match: its most frequent next tokens
@@ -68,6 +75,7 @@ class CorpusDrafter(LookupDrafter):
     corpus_max_ngram: int = 4
     corpus_min_ngram: int = 2  # one-token matches in a corpus are mostly noise
     window: int = 8
+    _what = "corpus drafter"
 
     def __post_init__(self):
         super().__post_init__()
@@ -82,7 +90,7 @@ class CorpusDrafter(LookupDrafter):
                              f"tokens read after a match)")
         if self.corpus_min_ngram > self.corpus_max_ngram:
             raise InputError(f"corpus drafter: corpus_min_ngram {self.corpus_min_ngram} exceeds corpus_max_ngram "
-                             f"{self.corpus_max_ngram}")
+                             f"{self.corpus_max_ngram}{default_note(self, 'corpus_min_ngram', 'corpus_max_ngram')}")
 
     @property
     def _rows(self) -> int:
@@ -225,8 +233,8 @@ def read_documents(path: str, labels: bool = False) -> list:
             raise InputError(f"corpus drafter: directory {path!r} holds no files")
         out = [doc for n in names for doc in read_documents(os.path.join(path, n), labels=True)]
         return out if labels else [d for _, d in out]
-    try:
-        with open(path, encoding="utf-8") as f:
+    try:  # the file's own line ends (CRLF stays CRLF: the text copied is the text given); a BOM is no text
+        with open(path, encoding="utf-8-sig", newline="") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"corpus drafter: cannot read {path!r} as UTF-8 text: {e}") from e
@@ -241,6 +249,8 @@ def read_documents(path: str, labels: bool = False) -> list:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise InputError(f"corpus drafter: {path}:{i} is not JSON: {e}") from e
+        if isinstance(rec, dict) and "text" in rec and "token_ids" in rec:
+            raise InputError(f"corpus drafter: {path}:{i} has both \"text\" and \"token_ids\"; give one")
         if isinstance(rec, dict) and isinstance(rec.get("text"), str):
             out.append((f"{path}:{i}", rec["text"]))
         elif isinstance(rec, dict) and isinstance(rec.get("token_ids"), list) and all(
@@ -254,10 +264,36 @@ def read_documents(path: str, labels: bool = False) -> list:
     return out if labels else [d for _, d in out]
 
 
-def corpus_drafter(model, texts, capacity: int | None = None, labels=None, **settings) -> Bound:
+TOKENIZE_CHARS = 1 << 20
+
+
+def _tokenize(tokenizer, text: str, label: str, total: int) -> list[int]:
+    """A document's token ids, tokenized in pieces of whole lines of at most TOKENIZE_CHARS characters:
+    a fast tokenizer holds ~500 bytes per token of a call (2.7M tokens: +1.4 GB), so one call on a
+    large file could run the machine out of memory before the corpus's size is ever checked. Tokens
+    at a piece's start may differ from one call's; they only seed drafts, which the LLM verifies.
+    ``total``: corpus tokens before this document, to refuse a corpus past MAX_CORPUS_TOKENS as soon
+    as it is."""
+    ids: list[int] = []
+    start = 0
+    while start < len(text):
+        end = len(text) if len(text) - start <= TOKENIZE_CHARS else text.rfind("\n", start, start + TOKENIZE_CHARS) + 1
+        if end <= start:  # a line longer than a piece: it is tokenized whole
+            end = text.find("\n", start + TOKENIZE_CHARS) + 1 or len(text)
+        ids += tokenizer(text[start:end], add_special_tokens=False)["input_ids"]
+        if total + len(ids) + 1 > MAX_CORPUS_TOKENS:
+            raise InputError(f"corpus drafter: the corpus passes {MAX_CORPUS_TOKENS} tokens (with separators) "
+                             f"in {label}")
+        start = end
+    return ids
+
+
+def corpus_drafter(model, texts, capacity: int | None = None, labels=None, *, bucket: bool = False,
+                   **settings) -> Bound:
     """A ``Bound`` corpus drafter over documents (strings, tokenized with the model's tokenizer without
     special tokens, or token-id lists); ``settings`` are ``CorpusDrafter`` fields, ``capacity`` and
-    ``labels`` (names for errors) as in ``build_index``."""
+    ``labels`` (names for errors) as in ``build_index``; ``bucket`` (without ``capacity``): index it at
+    ``capacity_bucket`` of its size, so that an edited corpus of about the same size reuses the loop."""
     drafter = CorpusDrafter(**settings)
     if isinstance(texts, (str, bytes)):
         raise InputError("corpus drafter: pass a list of documents, not one string")
@@ -265,14 +301,17 @@ def corpus_drafter(model, texts, capacity: int | None = None, labels=None, **set
     labels = list(labels) if labels is not None else [f"document {i}" for i in range(len(texts))]
     if len(labels) != len(texts):  # zip would drop the documents past the shorter list
         raise InputError(f"corpus drafter: {len(labels)} labels for {len(texts)} documents; give one per document")
-    docs = []
+    docs, total = [], 0
     for label, t in zip(labels, texts):
         if isinstance(t, str):
             if model.tokenizer is None:
                 raise InputError(f"corpus drafter: {label} is a string but the model has no tokenizer; pass token ids")
-            docs.append(model.tokenizer(t, add_special_tokens=False)["input_ids"])
+            docs.append(_tokenize(model.tokenizer, t, label, total))
         else:
             docs.append(t)
+        total += len(docs[-1]) + 1
+    if bucket and capacity is None and total <= MAX_CORPUS_TOKENS:
+        capacity = capacity_bucket(total)
     index = build_index(docs, drafter.corpus_max_ngram, drafter.depth, model.config.vocab_size, capacity, labels)
     return Bound(drafter, index)
 
@@ -318,10 +357,10 @@ def from_arg(arg: str, llm, *, load: bool, expansion, draft: str) -> Bound:
                              f"token ids (\"token_ids\" in a .jsonl)")
         given = [(label, d) for label, d in named if not isinstance(d, str)]
         arrays = document_arrays([d for _, d in given], llm.config.vocab_size, [label for label, _ in given])
-        if len(given) == len(named):  # no text documents, whose tokens could still make one
+        if all(isinstance(d, list) or not d for _, d in named):  # no text that could still make a document
             require_copyable(arrays)
         return Bound(CorpusDrafter(**values), ())
-    return corpus_drafter(llm, [d for _, d in named], labels=[label for label, _ in named], **values)
+    return corpus_drafter(llm, [d for _, d in named], labels=[label for label, _ in named], bucket=True, **values)
 
 
 def save_documents(path: str, documents) -> None:

@@ -42,6 +42,14 @@ DECAY = 0.95  # per update: recent agreement counts more (text switches between 
 PRIOR = (1.0, 1.0)  # pseudo-counts (right, wrong) before a request has been observed: alpha = 0.5
 
 
+def default_note(drafter, *names: str) -> str:
+    """For a check between settings, name those the user left at their defaults: "min_ngram 2 exceeds
+    max_ngram 1" alone blames a setting that was never given."""
+    defaults = {f.name: f.default for f in dataclasses.fields(drafter)}
+    unset = [f"{n} defaults to {defaults[n]}" for n in names if getattr(drafter, n) == defaults[n]]
+    return f" ({'; '.join(unset)})" if 0 < len(unset) < len(names) else ""
+
+
 @dataclasses.dataclass(frozen=True)
 class LookupDrafter(Drafter):
     """``branches`` chains of ``depth`` tokens copied from the request's prompt and generated text."""
@@ -50,18 +58,20 @@ class LookupDrafter(Drafter):
     branches: int = 2
     max_ngram: int = 3
     min_ngram: int = 1
+    _what = "lookup drafter"  # errors name the drafter the user asked for (the corpus drafter checks these too)
 
     def __post_init__(self):
         for name in ("depth", "branches", "max_ngram", "min_ngram"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise InputError(f"lookup drafter: {name} must be a positive int, got {value!r}")
+                raise InputError(f"{self._what}: {name} must be a positive int, got {value!r}")
         if self.min_ngram > self.max_ngram:
-            raise InputError(f"lookup drafter: min_ngram {self.min_ngram} exceeds max_ngram {self.max_ngram}")
+            raise InputError(f"{self._what}: min_ngram {self.min_ngram} exceeds max_ngram {self.max_ngram}"
+                             f"{default_note(self, 'min_ngram', 'max_ngram')}")
         if self.max_ngram > MAX_NGRAM:  # one block of ops per n-gram length: 300 took 27 s to compile
-            raise InputError(f"lookup drafter: max_ngram {self.max_ngram} exceeds {MAX_NGRAM}")
+            raise InputError(f"{self._what}: max_ngram {self.max_ngram} exceeds {MAX_NGRAM}")
         if self.depth * self.branches > MAX_DRAFTED_NODES:
-            raise InputError(f"lookup drafter: {self.branches} branches x depth {self.depth} = "
+            raise InputError(f"{self._what}: {self.branches} branches x depth {self.depth} = "
                              f"{self.branches * self.depth} nodes, beyond the tree limit of 64 (the root and "
                              f"{MAX_DRAFTED_NODES} drafted nodes)")
 

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,9 +105,28 @@ def test_distillation_learns_and_resumes_bit_exactly(corpus, tmp_path):
 
 def test_boosting_trains_later_members_on_what_earlier_ones_miss(corpus, tmp_path):
     llm, corpus_dir, _ = corpus
-    tc = TrainConfig(epochs=3, batch_size=8, learning_rate=3e-3, warmup_steps=2, eval_every=100)
+    tc = TrainConfig(epochs=3, batch_size=8, learning_rate=3e-3, warmup_steps=2, eval_every=100, checkpoint_every=3)
     members = [Member.parse("a:0,1:32:60"), Member.parse("b:0,1:32:60")]
     summary = boost_tune(llm, corpus_dir, str(tmp_path), members, tc, progress=False, log=lambda *a: None)
+    # Interrupted runs continue as the uninterrupted one: stopped after member a (b started from a's float32
+    # weights in one run and from its float16 checkpoint in the other), or within b after a checkpoint
+    # (its checkpoints were of stacked layers, the reloaded a's split: orbax refused the restore).
+    def b_of(run):
+        return jax.tree.leaves(specjax.load_model(str(run / "b"), split_layers=False).params)
+
+    keys = ("trained_on_tokens", "newly_predicted_tokens", "eval_top_k", "eval_top_k_missed_by_earlier")
+    after_a, within_b = tmp_path / "after-a", tmp_path / "within-b"
+    shutil.copytree(tmp_path / "a", after_a / "a")
+    shutil.copytree(tmp_path / "train" / "a", after_a / "train" / "a")
+    shutil.copytree(tmp_path / "a", within_b / "a")
+    shutil.copytree(tmp_path / "train", within_b / "train")
+    steps = sorted(int(n) for n in os.listdir(within_b / "train" / "b" / "steps") if n.isdigit())
+    assert len(steps) == 2
+    shutil.rmtree(within_b / "train" / "b" / "steps" / str(steps[-1]))  # b stopped after its step steps[0]
+    for run in (after_a, within_b):
+        resumed = boost_tune(llm, corpus_dir, str(run), members, tc, progress=False, log=lambda *a: None)
+        assert [[s[k] for k in keys] for s in resumed] == [[s[k] for k in keys] for s in summary]
+        chex.assert_trees_all_equal(b_of(run), b_of(tmp_path))
     first, second = summary
     assert first["newly_predicted_tokens"] > 0
     assert second["trained_on_tokens"] == first["trained_on_tokens"] - first["newly_predicted_tokens"]

@@ -174,7 +174,6 @@ def boost_tune(llm: Model, corpus_dir: str, out_dir: str, members: list[Member],
         if os.path.isdir(final):
             log(f"member {member.name}: already trained ({final})")
             _check_finished(final, record_path, record, log)
-            ssm = load_model(final, progress=False)
         else:
             if tc.loss == "kl" and examples.teacher is None:  # the LLM's top-k once, not an LLM pass per step
                 cache = os.path.join(corpus_dir, f"teacher-top{tc.teacher_top_k}.npz")
@@ -190,6 +189,10 @@ def boost_tune(llm: Model, corpus_dir: str, out_dir: str, members: list[Member],
             with open(record_path, "w") as f:  # before the member: a member on disk always has its record
                 json.dump(record, f, indent=1)
             save_ssm(ssm, final)
+        # The member as it is on disk (float16, stacked layers) in every run: the next member starts from it
+        # and the boosting mask comes from it, so a run resumed between members continues exactly as one
+        # that never stopped (the in-memory float32 weights differed, and its checkpoints' layout did).
+        ssm = load_model(final, progress=False, split_layers=False)
         history, train_config = _training_record(os.path.join(out_dir, "train", member.name),
                                                  dataclasses.replace(tc, seed=tc.seed + i))
         acc = evaluate(ssm.params, ssm.config, eval_examples)

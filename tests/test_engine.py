@@ -146,6 +146,23 @@ def test_release_and_step_refuse_states_that_are_not_this_engines(llama):
     assert bool(engine.read(engine.release(state, 2)).done[2])
 
 
+def test_a_budget_without_costs_gets_this_machines(llama, tmp_path, monkeypatch):
+    """Only "auto" was measured: a Budget of levels alone passed init and prefill and failed at the first
+    step ("the tree budget has no pass costs"), where specjax.generate measures the same Budget."""
+    from specjax.speculation import cost
+
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cost, "measure_pass_costs", lambda *a, **k: {n: 0.01 * n for n in a[3]})
+    d = LookupDrafter(depth=3)
+    levels = default_levels((d,))
+    engine = Engine(llama, slots=1, max_prompt_tokens=8, max_new_tokens=4, drafters=[(d, ())], impl="xla",
+                    budget=Budget(levels))
+    nodes = [engine.spec.budget.node_count(i) for i in range(len(levels))]
+    assert engine.spec.budget.costs == tuple(0.01 * n for n in nodes)
+    state = engine.step(engine.insert(engine.init(), engine.prefill([1, 2, 3, 1, 2]), 0))
+    assert int(engine.read(state).num_generated[0]) >= 2
+
+
 def test_free_slots_hold_valid_sampling_settings(llama):
     """Free slots run through every step like busy ones (static shapes), so they must hold settings a
     request could have: all-zero rows (top_p = 0) sent the step's sampling code through non-finite

@@ -6,6 +6,7 @@ measured and cached."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -342,14 +343,84 @@ def test_cost_table_is_measured_once_and_cached(llama, tmp_path, monkeypatch):
     assert all(s > 0 for s in costs.values())
     again, source = cost.cached_pass_costs(llama.params, llama.config, 2, [3, 1], "xla")
     assert measured == [[1, 3]] and again == costs and "measured earlier" in source
-    cost.cached_pass_costs(llama.params, llama.config, 2, [1, 5], "xla")  # only the missing size
-    assert measured[-1] == [5]
+    # a missing size: the whole row timed again together (a size timed alone, at another moment, read as
+    # 6.0x the one-node pass under load where the sizes timed together said 2.4x)
+    cost.cached_pass_costs(llama.params, llama.config, 2, [1, 5], "xla")
+    assert measured[-1] == [1, 3, 5]
+    _, source = cost.cached_pass_costs(llama.params, llama.config, 2, [5], "xla", remeasure=True)
+    assert measured[-1] == [1, 3, 5] and "measured now" in source  # remeasured whole, not cut to [5]
     table = json.loads((tmp_path / "tree_costs.json").read_text())
     (key,) = table
     assert "batch=2" in key and set(table[key]) == {"1", "3", "5"}
     budget = cost.with_costs(Budget(((0,), (2,))), llama.params, llama.config, 2, "xla")
-    assert budget.costs == (costs[1], costs[3]) and "measured earlier" in budget.source
+    latest = cost.monotone({n: table[key][str(n)] for n in (1, 3)})  # the remeasured row
+    assert budget.costs == (latest[1], latest[3]) and "measured earlier" in budget.source
     jax.clear_caches()
+
+
+def test_cost_tables_are_keyed_by_the_cpu_generation_and_usable_cores_and_measured_one_process_at_a_time(
+        llama, tmp_path, monkeypatch):
+    """"cpu:AMD EPYC:2 cores" named AVX2-only and AVX-512 generations alike (their kernels differ), and a
+    process under taskset -c 0 wrote its one-core table as the two-core machine's. Two processes starting
+    together both measured on shared cores and cached those costs."""
+    import fcntl
+
+    from specjax.speculation import cost
+
+    info = {"model name": "AMD EPYC", "cpu family": "25", "model": "1", "stepping": "1", "flags": "fpu avx2 fma"}
+    monkeypatch.setattr(cost, "_cpuinfo", lambda: dict(info))
+    keys = {cost.machine_key()}
+    for field, value in (("model", "17"), ("flags", "fpu avx2 fma avx512f")):
+        monkeypatch.setattr(cost, "_cpuinfo", lambda field=field, value=value: {**info, field: value})
+        keys.add(cost.machine_key())
+    monkeypatch.setattr(cost, "_cpuinfo", lambda: dict(info))
+    monkeypatch.setattr(cost.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    keys.add(cost.machine_key())
+    assert len(keys) == 4 and cost.machine_key().endswith(":1 cores")
+
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    held = []
+
+    def measure(*args, **kwargs):  # while one process measures, another cannot take the lock
+        with open(tmp_path / "tree_costs.json.lock", "a") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held.append(False)
+            except BlockingIOError:
+                held.append(True)
+        return {n: 0.01 * n for n in args[3]}
+
+    monkeypatch.setattr(cost, "measure_pass_costs", measure)
+    cost.cached_pass_costs(llama.params, llama.config, 1, [1, 3], "xla")
+    assert held == [True]
+    key = cost.table_key(llama.config, jnp.float32, 2, "xla", split=cost.layers_split(llama.params))
+    real_lock = cost._measuring_lock
+
+    @contextlib.contextmanager
+    def meanwhile(path, shared):  # another process measured the row while this one waited for the lock
+        with real_lock(path, shared):
+            table = json.loads((tmp_path / "tree_costs.json").read_text())
+            table[key] = {"1": 0.5, "3": 0.7}
+            (tmp_path / "tree_costs.json").write_text(json.dumps(table))
+            yield
+
+    monkeypatch.setattr(cost, "_measuring_lock", meanwhile)
+    costs, source = cost.cached_pass_costs(llama.params, llama.config, 2, [1, 3], "xla")
+    assert costs == {1: 0.5, 3: 0.7} and "measured earlier" in source and held == [True]  # read, not measured
+
+
+def test_a_damaged_cost_table_file_is_reported_and_kept_aside(llama, tmp_path, monkeypatch):
+    """A truncated file was replaced silently by one holding only the row measured next."""
+    from specjax.speculation import cost
+
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cost, "measure_pass_costs", lambda *a, **k: {n: 0.01 * n for n in a[3]})
+    path = tmp_path / "tree_costs.json"
+    path.write_text('{"some row": {"1": 0.0')
+    with pytest.warns(UserWarning, match=f"tree cost table {re.escape(str(path))} cannot be read .* kept as "
+                                         f"{re.escape(str(path))}.damaged"):
+        costs, source = cost.cached_pass_costs(llama.params, llama.config, 1, [1, 3], "xla")
+    assert "measured now" in source and (tmp_path / "tree_costs.json.damaged").read_text() == '{"some row": {"1": 0.0'
 
 
 @pytest.mark.parametrize("row", [None, {"1": None, "3": None}, [1, 2], {"1": "fast"}, {"one": 0.1},

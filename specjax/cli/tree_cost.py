@@ -75,7 +75,8 @@ def add_parser(sub, fmt) -> None:
                        help="show (measuring once, then cached) the LLM pass time by tree size and batch size",
                        description="The LLM's tree-pass time on this machine by tree size and batch size: the cost "
                                    "table `generate --budget auto` chooses its tree size with. Measured on first use "
-                                   "(a warm median of 15 passes per cell, sizes timed round-robin) and cached in "
+                                   "(a warm median of 15 passes per cell, or of at least 5 once passes took 10 s; "
+                                   "a row's sizes timed together, round-robin, one process at a time) and cached in "
                                    "~/.cache/specjax/tree_costs.json ($SPECJAX_CACHE_DIR); shown as the budget "
                                    "reads it: non-decreasing in the tree size (the running maximum).")
     t.add_argument("--model", default=registry.DEFAULT_MODEL, help="registered name, HF directory, .gguf or checkpoint")

@@ -59,8 +59,9 @@ class Engine:
     request up to ``max_new_tokens`` new tokens and ``max_stop_tokens`` stop tokens. budget: None
     (verify whole proposals), "auto" (the tree budget with this machine's measured pass costs at
     ``slots`` requests and goal "rate": slots are refilled as requests end, so emitted tokens per
-    second is what counts) or a ``Budget`` (``specjax.speculation.budget``). progress: called with a
-    tree size before each pass-cost measurement "auto" makes (none when the table is cached).
+    second is what counts) or a ``Budget`` (``specjax.speculation.budget``; one without costs gets
+    this machine's, as "auto" does). progress: called with a tree size before each pass-cost
+    measurement (none when the table is cached).
     """
 
     @in_32_bit
@@ -80,14 +81,14 @@ class Engine:
         drafter_objs = tuple(b.drafter for b in bound)
         spec = SpecConfig(drafters=drafter_objs, impl=resolve_impl(impl), verifier=verifier)
         check_spec(model.config, spec)  # before the budget measures any pass cost
+        if budget is not None and budget != "auto" and not isinstance(budget, Budget):
+            raise InputError(f"budget must be None, 'auto' or a Budget, got {budget!r}")
         if budget == "auto":
             # solo=False: the engine calls a step program per pass (see default_levels)
-            levels = default_levels(drafter_objs, solo=False)
-            budget = with_costs(Budget(levels, goal="rate"), model.params, model.config, slots,
-                                resolve_impl(impl), progress=progress,
-                                head=pass_head(verifier)) if drafter_objs else None
-        elif budget is not None and not isinstance(budget, Budget):
-            raise InputError(f"budget must be None, 'auto' or a Budget, got {budget!r}")
+            budget = Budget(default_levels(drafter_objs, solo=False), goal="rate") if drafter_objs else None
+        if budget is not None:  # a Budget without costs gets this machine's, as specjax.generate gives it
+            budget = with_costs(budget, model.params, model.config, slots, resolve_impl(impl), progress=progress,
+                                head=pass_head(verifier))
         self.spec = dataclasses.replace(spec, budget=budget)
         # the drafters' matmul weights packed for the CPU kernel, where it runs
         self.drafter_params = step_drafter_params(drafter_objs, tuple(b.params for b in bound))

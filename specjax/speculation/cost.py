@@ -10,6 +10,7 @@ per machine and reused. ``with_costs`` fills a ``Budget`` whose costs are not gi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -18,6 +19,11 @@ import os
 import platform
 import time
 import warnings
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: measured without a lock
+    fcntl = None
 
 import jax
 import jax.numpy as jnp
@@ -55,20 +61,53 @@ def cache_path() -> str:
 
 
 def machine_key() -> str:
-    """What the pass time depends on besides the model: the processor (or accelerator) and its cores."""
+    """What the pass time depends on besides the model: the processor and the cores this process may
+    use, or the accelerator kind. A model name alone ("AMD EPYC") covers generations with and without
+    AVX-512, whose kernels differ (``specjax.kernels.cpu.build`` compiles for the flags with
+    -march=native), so the family, model, stepping and flags are in it too; and the cores are this
+    process's affinity, not the machine's count (under ``taskset -c 0`` a one-core table was then read
+    as a two-core machine's)."""
     device = jax.devices()[0]
     if device.platform != "cpu":
         return f"{device.platform}:{device.device_kind}"
-    return f"cpu:{cpu_name()}:{os.cpu_count()} cores"
+    return f"cpu:{cpu_name()}:{cpu_signature()}:{usable_cores()} cores"
 
 
 def cpu_name() -> str:
     """The processor model (/proc/cpuinfo's model name where there is one)."""
+    return _cpuinfo().get("model name") or platform.processor() or "unknown CPU"
+
+
+def cpu_signature() -> str:
+    """The processor's family, model and stepping, and a digest of its feature flags (/proc/cpuinfo)."""
+    info = _cpuinfo()
+    ident = "-".join(info.get(k, "?") for k in ("cpu family", "model", "stepping"))
+    flags = info.get("flags") or info.get("Features") or ""
+    return f"{ident}:flags={hashlib.sha256(' '.join(sorted(flags.split())).encode()).hexdigest()[:8]}"
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    out: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
+            for line in f:
+                if not line.strip():
+                    if out:
+                        break
+                    continue
+                name, _, value = line.partition(":")
+                out.setdefault(name.strip(), value.strip())
+    except OSError:
+        pass
+    return out
 
 
 # Bumped whenever the measured pass changes what it costs (2: block-only tree passes; 3: fused split
@@ -214,32 +253,46 @@ def monotone(costs: dict[int, float]) -> dict[int, float]:
 def cached_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: str = "xla", parallel=None,
                       progress=None, remeasure: bool = False, head: str = "logits",
                       beside=None) -> tuple[dict[int, float], str]:
-    """({nodes: seconds}, where they came from): the on-disk table, measuring what it lacks.
+    """({nodes: seconds}, where they came from): the on-disk table, measuring its row again, whole,
+    where it lacks a size (one process at a time on a machine: ``_measuring_lock``).
 
     Several processes (one mesh across hosts) each read their own host's table, and the tables can
     differ (a fresh node, another run writing meanwhile); but measuring runs passes over the whole
     mesh, so every process must measure the same sizes or the collectives deadlock. Process 0's table
-    decides what is measured, and its costs are everyone's: they decide every step's branch (the
-    loop's ``pass_costs`` argument), so all processes must hold the same ones. ``beside``: as in
-    ``measure_pass_costs`` (not called when nothing is measured)."""
+    decides whether they are measured (then all the sizes asked for), and its costs are everyone's:
+    they decide every step's branch (the loop's ``pass_costs`` argument), so all processes must hold
+    the same ones. ``beside``: as in ``measure_pass_costs`` (not called when nothing is measured)."""
     path = cache_path()
     dtype = jax.tree.leaves(params)[0].dtype
     key = table_key(cfg, dtype, batch, impl, parallel, layers_split(params), head)
     counts = [int(n) for n in node_counts]
-    row = {} if remeasure else _cached_row(_read(path), key, path)
-    missing = [n for n in counts if n not in row]
     shared = jax.process_count() > 1
+    cached = _cached_row(_read(path), key, path)
+    row = {} if remeasure else cached
+    need = any(n not in row for n in counts)
     if shared:
-        missing = _process0_sizes(counts, missing)
-    if missing:
-        row.update(measure_pass_costs(params, cfg, batch, missing, impl, parallel, progress=progress, head=head,
-                                      beside=beside))
-    if shared:
-        row.update(_process0_costs(counts, row))
-    if missing:
-        table = _read(path)  # another process may have written meanwhile
-        table[key] = {str(n): s for n, s in sorted(row.items())}
-        _write(path, table)
+        need = _process0_says(need)
+    measured = False
+    if need:
+        with _measuring_lock(path, shared):
+            if not (remeasure or shared):  # another process may have measured it while this one waited
+                cached = row = _cached_row(_read(path), key, path, report=False)
+            if remeasure or shared or any(n not in row for n in counts):
+                # The whole row in one round-robin measurement: sizes cached at another moment (another
+                # load on a shared CPU) compared with these would steer the budget by that difference.
+                sizes = counts if shared else sorted(set(counts) | set(cached))
+                row = measure_pass_costs(params, cfg, batch, sizes, impl, parallel, progress=progress, head=head,
+                                         beside=beside)
+                measured = True
+            if shared:  # every process steps by process 0's costs
+                row = {**row, **_process0_costs(counts, row)}
+            if measured:
+                table = _read(path)  # another process may have written other rows meanwhile
+                table[key] = {str(n): s for n, s in sorted(row.items())}
+                _write(path, table)
+    elif shared:  # process 0's cached costs (this host's table may lack them or differ)
+        row = {**row, **_process0_costs(counts, row)}
+    if measured:
         source = f"measured now on {machine_key()} (batch {batch}), cached in {path}"
     else:
         source = f"measured earlier on {machine_key()} (batch {batch}), from {path}"
@@ -250,12 +303,24 @@ def cached_pass_costs(params, cfg: ModelConfig, batch: int, node_counts, impl: s
     return monotone({n: row[n] for n in counts}), source
 
 
-def _process0_sizes(counts: list[int], missing: list[int]) -> list[int]:
-    """The sizes process 0 lacks, on every process."""
-    from jax.experimental import multihost_utils
-
-    mask = multihost_utils.broadcast_one_to_all(np.asarray([n in missing for n in counts], np.int32))
-    return [n for n, m in zip(counts, mask) if m]
+@contextlib.contextmanager
+def _measuring_lock(path: str, shared: bool):
+    """One process at a time measures on this machine: two servers starting together each timed their
+    passes on cores the other was using, and cached those costs for good. Not across the processes of
+    one mesh (they measure together, over collectives: a lock would deadlock them where they share a
+    cache directory), nor where no lock file can be made (the costs are then only measured unlocked)."""
+    if shared or fcntl is None:
+        yield
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        f = open(f"{path}.lock", "a")
+    except OSError:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def _process0_costs(counts: list[int], row: dict[int, float]) -> dict[int, float]:
@@ -280,15 +345,28 @@ def with_costs(budget: Budget, params, cfg: ModelConfig, batch: int, impl: str, 
 
 
 def _read(path: str) -> dict:
+    """The cost table, {} where there is none yet. A damaged one is moved aside (``.damaged``) with a
+    warning, and every row it held is measured again as it is needed (the file is only a cache)."""
     try:
         with open(path) as f:
             table = json.load(f)
-        return table if isinstance(table, dict) else {}
-    except (OSError, ValueError, RecursionError):
-        return {}  # no table yet, or a damaged one: measure again (the file is only a cache)
+        if not isinstance(table, dict):
+            raise ValueError(f"a JSON {type(table).__name__}, not an object")
+        return table
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, RecursionError) as e:
+        try:
+            os.replace(path, f"{path}.damaged")
+            aside = f"; kept as {path}.damaged"
+        except OSError:
+            aside = ""
+        warnings.warn(f"specjax: the tree cost table {path} cannot be read ({e}); its rows are measured again"
+                      f"{aside}", stacklevel=3)
+        return {}
 
 
-def _cached_row(table: dict, key: str, path: str) -> dict[int, float]:
+def _cached_row(table: dict, key: str, path: str, report: bool = True) -> dict[int, float]:
     """The table's {nodes: seconds} for ``key``: positive node counts, finite positive seconds. A row
     that is not (an edited or damaged file) is reported and measured again, never used: a NaN or negative
     cost would steer every step's tree size, and a wrong type crashed every later run."""
@@ -305,6 +383,8 @@ def _cached_row(table: dict, key: str, path: str) -> dict[int, float]:
             row[int(n)] = float(seconds)
         return row
     except ValueError as e:
+        if not report:  # reported at the first reading
+            return {}
         warnings.warn(f"specjax: the tree cost table {path} has a damaged row {key!r} ({e}); measuring it again",
                       stacklevel=3)
         return {}

@@ -12,6 +12,7 @@ from specjax.errors import (
     ShardingError,
     SpecjaxError,
 )
+from specjax.io.detokenize import IncrementalText
 from specjax.io.loader import describe_model, load_model
 from specjax.speculation.budget import Budget
 from specjax.speculation.drafters.base import Bound, Drafter
@@ -25,4 +26,4 @@ __version__ = "0.1.0"
 __all__ = ["load_model", "describe_model", "generate", "logits", "Model", "GenerationResult", "ModelConfig",
            "SamplingParams", "SamplingArrays", "generate_incremental", "SpecjaxError", "ConfigError", "CheckpointError",
            "InputError", "ShardingError", "GenerationError", "derive_ssm", "Bound", "Drafter", "SSMDrafter",
-           "LookupDrafter", "CorpusDrafter", "corpus_drafter", "Budget"]
+           "LookupDrafter", "CorpusDrafter", "corpus_drafter", "Budget", "IncrementalText"]

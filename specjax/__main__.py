@@ -1,5 +1,3 @@
-import sys
+from specjax.cli import entry
 
-from specjax.cli import main
-
-sys.exit(main())
+entry()

@@ -285,6 +285,41 @@ def test_sampling_flags_that_change_nothing_at_temperature_0_are_named(flags, un
     assert _unused_sampling_flags(args) == unused
 
 
+def test_a_prompts_file_with_a_byte_order_mark_reads_as_without(tmp_path):
+    """Windows tools write one (Notepad, PowerShell's -Encoding utf8): it was refused as "not valid JSON"."""
+    from specjax.io.prompts import read_prompt_records
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "hi"}\r\n{"prompt": [1, 2]}\r\n')
+    assert [r["prompt"] for r in read_prompt_records(str(path))] == ["hi", [1, 2]]
+    (tmp_path / "p.txt").write_bytes(b"\xef\xbb\xbfone\ntwo\n")
+    assert [r["prompt"] for r in read_prompt_records(str(tmp_path / "p.txt"), plain_lines=True)] == ["one", "two"]
+
+
+def test_output_whose_reader_went_away_ends_quietly_and_an_interrupt_exits_130(tiny_llama_dir, tmp_path):
+    """`specjax generate ... | head`: two BrokenPipeError tracebacks and status 120. Ctrl-C while XLA
+    compiled: "specjax: interrupted", then a segfault at the interpreter's shutdown (status -11)."""
+    import signal
+    import time
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": [1, 2, 3]}\n' * 3)
+    command = [sys.executable, "-m", "specjax", "generate", "--model", tiny_llama_dir, "--prompts-file", str(prompts),
+               "--max-new-tokens", "200", "--mode", "incremental"]
+    p = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    p.stdout.close()  # the reader is gone before the first token is written (head's after its lines)
+    err = p.stderr.read().decode()
+    assert p.wait(120) == 128 + signal.SIGPIPE and "Traceback" not in err and "Exception ignored" not in err, err
+    p = subprocess.Popen([*command, "--compile-cache", "none"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         cwd=ROOT)
+    while b"loading" not in p.stderr.read1(4096):  # the model loads, then the programs compile
+        assert p.poll() is None
+    time.sleep(1.0)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and "specjax: interrupted" in err.decode(), err.decode()[-2000:]
+
+
 def test_prompts_file_that_is_a_directory_or_missing(tiny_llama_dir, tmp_path):
     r = cli("generate", "--model", tiny_llama_dir, "--prompts-file", str(tmp_path))
     assert r.returncode == 2 and "is a directory" in r.stderr

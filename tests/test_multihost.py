@@ -135,14 +135,49 @@ def test_coordinator_without_peers_is_a_clear_error_in_bounded_time():
 def test_dead_process_stops_the_others_and_names_it():
     child = "import os, sys, time; sys.exit(3) if os.environ['SPECJAX_PROCESS_ID'] == '1' else time.sleep(120)"
     t0 = time.monotonic()
-    with pytest.raises(ShardingError, match=r"process 1 exited with code 3.*stopped the other 2"):
+    with pytest.raises(ShardingError, match=r"process 1 exited with code 3.*stopped the other 2") as failed:
         launch([sys.executable, "-c", child], num_processes=3, timeout_s=100)
     assert time.monotonic() - t0 < 30
+    assert failed.value.exit_code == 3  # the launcher's status: the process's own (it was 2, as a usage error)
+    killed = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    with pytest.raises(ShardingError, match=r"process 0 exited with code -9 \(SIGKILL\): see its output above$") \
+            as failed:
+        launch([sys.executable, "-c", killed], num_processes=1, timeout_s=100)
+    assert failed.value.exit_code == 128 + signal.SIGKILL  # as a shell reports it
 
 
 def test_launch_time_limit():
-    with pytest.raises(ShardingError, match=r"2 of 2 processes \(ids \[0, 1\]\) still running after 1s; stopped them"):
+    with pytest.raises(ShardingError, match=r"2 of 2 processes \(ids \[0, 1\]\) still running after 1s; stopped them") \
+            as failed:
         launch([sys.executable, "-c", "import time; time.sleep(60)"], num_processes=2, timeout_s=1)
+    assert failed.value.exit_code == 124  # as timeout(1)
+
+
+def test_the_launch_command_exits_with_its_process_status_and_2_for_bad_usage():
+    def status(*args):
+        return subprocess.run([sys.executable, "-m", "specjax", "launch", *args], capture_output=True, text=True,
+                              timeout=120, cwd=ROOT).returncode
+
+    assert status("-n", "1", "--", sys.executable, "-c", "import sys; sys.exit(7)") == 7
+    assert status("-n", "0", "--", sys.executable, "-c", "pass") == 2
+
+
+def test_an_error_on_one_host_after_joining_ends_the_cluster_at_once_with_its_status(tiny_llama_dir, tmp_path):
+    """Process 1's model path is missing on its host: it printed the error, then waited in JAX's shutdown
+    barrier for process 0 (still loading) for 5 minutes, and both aborted (SIGABRT)."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": [1, 2, 3]}\n{"prompt": [4, 5]}\n')
+    script = tmp_path / "per_host.sh"
+    script.write_text(f'#!/bin/sh\nmodel={tiny_llama_dir}\n[ "$SPECJAX_PROCESS_ID" = 1 ] && model={tmp_path}/missing\n'
+                      f'exec {sys.executable} -m specjax generate --model "$model" --prompts-file {tmp_path}/p.jsonl '
+                      f'--max-new-tokens 4 --mode incremental --mesh dp=2\n')
+    script.chmod(0o755)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "specjax", "launch", "-n", "2", "--cpu-devices", "1", "--timeout", "240",
+                        "--", str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert re.search(r"process 1 exited with code 2: .*missing.* is neither a registered model", r.stderr), \
+        r.stderr[-3000:]
+    assert time.monotonic() - t0 < 90
 
 
 _CHATTY = ("import sys; sys.stdout.buffer.write(b'caf\\xe9\\n'); sys.stdout.flush(); "
@@ -261,6 +296,7 @@ def test_wait_for_peers_meets_every_process_and_names_the_point_a_peer_never_rea
               for m in re.finditer(r"\[process (\d)\] met after waiting ([\d.]+)s", out.stderr)}
     assert sorted(waited) == [0, 1] and waited[0] >= 1.0  # process 0 waited for process 1's late arrival
     error = out.stdout[out.stdout.index("ShardingError: "):]
-    assert error.startswith("ShardingError: process 0 waited 3s for the other processes at "
-                            "'the program only process 0 compiled'"), error
+    # the time it waited, not the limit alone (a peer found dead by the heartbeat after 8 s read "waited 600s")
+    assert re.match(r"ShardingError: process 0 waited 3s \(of 3s\) for the other processes at "
+                    r"'the program only process 0 compiled': not all arrived", error), error
     assert "reached the barrier: 1/2" in error  # JAX's own account: one of the two processes got there

@@ -213,6 +213,9 @@ def test_python_snippets_run_as_written():
     for block in blocks:
         exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
     assert namespace["out"].texts[0] and namespace["spec"].stats["mean_tokens_per_pass"] >= 1
+    # the streamed text, whole characters at a time, is the final text (decoding each pass's ids alone
+    # printed U+FFFD for a character split across passes, and <|im_end|>)
+    assert namespace["text"].text == namespace["streamed"].texts[0]
     tokens = namespace["tokens"]
     assert tokens.shape == (2, 128)
     assert tokens[0, 0].tolist() == namespace["out"].token_ids[0][0]  # the jitted core == the API, greedy

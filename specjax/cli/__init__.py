@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import io
 import os
+import signal
 import sys
 
 from specjax.cli.generate import _cmd_generate
@@ -201,11 +202,39 @@ def _clean_stdout():
     try:
         yield out
     finally:
-        out.flush()
+        try:
+            out.flush()
+        except BrokenPipeError:
+            _drop_output(out)
         sys.stdout = previous
         out.close()
         os.dup2(saved, 1)
         os.close(saved)
+
+
+def _drop_output(stream) -> None:
+    """Point ``stream`` at /dev/null: its reader went away (``specjax generate ... | head``), and every
+    later flush (the buffer's, at close) would raise BrokenPipeError again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, stream.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):  # not a file descriptor: nothing more is written
+        pass
+    finally:
+        os.close(devnull)
+
+
+def _leave(code: int) -> int:
+    """``code``, and in a process of a JAX cluster an exit right here (``distributed.joined_cluster``): a
+    failure on one host otherwise hung every host in JAX's shutdown barrier for 5 minutes, which then
+    aborted (SIGABRT) instead of reporting the error's status."""
+    from specjax.sharding.distributed import joined_cluster
+
+    if joined_cluster():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def main(argv=None) -> int:
@@ -217,14 +246,47 @@ def main(argv=None) -> int:
         except SystemExit as e:
             return e.code if isinstance(e.code, int) else 2
         try:
-            return args.func(args, out)
+            return args.func(args, out)  # on success every process leaves through JAX's shutdown, together
         except SpecjaxError as e:
             print(f"specjax: error: {e}", file=sys.stderr, flush=True)
-            return 2
-        except KeyboardInterrupt:
+            out.flush()
+            return _leave(getattr(e, "exit_code", 2))  # 2: bad input; `launch` passes its process's status on
+        except KeyboardInterrupt as e:
             print("specjax: interrupted", file=sys.stderr, flush=True)
-            return 130
+            return _leave(128 + getattr(e, "signum", signal.SIGINT))
+        except BrokenPipeError:  # the reader of the output went away: a shell reports 128 + SIGPIPE
+            _drop_output(out)
+            return _leave(128 + signal.SIGPIPE)
+        except Exception as e:
+            from specjax.sharding.distributed import joined_cluster
+
+            if not joined_cluster():
+                raise
+            import traceback
+
+            traceback.print_exc()
+            import jax
+
+            print(f"specjax: error: process {jax.process_index()}: {type(e).__name__} (in a cluster of "
+                  f"{jax.process_count()} processes: a peer may have died or lost its connection)",
+                  file=sys.stderr, flush=True)
+            return _leave(1)
+
+
+INTERRUPTED = (128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGHUP)
+
+
+def entry() -> None:
+    """The ``specjax`` command. After an interrupt it leaves at once (``os._exit``): the interpreter's
+    shutdown after a Ctrl-C during XLA compilation crashed (SIGSEGV, JAX's own, not specjax's), so the
+    status was -11 instead of 130."""
+    code = main()
+    if code in INTERRUPTED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

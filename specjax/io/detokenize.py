@@ -20,6 +20,11 @@ CONTEXT_TOKENS = 4  # prompt tokens before the first generated one: a word's lea
 
 
 class IncrementalText:
+    """One request's text as its tokens arrive (``specjax.generate``'s ``on_tokens``): ``add`` each token,
+    ``flush`` once at the end; ``text`` is then what ``tokenizer.decode(ids, skip_special_tokens=True)``
+    gives for all of them. ``prompt_ids``: a completion's prompt, whose last tokens give the first word
+    its leading space (then ``text`` is the completion's text after the prompt's)."""
+
     def __init__(self, tokenizer, prompt_ids=()):
         self.tokenizer = tokenizer
         tail = [int(t) for t in list(prompt_ids)[-CONTEXT_TOKENS:]]

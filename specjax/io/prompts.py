@@ -113,6 +113,7 @@ def read_prompt_records(path: str, *, flag: str = "--prompts-file", allow_token_
     except OSError as e:
         raise InputError(f"{where}: cannot read ({e.strerror or e})") from None
     jsonl = not plain_lines or path.endswith(".jsonl")
+    raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark (Notepad, PowerShell's utf8) is no text
     prompts = []
     for n, line in enumerate(raw.split(b"\n"), 1):
         try:

@@ -257,6 +257,18 @@ def initialize(cluster: Cluster | None, timeout_s: float = 60.0, cpu_devices: in
         raise ShardingError(f"expected {cluster.num_processes} processes, JAX reports {jax.process_count()}")
 
 
+def joined_cluster() -> bool:
+    """Whether this process joined a JAX cluster of several processes (``initialize``). Such a process
+    must not leave through Python's normal exit after an error: JAX's shutdown barrier then waits for
+    peers that will not come (up to ``SHUTDOWN_S``) and aborts."""
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import distributed as jax_distributed
+
+    state = jax_distributed.global_state
+    return state.client is not None and (state.num_processes or 1) > 1
+
+
 # How much later than the first process the last one may finish compiling a program. Compilation
 # differs by host load and cache state; gloo alone allows 30 s. A dead peer is still found sooner, by
 # the heartbeat.
@@ -279,9 +291,13 @@ def wait_for_peers(what: str, timeout_s: float = COMPILE_SKEW_S) -> None:
         raise ShardingError(f"{jax.process_count()} processes but no distributed client: join the cluster with "
                             "specjax.sharding.distributed.initialize")
     name = f"specjax:{next(_barriers)}:{what}"
+    started = time.monotonic()
     try:
         client.wait_at_barrier(name, timeout_in_ms=int(timeout_s * 1000))
     except jax.errors.JaxRuntimeError as e:  # DEADLINE_EXCEEDED, or the service reporting a dead peer
-        raise ShardingError(f"process {jax.process_index()} waited {timeout_s:g}s for the other processes at "
-                            f"{what!r} and not all arrived (one still compiling, dead, or running other code): "
-                            f"{e}") from None
+        waited = time.monotonic() - started
+        dead = any(word in str(e).lower() for word in ("heartbeat", "unhealthy", "another task died"))
+        why = "a peer process died or lost its connection" if dead else \
+            "not all arrived (one still compiling, dead, or running other code)"
+        raise ShardingError(f"process {jax.process_index()} waited {waited:.0f}s (of {timeout_s:g}s) for the other "
+                            f"processes at {what!r}: {why}: {e}") from None

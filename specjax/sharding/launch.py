@@ -78,8 +78,9 @@ def launch(command: list[str], num_processes: int, cpu_devices: int | None = Non
            timeout_s: float = 600.0, env_overrides: dict | None = None) -> int:
     """Run ``command`` as ``num_processes`` local processes; returns 0 when all succeed.
 
-    Raises ShardingError naming the first process that failed (its exit code and the likely cause)
-    or the time limit; the other processes are terminated in both cases."""
+    Raises ``LaunchFailed`` naming the first process that failed (its exit code, which becomes the
+    launcher's, and the likely cause) or the time limit (status 124); the other processes are
+    terminated in both cases. Bad arguments raise ShardingError (status 2)."""
     if not command:
         raise ShardingError("specjax launch: no command given (specjax launch -n 2 -- COMMAND ...)")
     if num_processes < 1:
@@ -128,8 +129,8 @@ def launch(command: list[str], num_processes: int, cpu_devices: int | None = Non
         return 0
     if isinstance(failed, tuple):  # ("timeout", processes still running at the deadline)
         running = failed[1]
-        raise ShardingError(f"specjax launch: {len(running)} of {num_processes} processes (ids {running}) still "
-                            f"running after {timeout_s:g}s; stopped them")
+        raise LaunchFailed(f"specjax launch: {len(running)} of {num_processes} processes (ids {running}) still "
+                           f"running after {timeout_s:g}s; stopped them", TIMEOUT_EXIT)
     text: dict = {}
     for i, tail in tails:  # stdout and stderr of each process
         text[i] = text.get(i, "") + "".join(tail)
@@ -139,15 +140,37 @@ def launch(command: list[str], num_processes: int, cpu_devices: int | None = Non
            if (m := re.search(r"(?:specjax: error:|specjax\.errors\.\w+Error:)(.*)", line))]
     why = own[-1] if own else next((d for key, d in _DIAGNOSES if key in text.get(index, "")), "see its output above")
     signame = f" ({signal.Signals(-code).name})" if code < 0 and -code in signal.Signals._value2member_map_ else ""
-    raise ShardingError(f"specjax launch: process {index} exited with code {code}{signame}: {why}; "
-                        f"stopped the other {num_processes - 1}")
+    others = f"; stopped the other {num_processes - 1}" if num_processes > 1 else ""
+    # the process's own status, as a shell reports it (128 + N for a signal): mpirun and srun pass it on too
+    raise LaunchFailed(f"specjax launch: process {index} exited with code {code}{signame}: {why}{others}",
+                       code if code > 0 else 128 - code)
+
+
+TIMEOUT_EXIT = 124  # as timeout(1)
+
+
+class LaunchFailed(ShardingError):
+    """A launched process failed (``exit_code``: its own status) or the time limit passed (124): the
+    command's status tells them apart from a usage error (2)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
+class Interrupted(KeyboardInterrupt):
+    """The launcher was sent ``signum``; its status is then 128 + signum, as a shell reports it."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"specjax launch received signal {signum}")
+        self.signum = signum
+
+
 def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"specjax launch received signal {signum}")
+    raise Interrupted(signum)
 
 
 def _watch(procs, deadline: float):
@@ -173,13 +196,29 @@ def _watch(procs, deadline: float):
 
 
 def _stop(procs, grace_s: float = 5.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    end = time.monotonic() + grace_s
-    for p in procs:
+    """SIGTERM to every process group, SIGKILL to those still running after ``grace_s`` (JAX's preemption
+    notifier catches SIGTERM, so a JAX process usually needs it). A second Ctrl-C while they stop (the
+    grace period is easily long enough to press it) kills them at once: it had left them running."""
+    try:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        end = time.monotonic() + grace_s
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill(p)
+    except KeyboardInterrupt:
+        for p in procs:
+            _kill(p)
+        raise
+
+
+def _kill(p) -> None:
+    if p.poll() is None:
         try:
-            p.wait(timeout=max(0.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        except ProcessLookupError:  # ended meanwhile
+            pass
+    p.wait()

@@ -162,22 +162,41 @@ def test_the_launch_command_exits_with_its_process_status_and_2_for_bad_usage():
     assert status("-n", "0", "--", sys.executable, "-c", "pass") == 2
 
 
+def _per_host(tiny_llama_dir, tmp_path, model1: str, prompts1: str):
+    """``specjax launch -n 2`` of a generate command whose process 1 reads ``model1`` and ``prompts1``."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": [1, 2, 3]}\n{"prompt": [7, 8, 9, 10]}\n')
+    (tmp_path / "q.jsonl").write_text('{"prompt": [1, 2, 3]}\n{"prompt": [40, 41, 42, 43]}\n')  # same lengths
+    script = tmp_path / "per_host.sh"
+    script.write_text(f'#!/bin/sh\nmodel={tiny_llama_dir}\nprompts={tmp_path}/p.jsonl\n'
+                      f'[ "$SPECJAX_PROCESS_ID" = 1 ] && model={model1} && prompts={prompts1}\n'
+                      f'exec {sys.executable} -m specjax generate --model "$model" --prompts-file "$prompts" '
+                      f'--max-new-tokens 4 --mode incremental --mesh dp=2 --json\n')
+    script.chmod(0o755)
+    return subprocess.run([sys.executable, "-m", "specjax", "launch", "-n", "2", "--cpu-devices", "1", "--timeout",
+                           "240", "--", str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
 def test_an_error_on_one_host_after_joining_ends_the_cluster_at_once_with_its_status(tiny_llama_dir, tmp_path):
     """Process 1's model path is missing on its host: it printed the error, then waited in JAX's shutdown
     barrier for process 0 (still loading) for 5 minutes, and both aborted (SIGABRT)."""
-    (tmp_path / "p.jsonl").write_text('{"prompt": [1, 2, 3]}\n{"prompt": [4, 5]}\n')
-    script = tmp_path / "per_host.sh"
-    script.write_text(f'#!/bin/sh\nmodel={tiny_llama_dir}\n[ "$SPECJAX_PROCESS_ID" = 1 ] && model={tmp_path}/missing\n'
-                      f'exec {sys.executable} -m specjax generate --model "$model" --prompts-file {tmp_path}/p.jsonl '
-                      f'--max-new-tokens 4 --mode incremental --mesh dp=2\n')
-    script.chmod(0o755)
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "specjax", "launch", "-n", "2", "--cpu-devices", "1", "--timeout", "240",
-                        "--", str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = _per_host(tiny_llama_dir, tmp_path, f"{tmp_path}/missing", f"{tmp_path}/p.jsonl")
     assert r.returncode == 2, r.stderr[-3000:]
     assert re.search(r"process 1 exited with code 2: .*missing.* is neither a registered model", r.stderr), \
         r.stderr[-3000:]
     assert time.monotonic() - t0 < 90
+
+
+def test_processes_given_other_prompts_are_refused_before_loading(tiny_llama_dir, tmp_path):
+    """Each process shards the inputs from its own host's copy: process 0 printed process 1's prompt's
+    continuation as its own prompt's, with status 0."""
+    r = _per_host(tiny_llama_dir, tmp_path, tiny_llama_dir, f"{tmp_path}/q.jsonl")
+    assert r.returncode == 2 and not r.stdout, r.stderr[-3000:]
+    assert "process(es) [1] of 2 got other arguments, prompts or model than process 0" in r.stderr, r.stderr[-3000:]
+    assert "loading" not in r.stderr
+    same = _per_host(tiny_llama_dir, tmp_path, tiny_llama_dir, f"{tmp_path}/p.jsonl")
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert len(same.stdout.splitlines()) == 2
 
 
 _CHATTY = ("import sys; sys.stdout.buffer.write(b'caf\\xe9\\n'); sys.stdout.flush(); "

@@ -281,6 +281,14 @@ def _cmd_generate(args, out) -> int:
               budget=_budget(args, ssm_specs, [b.drafter for b in light_drafters]))
     plans = [plan_generation(light, batch, ssms=light_ssms, drafters=light_drafters, labels=names, **kw)
              for batch, names in zip(batches, batch_labels)]
+    # what every process of a cluster must agree on: the request as tokenized, the model's config and the
+    # flags that are not about this host (paths may differ between hosts; their contents may not)
+    from specjax.sharding.distributed import check_agreement
+
+    own = {"process_id", "coordinator", "num_processes", "distributed", "init_timeout", "compile_cache", "model",
+           "prompts_file", "func"}
+    check_agreement("arguments, prompts or model", ([p.ids for p in plans], light.config,
+                                                   sorted((k, v) for k, v in vars(args).items() if k not in own)))
     meshes = [_batch_parallel(parallel, len(batch)) for batch in batches]
     for batch, batch_mesh in zip(batches, meshes):
         if batch_mesh is not None:

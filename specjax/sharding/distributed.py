@@ -26,6 +26,7 @@ together.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import os
 import re
@@ -267,6 +268,26 @@ def joined_cluster() -> bool:
 
     state = jax_distributed.global_state
     return state.client is not None and (state.num_processes or 1) > 1
+
+
+def check_agreement(what: str, value) -> None:
+    """Refuse a cluster whose processes were given different ``what`` (``value``: anything whose repr
+    is stable: arguments, token ids, a config). Each process builds its shards of the inputs from its
+    own host's copy, so prompts files that differed between hosts gave process 1's continuations as
+    process 0's prompts' output, with status 0. Every process calls it, at the same point."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    mine = np.frombuffer(hashlib.sha256(repr(value).encode()).digest(), np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+    differ = [i for i in range(len(every)) if not np.array_equal(every[i], every[0])]
+    if differ:
+        raise ShardingError(f"process(es) {differ} of {len(every)} got other {what} than process 0: every process "
+                            f"must run the same command on the same inputs")
 
 
 # How much later than the first process the last one may finish compiling a program. Compilation

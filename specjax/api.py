@@ -23,7 +23,7 @@ from specjax.speculation.choices import MODES
 from specjax.speculation.cost import pass_head, with_costs
 from specjax.speculation.drafters.ssm import SSMDrafter
 from specjax.speculation.loop import finish_speculative, host_step, init_state_jit
-from specjax.speculation.request import as_bound, default_drafters, spec_config
+from specjax.speculation.request import as_bound, check_positions, default_drafters, spec_config
 from specjax.speculation.state import stop_rows
 from specjax.types import Model
 from specjax.x32 import in_32_bit
@@ -152,6 +152,8 @@ def plan_generation(model: Model, prompts, max_new_tokens: int = 128, sampling=N
         if len(p) + max_new_tokens > limit:
             raise InputError(f"{label}: {len(p)} prompt tokens + max_new_tokens={max_new_tokens} = "
                              f"{len(p) + max_new_tokens} exceeds the context window of {limit}")
+        if spec is not None:
+            check_positions(spec, len(p) + max_new_tokens, f"{label}: prompt + max_new_tokens={max_new_tokens}")
     lens = np.array([len(p) for p in ids], np.int32)
     max_out = output_bucket(max_new_tokens)
     # The cache length comes from a few buckets, and prompts are padded to the cache's width: prefill

@@ -300,6 +300,30 @@ def test_bad_speculation_configs(llama):
         specjax.generate(llama, p, max_new_tokens=4, ssms=[wrong_vocab])
 
 
+def test_an_opt_ssm_is_refused_past_its_position_table(llama):
+    """Past an OPT SSM's last learned position every position read that row (JAX clamps the index): its
+    drafts there were noise, each step, and nothing said so. RoPE SSMs read any position."""
+    import dataclasses
+
+    from specjax.config import ModelConfig
+    from specjax.engine import Engine
+
+    cfg = ModelConfig(family="opt", vocab_size=llama.config.vocab_size, hidden_size=16, intermediate_size=32,
+                      num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8, max_position_embeddings=16)
+    opt = specjax.Model(cfg, init_params(cfg, jax.random.key(0)), None)
+    prompt = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+    with pytest.raises(InputError, match=r"prompt 0: prompt \+ max_new_tokens=6: 16 tokens and the drafts 3 deep past "
+                                         r"them need 19 positions, more than the 16 of ssm\(<1,1,1>, topk\)'s"):
+        specjax.generate(llama, prompt, max_new_tokens=6, ssms=[opt], expansion=(1, 1, 1))
+    fits = specjax.generate(llama, prompt, max_new_tokens=3, ssms=[opt], expansion=(1, 1, 1))
+    assert fits.token_ids == specjax.generate(llama, prompt, max_new_tokens=3, mode="incremental").token_ids
+    with pytest.raises(InputError, match="max_prompt_tokens \\+ max_new_tokens: 16 tokens"):
+        Engine(llama, slots=1, max_prompt_tokens=12, max_new_tokens=4, budget=None,
+               drafters=[(SSMDrafter(cfg, Expansion((1, 1, 1))), opt.params)])
+    rope = dataclasses.replace(llama.config, max_position_embeddings=16)
+    assert SSMDrafter(rope, Expansion((1, 1, 1))).position_limit is None
+
+
 def test_tokenizer_mismatch_is_refused(llama):
     from specjax.speculation.drafters.ssm import check_compatible
 

@@ -30,7 +30,7 @@ from specjax.speculation.budget import Budget, default_levels
 from specjax.speculation.cost import pass_head, with_costs
 from specjax.speculation.drafters.base import Bound
 from specjax.speculation.loop import init_state, init_state_jit, spec_step
-from specjax.speculation.request import check_spec
+from specjax.speculation.request import check_positions, check_spec
 from specjax.speculation.spec import SpecConfig
 from specjax.speculation.state import NO_STOP, SpecState, release_row, write_row
 from specjax.types import Model
@@ -81,6 +81,7 @@ class Engine:
         drafter_objs = tuple(b.drafter for b in bound)
         spec = SpecConfig(drafters=drafter_objs, impl=resolve_impl(impl), verifier=verifier)
         check_spec(model.config, spec)  # before the budget measures any pass cost
+        check_positions(spec, max_prompt_tokens + max_new_tokens, "max_prompt_tokens + max_new_tokens")
         if budget is not None and budget != "auto" and not isinstance(budget, Budget):
             raise InputError(f"budget must be None, 'auto' or a Budget, got {budget!r}")
         if budget == "auto":

@@ -116,6 +116,17 @@ def spec_config(model: Model, ssms: list, drafters: list, mode: str, expansion, 
     return spec, verifier, draft
 
 
+def check_positions(spec, tokens: int, what: str) -> None:
+    """Refuse a request of ``tokens`` (prompt + new tokens; ``what`` names it) that some drafter cannot
+    follow to its end (``Drafter.position_limit``), before any work."""
+    for d in spec.drafters:
+        limit = d.position_limit
+        if limit is not None and tokens + d.max_depth > limit:
+            raise InputError(f"{what}: {tokens} tokens and the drafts {d.max_depth} deep past them need "
+                             f"{tokens + d.max_depth} positions, more than the {limit} of {d.describe()}'s "
+                             f"position table")
+
+
 def check_spec(config, spec) -> None:
     """The drafters fit this LLM and one token tree (``specjax.generate`` and the ``Engine``)."""
     for d in spec.drafters:

@@ -126,6 +126,12 @@ class Drafter:
     def check_llm(self, config) -> None:
         """Refuse an LLM (its ModelConfig) this drafter was not made for, before any work (default: any fits)."""
 
+    @property
+    def position_limit(self) -> int | None:
+        """Positions this drafter can read: a request (prompt, new tokens and this drafter's depth) must fit
+        in them; None where every position can be read."""
+        return None
+
     def init(self, params, prompt_tokens: jax.Array, prompt_lens: jax.Array, *, cache_len: int, parallel=None,
              hidden: jax.Array | None = None, first: jax.Array | None = None):
         """The drafter's state after the right-padded prompts [B, T] (lengths [B]). A drafter with

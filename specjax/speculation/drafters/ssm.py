@@ -75,6 +75,12 @@ class SSMDrafter(Drafter):
     def static_parents(self) -> tuple[int, ...]:
         return tuple(self.expansion.topology()[0])
 
+    @property
+    def position_limit(self) -> int | None:
+        """An OPT SSM's learned position table: past its last row every position read that row (JAX clamps
+        the index), so its drafts there were noise that still cost each step. RoPE (LLaMA) has no end."""
+        return self.config.max_positions if self.config.family == "opt" else None
+
     def describe(self) -> str:
         return f"ssm(<{','.join(map(str, self.expansion.widths))}>, {self.mode})"
 

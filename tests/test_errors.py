@@ -319,6 +319,7 @@ def test_non_positive_max_new_tokens(model, bad):
     (dict(top_p=0.0), "top_p must be in"),
     (dict(top_p=1.5), "top_p must be in"),
     (dict(top_p=1e-46), "float32's smallest normal"),  # 0 on the device: no token kept
+    (dict(temperature=1e39), "temperature must be at most 3.403e\\+38"),  # inf on the device: uniform sampling
     (dict(seed=-1), "seed must be"),
 ])
 def test_invalid_sampling_params(kwargs, match):

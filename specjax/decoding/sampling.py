@@ -32,6 +32,7 @@ from specjax.decoding.keys import sampling_key
 from specjax.errors import InputError
 
 MIN_TEMPERATURE = 1e-6  # below it, float32 logits / temperature can overflow to inf
+MAX_TEMPERATURE = float(np.finfo(np.float32).max)
 
 
 MIN_TOP_P = float(np.finfo(np.float32).tiny)  # top_p is a float32 on the device; CPUs may flush subnormals to 0
@@ -56,6 +57,9 @@ class SamplingParams:
             raise InputError(f"temperature must be a finite number >= 0, got {t!r}")
         if 0 < t < MIN_TEMPERATURE:  # logits / t would overflow float32: use 0 for greedy decoding
             raise InputError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {t!r}")
+        if t > MAX_TEMPERATURE:  # inf on the device (uniform sampling), with a NumPy overflow warning
+            raise InputError(f"temperature must be at most {MAX_TEMPERATURE:.4g} (float32's largest: it is held in "
+                             f"float32), got {t!r}")
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < 2**31:
             raise InputError(f"top_k must be an int in [0, 2**31) (0 = off), got {k!r}")
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):

@@ -320,6 +320,15 @@ def test_output_whose_reader_went_away_ends_quietly_and_an_interrupt_exits_130(t
     assert p.returncode == 130 and "specjax: interrupted" in err.decode(), err.decode()[-2000:]
 
 
+def test_main_returns_its_status_in_process_also_in_a_cluster(monkeypatch, tmp_path):
+    """Only the command (``entry``) leaves through os._exit in a cluster: main() called in-process (a driver
+    that joined the cluster itself) ended the caller's interpreter on any error."""
+    from specjax.sharding import distributed
+
+    monkeypatch.setattr(distributed, "joined_cluster", lambda: True)
+    assert main(["generate", "--prompts-file", str(tmp_path / "none.jsonl")]) == 2
+
+
 def test_prompts_file_that_is_a_directory_or_missing(tiny_llama_dir, tmp_path):
     r = cli("generate", "--model", tiny_llama_dir, "--prompts-file", str(tmp_path))
     assert r.returncode == 2 and "is a directory" in r.stderr

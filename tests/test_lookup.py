@@ -359,7 +359,7 @@ def test_cost_table_is_measured_once_and_cached(llama, tmp_path, monkeypatch):
 
 
 def test_cost_tables_are_keyed_by_the_cpu_generation_and_usable_cores_and_measured_one_process_at_a_time(
-        llama, tmp_path, monkeypatch):
+        llama, tmp_path, monkeypatch, capfd):
     """"cpu:AMD EPYC:2 cores" named AVX2-only and AVX-512 generations alike (their kernels differ), and a
     process under taskset -c 0 wrote its one-core table as the two-core machine's. Two processes starting
     together both measured on shared cores and cached those costs."""
@@ -407,6 +407,14 @@ def test_cost_tables_are_keyed_by_the_cpu_generation_and_usable_cores_and_measur
     monkeypatch.setattr(cost, "_measuring_lock", meanwhile)
     costs, source = cost.cached_pass_costs(llama.params, llama.config, 2, [1, 3], "xla")
     assert costs == {1: 0.5, 3: 0.7} and "measured earlier" in source and held == [True]  # read, not measured
+    # a holder that never lets go (a process stopped with Ctrl-Z): said, and waited for a bounded time
+    monkeypatch.setattr(cost, "_measuring_lock", real_lock)
+    monkeypatch.setattr(cost, "LOCK_WAIT_S", 0.5)
+    with open(tmp_path / "tree_costs.json.lock", "a") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        with pytest.warns(UserWarning, match="still held after 0.5 s; measuring beside its holder"):
+            cost.cached_pass_costs(llama.params, llama.config, 4, [1, 3], "xla")
+    assert "waiting for another process measuring tree pass costs" in capfd.readouterr().err
 
 
 def test_a_damaged_cost_table_file_is_reported_and_kept_aside(llama, tmp_path, monkeypatch):

@@ -192,7 +192,7 @@ def test_processes_given_other_prompts_are_refused_before_loading(tiny_llama_dir
     continuation as its own prompt's, with status 0."""
     r = _per_host(tiny_llama_dir, tmp_path, tiny_llama_dir, f"{tmp_path}/q.jsonl")
     assert r.returncode == 2 and not r.stdout, r.stderr[-3000:]
-    assert "process(es) [1] of 2 got other arguments, prompts or model than process 0" in r.stderr, r.stderr[-3000:]
+    assert "process(es) [1] of 2 got other arguments, prompts or models than process 0" in r.stderr, r.stderr[-3000:]
     assert "loading" not in r.stderr
     same = _per_host(tiny_llama_dir, tmp_path, tiny_llama_dir, f"{tmp_path}/p.jsonl")
     assert same.returncode == 0, same.stderr[-3000:]
@@ -316,6 +316,6 @@ def test_wait_for_peers_meets_every_process_and_names_the_point_a_peer_never_rea
     assert sorted(waited) == [0, 1] and waited[0] >= 1.0  # process 0 waited for process 1's late arrival
     error = out.stdout[out.stdout.index("ShardingError: "):]
     # the time it waited, not the limit alone (a peer found dead by the heartbeat after 8 s read "waited 600s")
-    assert re.match(r"ShardingError: process 0 waited 3s \(of 3s\) for the other processes at "
+    assert re.match(r"ShardingError: process 0 waited [34]s \(of 3s\) for the other processes at "
                     r"'the program only process 0 compiled': not all arrived", error), error
     assert "reached the barrier: 1/2" in error  # JAX's own account: one of the two processes got there

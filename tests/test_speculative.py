@@ -312,13 +312,22 @@ def test_an_opt_ssm_is_refused_past_its_position_table(llama):
                       num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8, max_position_embeddings=16)
     opt = specjax.Model(cfg, init_params(cfg, jax.random.key(0)), None)
     prompt = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
-    with pytest.raises(InputError, match=r"prompt 0: prompt \+ max_new_tokens=6: 16 tokens and the drafts 3 deep past "
-                                         r"them need 19 positions, more than the 16 of ssm\(<1,1,1>, topk\)'s"):
-        specjax.generate(llama, prompt, max_new_tokens=6, ssms=[opt], expansion=(1, 1, 1))
-    fits = specjax.generate(llama, prompt, max_new_tokens=3, ssms=[opt], expansion=(1, 1, 1))
-    assert fits.token_ids == specjax.generate(llama, prompt, max_new_tokens=3, mode="incremental").token_ids
-    with pytest.raises(InputError, match="max_prompt_tokens \\+ max_new_tokens: 16 tokens"):
-        Engine(llama, slots=1, max_prompt_tokens=12, max_new_tokens=4, budget=None,
+    with pytest.raises(InputError, match=r"prompt 0: prompt \+ max_new_tokens=7: 17 tokens, more than the 16 "
+                                         r"positions of ssm\(<1,1,1>, topk\)'s position table"):
+        specjax.generate(llama, prompt, max_new_tokens=7, ssms=[opt], expansion=(1, 1, 1))
+    # to the table's end: the drafts that read past it are of tokens past the request's last (never committed)
+    # (the same SSM with a longer table drafts the same committed tokens: the same passes)
+    longer_cfg = dataclasses.replace(cfg, max_position_embeddings=64)
+    table = opt.params["pos_embed"]
+    longer = specjax.Model(longer_cfg, {**opt.params, "pos_embed": jnp.concatenate(
+        [table, jnp.ones((48, table.shape[1]), table.dtype)])}, None)
+    runs = [specjax.generate(llama, prompt, max_new_tokens=6, ssms=[s], expansion=(1, 1, 1), ignore_eos=True)
+            for s in (opt, longer)]
+    assert runs[0].token_ids == runs[1].token_ids == specjax.generate(
+        llama, prompt, max_new_tokens=6, mode="incremental", ignore_eos=True).token_ids
+    assert runs[0].stats["llm_passes"] == runs[1].stats["llm_passes"]
+    with pytest.raises(InputError, match="max_prompt_tokens \\+ max_new_tokens: 17 tokens, more than the 16"):
+        Engine(llama, slots=1, max_prompt_tokens=13, max_new_tokens=4, budget=None,
                drafters=[(SSMDrafter(cfg, Expansion((1, 1, 1))), opt.params)])
     rope = dataclasses.replace(llama.config, max_position_embeddings=16)
     assert SSMDrafter(rope, Expansion((1, 1, 1))).position_limit is None

@@ -224,19 +224,6 @@ def _drop_output(stream) -> None:
         os.close(devnull)
 
 
-def _leave(code: int) -> int:
-    """``code``, and in a process of a JAX cluster an exit right here (``distributed.joined_cluster``): a
-    failure on one host otherwise hung every host in JAX's shutdown barrier for 5 minutes, which then
-    aborted (SIGABRT) instead of reporting the error's status."""
-    from specjax.sharding.distributed import joined_cluster
-
-    if joined_cluster():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
-
-
 def main(argv=None) -> int:
     # transformers prints an advisory ("PyTorch was not found ...") when imported without torch.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -246,42 +233,45 @@ def main(argv=None) -> int:
         except SystemExit as e:
             return e.code if isinstance(e.code, int) else 2
         try:
-            return args.func(args, out)  # on success every process leaves through JAX's shutdown, together
+            return args.func(args, out)
         except SpecjaxError as e:
             print(f"specjax: error: {e}", file=sys.stderr, flush=True)
-            out.flush()
-            return _leave(getattr(e, "exit_code", 2))  # 2: bad input; `launch` passes its process's status on
+            return getattr(e, "exit_code", 2)  # 2: bad input; `launch` passes its process's status on
         except KeyboardInterrupt as e:
             print("specjax: interrupted", file=sys.stderr, flush=True)
-            return _leave(128 + getattr(e, "signum", signal.SIGINT))
+            return 128 + getattr(e, "signum", signal.SIGINT)
         except BrokenPipeError:  # the reader of the output went away: a shell reports 128 + SIGPIPE
             _drop_output(out)
-            return _leave(128 + signal.SIGPIPE)
-        except Exception as e:
-            from specjax.sharding.distributed import joined_cluster
-
-            if not joined_cluster():
-                raise
-            import traceback
-
-            traceback.print_exc()
-            import jax
-
-            print(f"specjax: error: process {jax.process_index()}: {type(e).__name__} (in a cluster of "
-                  f"{jax.process_count()} processes: a peer may have died or lost its connection)",
-                  file=sys.stderr, flush=True)
-            return _leave(1)
+            return 128 + signal.SIGPIPE
 
 
 INTERRUPTED = (128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGHUP)
 
 
 def entry() -> None:
-    """The ``specjax`` command. After an interrupt it leaves at once (``os._exit``): the interpreter's
-    shutdown after a Ctrl-C during XLA compilation crashed (SIGSEGV, JAX's own, not specjax's), so the
-    status was -11 instead of 130."""
-    code = main()
-    if code in INTERRUPTED:
+    """The ``specjax`` command: ``main``'s status, leaving at once (``os._exit``) where the interpreter's
+    normal exit would hang or crash. In a process of a JAX cluster that failed (its own bad input, or a
+    peer that died), JAX's shutdown barrier waited 5 minutes for peers that would not come and then
+    aborted (SIGABRT). After an interrupt, the interpreter's shutdown crashed when the Ctrl-C came during
+    XLA compilation (SIGSEGV, JAX's own), so the status was -11 instead of 130. (``main`` itself only
+    returns: it is also called in-process.)"""
+    from specjax.sharding.distributed import joined_cluster
+
+    try:
+        code = main()
+    except Exception as e:
+        if not joined_cluster():
+            raise
+        import traceback
+
+        import jax
+
+        traceback.print_exc()
+        print(f"specjax: error: process {jax.process_index()}: {type(e).__name__} (in a cluster of "
+              f"{jax.process_count()} processes: a peer may have died or lost its connection)",
+              file=sys.stderr, flush=True)
+        code = 1
+    if code in INTERRUPTED or (code != 0 and joined_cluster()):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -285,10 +285,12 @@ def _cmd_generate(args, out) -> int:
     # flags that are not about this host (paths may differ between hosts; their contents may not)
     from specjax.sharding.distributed import check_agreement
 
+    # (--ssm and --drafter name files too: what they hold, as far as known before loading, is compared)
     own = {"process_id", "coordinator", "num_processes", "distributed", "init_timeout", "compile_cache", "model",
-           "prompts_file", "func"}
-    check_agreement("arguments, prompts or model", ([p.ids for p in plans], light.config,
-                                                   sorted((k, v) for k, v in vars(args).items() if k not in own)))
+           "prompts_file", "ssm", "drafter", "func"}
+    check_agreement("arguments, prompts or models", (
+        [p.ids for p in plans], light.config, [s.config for s in light_ssms], [b.drafter for b in light_drafters],
+        sorted((k, v) for k, v in vars(args).items() if k not in own)))
     meshes = [_batch_parallel(parallel, len(batch)) for batch in batches]
     for batch, batch_mesh in zip(batches, meshes):
         if batch_mesh is not None:

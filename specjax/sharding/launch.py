@@ -120,9 +120,11 @@ def launch(command: list[str], num_processes: int, cpu_devices: int | None = Non
                 pumps.append(t)
         failed = _watch(procs, time.monotonic() + timeout_s)
     finally:  # also on Ctrl-C / SIGTERM / SIGHUP of the launcher, even mid-start: never leave a cluster running
-        _stop(procs)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        try:
+            _stop(procs)
+        finally:  # a second Ctrl-C ends _stop early: the caller's handlers come back all the same
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     for t in pumps:
         t.join(timeout=5)
     if not failed:

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 import warnings
 
@@ -318,9 +319,29 @@ def _measuring_lock(path: str, shared: bool):
     except OSError:
         yield
         return
-    with f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+    with f:  # the lock goes with the file's closing
+        waited_from = None
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                now = time.monotonic()
+                if waited_from is None:
+                    waited_from = now
+                    print(f"specjax: waiting for another process measuring tree pass costs on this machine (holding "
+                          f"{path}.lock; at most {LOCK_WAIT_S:g} s)", file=sys.stderr, flush=True)
+                elif now - waited_from > LOCK_WAIT_S:  # a stopped process (Ctrl-Z) holds it: not forever
+                    warnings.warn(f"specjax: {path}.lock still held after {LOCK_WAIT_S:g} s; measuring beside its "
+                                  f"holder", stacklevel=3)
+                    break
+                time.sleep(0.2)
         yield
+
+
+# The longest a measurement waits for another's: SmolLM2's default ladder takes ~10-20 s to measure on 2 CPU
+# cores, a large model on a mesh a few minutes.
+LOCK_WAIT_S = 300.0
 
 
 def _process0_costs(counts: list[int], row: dict[int, float]) -> dict[int, float]:

@@ -118,12 +118,12 @@ def spec_config(model: Model, ssms: list, drafters: list, mode: str, expansion, 
 
 def check_positions(spec, tokens: int, what: str) -> None:
     """Refuse a request of ``tokens`` (prompt + new tokens; ``what`` names it) that some drafter cannot
-    follow to its end (``Drafter.position_limit``), before any work."""
+    follow to its end (``Drafter.position_limit``), before any work. A draft a position reads past the
+    limit can only be of a token past the request's last, which is never committed."""
     for d in spec.drafters:
         limit = d.position_limit
-        if limit is not None and tokens + d.max_depth > limit:
-            raise InputError(f"{what}: {tokens} tokens and the drafts {d.max_depth} deep past them need "
-                             f"{tokens + d.max_depth} positions, more than the {limit} of {d.describe()}'s "
+        if limit is not None and tokens > limit:
+            raise InputError(f"{what}: {tokens} tokens, more than the {limit} positions of {d.describe()}'s "
                              f"position table")
 
 

@@ -128,8 +128,8 @@ class Drafter:
 
     @property
     def position_limit(self) -> int | None:
-        """Positions this drafter can read: a request (prompt, new tokens and this drafter's depth) must fit
-        in them; None where every position can be read."""
+        """Positions this drafter can read: a request (prompt and new tokens) must fit in them; None where
+        every position can be read."""
         return None
 
     def init(self, params, prompt_tokens: jax.Array, prompt_lens: jax.Array, *, cache_len: int, parallel=None,

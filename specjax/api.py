@@ -16,7 +16,7 @@ from specjax.decoding.host_step import MAX_CHUNK_STEPS, AheadCompile, run_host_l
 from specjax.decoding.incremental import decode_host_step, decode_init_jit, finish_incremental, full_logits
 from specjax.decoding.programs import step_drafter_params, step_matmuls, step_program
 from specjax.decoding.sampling import SamplingArrays, SamplingParams
-from specjax.errors import GenerationError, InputError
+from specjax.errors import GenerationError, InputError, SpecjaxError
 from specjax.io.prompts import normalize_prompts, prompt_labels
 from specjax.io.special_tokens import check_policy, encode_chat, encode_text
 from specjax.speculation.choices import MODES
@@ -52,7 +52,13 @@ def encode_prompts(model: Model, prompts, chat_template: bool = True, labels=Non
             if tok is None:
                 raise InputError(f"{label} is a string but the model has no tokenizer; pass token ids")
             if chat_template and getattr(tok, "chat_template", None):
-                ids = encode_chat(tok, [{"role": "user", "content": p}], special_tokens, label)
+                try:
+                    ids = encode_chat(tok, [{"role": "user", "content": p}], special_tokens, label)
+                except SpecjaxError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - templates refuse in their own words (jinja raise_exception)
+                    raise InputError(f"{label}: the model's chat template refused it: {type(e).__name__}: {e} "
+                                     f"(chat_template=False / --no-chat-template tokenizes the text as it is)") from e
             else:
                 ids = encode_text(tok, p, special_tokens, label)
         else:

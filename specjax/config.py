@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import warnings
 from typing import Any, Mapping
 
 import numpy as np
@@ -258,6 +259,17 @@ class _Reader:
     def token_id(self, key: str):
         return self.int(key, minimum=0)
 
+    def unused_token_id(self, key: str, vocab_size: int):
+        """A token id specjax reads but never uses (BOS: tokenizers add it; padding): one that names no
+        token (early LLaMA conversions ship ``"pad_token_id": -1``) is read as none, with a warning, as
+        transformers runs such a model, instead of refusing the model for it."""
+        value = self.int(key, minimum=None)
+        if value is not None and not 0 <= value < vocab_size:
+            warnings.warn(f"{self.source}: {self.prefix + key!r} is {value}, not a token id of the vocabulary "
+                          f"[0, {vocab_size}); read as none (specjax does not use it)", stacklevel=2)
+            return None
+        return value
+
     def token_ids(self, key: str) -> tuple[int, ...]:
         value = self.d.get(self.prefix + key)
         if value is None:
@@ -344,9 +356,9 @@ def config_from_hf(d: Mapping[str, Any], source: str = "config.json") -> ModelCo
             rope_scaling=scaling,
             attention_bias=r.bool("attention_bias", False),
             mlp_bias=r.bool("mlp_bias", False),
-            bos_token_id=r.token_id("bos_token_id"),
+            bos_token_id=r.unused_token_id("bos_token_id", r.int("vocab_size", required=True)),
             eos_token_ids=r.token_ids("eos_token_id"),
-            pad_token_id=r.token_id("pad_token_id"),
+            pad_token_id=r.unused_token_id("pad_token_id", r.int("vocab_size", required=True)),
         )
     if model_type == "opt":
         heads = r.int("num_attention_heads", required=True)
@@ -376,9 +388,9 @@ def config_from_hf(d: Mapping[str, Any], source: str = "config.json") -> ModelCo
             word_embed_proj_dim=r.int("word_embed_proj_dim", hidden),
             final_layer_norm=before and not r.bool("_remove_final_layer_norm", False),
             enable_bias=r.bool("enable_bias", True),
-            bos_token_id=r.token_id("bos_token_id"),
+            bos_token_id=r.unused_token_id("bos_token_id", r.int("vocab_size", required=True)),
             eos_token_ids=r.token_ids("eos_token_id"),
-            pad_token_id=r.token_id("pad_token_id"),
+            pad_token_id=r.unused_token_id("pad_token_id", r.int("vocab_size", required=True)),
         )
     raise ConfigError(f"{source}: unsupported architecture model_type={model_type!r} "
                       f"(architectures={r.d.get('architectures')}); supported: 'llama', 'opt'")

@@ -186,6 +186,19 @@ def _safetensors_bytes(header: str, data: bytes) -> bytes:
     return struct.pack("<Q", len(raw)) + raw + data
 
 
+@pytest.mark.parametrize("config", [{"pad_token_id": -1}, {"bos_token_id": 128},
+                                    {"pad_token_id": 128, "bos_token_id": -1}])
+def test_unused_token_ids_that_name_no_token_are_read_as_none(tiny_llama_dir, tmp_path, config):
+    """BOS (the tokenizer adds it) and padding are never used: a model whose config names no token there
+    (early LLaMA conversions: "pad_token_id": -1) was refused where transformers runs it. EOS stays checked."""
+    d = _copy(tiny_llama_dir, tmp_path)
+    (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), **config}))
+    with pytest.warns(UserWarning, match=r"config.json: '(pad|bos)_token_id' is -?\d+, not a token id of the "
+                                         r"vocabulary \[0, 128\); read as none"):
+        cfg = specjax.describe_model(str(d)).config
+    assert all(getattr(cfg, k) is None for k in config)
+
+
 @pytest.mark.parametrize("header,message", [
     ('{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
      '"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}', "key 'w' appears twice"),
@@ -389,6 +402,27 @@ def test_a_tokenizer_id_outside_the_models_vocabulary_is_refused_not_clamped(mod
         plan_generation(wide, ["hello world"], max_new_tokens=2, chat_template=False)
 
 
+@requires_smollm2
+def test_a_chat_template_that_refuses_a_prompt_is_an_input_error():
+    """Templates refuse conversations in their own words (Gemma's and Mistral's raise_exception): a raw
+    jinja2 exception escaped, and the command showed a traceback with status 1."""
+    import copy
+
+    from specjax.types import Model
+
+    light = specjax.describe_model("smollm2-135m-instruct")
+    tok = copy.deepcopy(light.tokenizer)
+    tok.chat_template = "{{ raise_exception('System role not supported') }}"
+    strict = Model(light.config, None, tok)
+    with pytest.raises(InputError, match=r"prompt 0: the model's chat template refused it: TemplateError: System role "
+                                         r"not supported \(chat_template=False"):
+        plan_generation(strict, ["hello"], max_new_tokens=2)
+    tok.chat_template = "{{ messages[0]['content'] | nosuchfilter }}"  # does not compile
+    with pytest.raises(InputError, match="the model's chat template refused it: TemplateAssertionError"):
+        plan_generation(strict, ["hello"], max_new_tokens=2)
+    assert plan_generation(strict, ["hello"], max_new_tokens=2, chat_template=False).ids
+
+
 def test_labels_name_the_prompts_in_errors(model):
     with pytest.raises(InputError, match=r"p.jsonl:9: token id 9999 is not in \[0, 128\)"):
         plan_generation(model, [[1], [2, 9999]], max_new_tokens=2, labels=["p.jsonl:4", "p.jsonl:9"])
@@ -449,7 +483,6 @@ def test_cli_errors(tiny_llama_dir, tmp_path):
                                                                   "type"),  # a transformers 4 config
     ({"rope_parameters": {"rope_theta": 1e4, "factor": 4.0}}, "a RoPE scaling factor of 4.0 without a scaling type"),
     ({"eos_token_id": [2, 50000]}, "ModelConfig.eos_token_ids holds 50000, outside the vocabulary [0, 128)"),
-    ({"bos_token_id": 128}, "ModelConfig.bos_token_id holds 128, outside the vocabulary [0, 128)"),
 ])
 def test_malformed_config_json(tiny_llama_dir, tmp_path, config, message):
     d = _copy(tiny_llama_dir, tmp_path)

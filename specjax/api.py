@@ -50,7 +50,8 @@ def encode_prompts(model: Model, prompts, chat_template: bool = True, labels=Non
         if isinstance(p, str):
             tok = model.tokenizer
             if tok is None:
-                raise InputError(f"{label} is a string but the model has no tokenizer; pass token ids")
+                raise InputError(f"{label} is a string but the model has no tokenizer; pass token ids (a list of ints; "
+                                 f"on the command line a --prompts-file line such as {{\"prompt\": [1, 2, 3]}})")
             if chat_template and getattr(tok, "chat_template", None):
                 try:
                     ids = encode_chat(tok, [{"role": "user", "content": p}], special_tokens, label)

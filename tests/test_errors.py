@@ -464,6 +464,7 @@ def test_cli_errors(tiny_llama_dir, tmp_path):
     for mode in ("tree", "incremental"):
         r = _cli("generate", "--model", tiny_llama_dir, "--prompt", "hi", "--mode", mode)
         assert r.returncode == 2 and "has no tokenizer" in r.stderr, r.stderr
+        assert 'a --prompts-file line such as {"prompt": [1, 2, 3]}' in r.stderr  # --prompt takes no ids
     r = _cli("generate", "--model", tiny_llama_dir, "--prompt", "hi", "--expansion", "1,0")
     assert r.returncode == 2 and "expansion widths must be positive ints, got [1, 0]" in r.stderr
     r = _cli("generate", "--model", tiny_llama_dir, "--prompt", "hi", "--verifier", "bogus")

@@ -12,7 +12,9 @@ completions: ``" Paris."`` after ``"The capital of France is"``).
 
 A token that ends inside a UTF-8 character decodes to U+FFFD (byte-level BPE) or one U+FFFD per byte
 (byte-fallback tokenizers): its text waits for the token that completes the character, or for
-``flush`` at the end, which gives what decoding the whole sequence gives."""
+``flush`` at the end, which gives what decoding the whole sequence gives. (Byte tokens that never form
+valid UTF-8, which a byte-fallback tokenizer can be made to emit, may decode to other replacement
+characters than one whole decode gives: ``[<0x44>, <0xEA>]`` streams "D\ufffd" where ``decode`` gives two.)"""
 
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ CONTEXT_TOKENS = 4  # prompt tokens before the first generated one: a word's lea
 class IncrementalText:
     """One request's text as its tokens arrive (``specjax.generate``'s ``on_tokens``): ``add`` each token,
     ``flush`` once at the end; ``text`` is then what ``tokenizer.decode(ids, skip_special_tokens=True)``
-    gives for all of them. ``prompt_ids``: a completion's prompt, whose last tokens give the first word
-    its leading space (then ``text`` is the completion's text after the prompt's)."""
+    gives for all of them (for valid UTF-8: see the module's note on byte tokens). ``prompt_ids``: a
+    completion's prompt, whose last tokens give the first word its leading space (then ``text`` is the
+    completion's text after the prompt's)."""
 
     def __init__(self, tokenizer, prompt_ids=()):
         self.tokenizer = tokenizer

@@ -124,9 +124,14 @@ def test_boosting_trains_later_members_on_what_earlier_ones_miss(corpus, tmp_pat
     assert len(steps) == 2
     shutil.rmtree(within_b / "train" / "b" / "steps" / str(steps[-1]))  # b stopped after its step steps[0]
     for run in (after_a, within_b):
-        resumed = boost_tune(llm, corpus_dir, str(run), members, tc, progress=False, log=lambda *a: None)
+        said = []
+        resumed = boost_tune(llm, corpus_dir, str(run), members, tc, progress=False, log=said.append)
         assert [[s[k] for k in keys] for s in resumed] == [[s[k] for k in keys] for s in summary]
         chex.assert_trees_all_equal(b_of(run), b_of(tmp_path))
+        assert any(line.startswith("member a: already trained") for line in said)
+        if run == within_b:  # continued from its checkpoint, not trained again from step 0
+            resumed_at = f"resumed {within_b / 'train' / 'b'} at step {steps[0]}/"
+            assert any(line.startswith(resumed_at) for line in said), said
     first, second = summary
     assert first["newly_predicted_tokens"] > 0
     assert second["trained_on_tokens"] == first["trained_on_tokens"] - first["newly_predicted_tokens"]

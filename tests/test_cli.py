@@ -329,6 +329,34 @@ def test_main_returns_its_status_in_process_also_in_a_cluster(monkeypatch, tmp_p
     assert main(["generate", "--prompts-file", str(tmp_path / "none.jsonl")]) == 2
 
 
+@pytest.mark.parametrize("outcome,cluster,status", [(130, False, 130), (143, False, 143), (2, True, 2),
+                                                    (RuntimeError("gloo"), True, 1), (2, False, None), (0, True, None)])
+def test_the_command_leaves_at_once_after_an_interrupt_or_a_failure_in_a_cluster(monkeypatch, capsys, outcome, cluster,
+                                                                                status):
+    """``entry``: os._exit after an interrupt (the interpreter's shutdown after a Ctrl-C in XLA compilation
+    segfaulted) and after a failure in a cluster (JAX's shutdown barrier waited 5 minutes, then aborted);
+    sys.exit otherwise. ``status``: os._exit's, None where it must not be called."""
+    import specjax.cli as cli_module
+    from specjax.sharding import distributed
+
+    def fake_main():
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    exits = []
+    monkeypatch.setattr(cli_module, "main", fake_main)
+    monkeypatch.setattr(distributed, "joined_cluster", lambda: cluster)
+    monkeypatch.setattr(cli_module.os, "_exit", lambda code: exits.append(code) or (_ for _ in ()).throw(SystemExit))
+    with pytest.raises(SystemExit) as ended:
+        cli_module.entry()
+    assert exits == ([] if status is None else [status])
+    if status is None:
+        assert ended.value.code == outcome
+    if isinstance(outcome, Exception):
+        assert "in a cluster of" in capsys.readouterr().err
+
+
 def test_prompts_file_that_is_a_directory_or_missing(tiny_llama_dir, tmp_path):
     r = cli("generate", "--model", tiny_llama_dir, "--prompts-file", str(tmp_path))
     assert r.returncode == 2 and "is a directory" in r.stderr

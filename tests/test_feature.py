@@ -591,7 +591,7 @@ def test_feature_drafter_refuses_bad_settings(llama):
     assert FeatureDrafter(big, depth=8, nodes=8, ladder=(0, 8)).max_depth == 8
 
 
-def test_a_feature_drafter_for_another_llm_is_refused_before_any_work(llama):
+def test_a_feature_drafter_for_another_llm_is_refused_before_any_work(llama, compile_log, caplog):
     """Through the API and the Engine (only load_feature_drafter compared the configs): the drafter failed
     inside the tree pass, after compiling, with a message about layer indices."""
     other = specjax.derive_ssm(llama, 1)  # another config: fewer layers
@@ -604,6 +604,7 @@ def test_a_feature_drafter_for_another_llm_is_refused_before_any_work(llama):
 
     with pytest.raises(InputError, match="was trained for another LLM"):
         Engine(other, slots=1, max_prompt_tokens=8, max_new_tokens=4, drafters=[bound], budget=None)
+    assert not [r for r in caplog.records if r.getMessage().startswith("Compiling")]  # nothing compiled first
     with pytest.raises(InputError, match="distinct token ids"):
         FeatureConfig(llama.config, (1, 1))
     with pytest.raises(InputError, match="LLaMA-family"):

@@ -313,9 +313,17 @@ def test_a_corpus_path_is_indexed_at_a_bucketed_capacity_and_empty_text_is_refus
     assert len(set(buckets)) < 150  # few distinct shapes
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    described = specjax.Model(model.config, None, object())  # before the weights load: a tokenizer, no params
-    with pytest.raises(InputError, match="a document of at least two tokens"):
-        from_arg(str(empty), described, load=False, expansion=None, draft="topk")
+    def chars(text, add_special_tokens):  # a tokenizer of one token per character
+        return {"input_ids": [ord(c) % 50 for c in text]}
+
+    described = specjax.Model(model.config, None, chars)  # before the weights load: a tokenizer, no params
+    for text, copyable in (("", False), ("a", False), ("ab", True)):
+        empty.write_text(text)
+        if copyable:
+            from_arg(str(empty), described, load=False, expansion=None, draft="topk")
+        else:
+            with pytest.raises(InputError, match="a document of at least two tokens"):
+                from_arg(str(empty), described, load=False, expansion=None, draft="topk")
 
 
 def test_a_large_text_document_is_tokenized_in_pieces_and_the_limit_checked_as_it_goes(monkeypatch):

@@ -445,12 +445,44 @@ def test_full_queue_answers_429_and_sigterm_ends_everything_cleanly(one_slot):
     (["--drafter", "nope:1"], "expected NAME:ARG with NAME one of"),
     (["--budget", "auto", "--drafter", "ssm:derived:1"], "--budget auto needs drafters that estimate"),
     (["--max-prompt-tokens", "1024", "--max-tokens", "1025"], f"exceeds the context window of {CONTEXT}"),
+    # found only after the weights loaded before, or never
+    (["--shutdown-grace", "nan"], "--shutdown-grace must be a finite number of seconds >= 0, got nan"),
+    (["--expansion", "2,2", "--drafter", "lookup:auto"], "--expansion shapes SSM drafts, but no --drafter ssm:ARG"),
+    (["--drafter", "lookup:depth=31,branches=2", "--drafter", "lookup:depth=31,branches=2,ngram=2"],
+     "make a token tree of 125 nodes; the limit is 64"),
 ])
 def test_bad_serve_flags_fail_before_loading(chat_dir, args, message):
     r = subprocess.run([sys.executable, "-m", "specjax", "serve", "--model", chat_dir, *args], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr and "loading" not in r.stderr, r.stderr
+
+
+def test_an_address_in_use_or_a_model_without_tokenizer_fail_before_loading(chat_dir, tiny_llama_dir):
+    """Both were found after loading, compiling and measuring (an address in use: after the log had said
+    "# serving ... on http://..."), with status 3 and 2."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "specjax", "serve", "--model", chat_dir, "--port", str(port),
+                            "--drafter", "none"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}: Address already in use" in r.stderr, r.stderr
+    assert "loading" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "specjax", "serve", "--model", tiny_llama_dir, "--drafter", "none"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "serving needs a tokenizer" in r.stderr and "loading" not in r.stderr, r.stderr
+
+
+def test_a_server_of_one_token_per_request_warms_up(chat_model):
+    """--max-tokens 1 (or a prompt limit one short of the window) never started: the warm-up asked for 2."""
+    from specjax.serving.server import build_state, warm_up
+
+    state = build_state(chat_model, model_name=NAME, slots=1, max_prompt_tokens=8, max_tokens=1, max_queue=1,
+                        drafters=(), budget=None)
+    warm_up(state.scheduler.engine)
 
 
 def test_an_engine_failure_while_admitting_fails_only_that_request(chat_model, monkeypatch):

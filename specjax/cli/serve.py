@@ -7,6 +7,8 @@ its programs are compiled (GET /health answers 200 from then on).
 
 from __future__ import annotations
 
+import math
+import socket
 import sys
 
 from specjax.cli.layers import add_layers_flag, split_layers_arg
@@ -24,8 +26,8 @@ def _check(args) -> None:
             raise InputError(f"{flag} must be >= 1, got {value}")
     if not 0 < args.port < 65536:
         raise InputError(f"--port must be in [1, 65535], got {args.port}")
-    if args.shutdown_grace < 0:
-        raise InputError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
+    if not (math.isfinite(args.shutdown_grace) and args.shutdown_grace >= 0):  # nan or inf broke the shutdown timer
+        raise InputError(f"--shutdown-grace must be a finite number of seconds >= 0, got {args.shutdown_grace}")
     drafters = args.drafter or list(registry.DEFAULT_DRAFTERS)
     if NO_SPECULATION in drafters and len(drafters) > 1:
         raise InputError(f"--drafter {NO_SPECULATION} turns speculation off; it takes no other --drafter")
@@ -64,6 +66,33 @@ def _drafters(args, llm, load: bool) -> list:
     return [build(t, llm, load=load, expansion=widths, draft=draft) for t in specs]
 
 
+def _spec(args, light, bound: list):
+    """The drafters' tree as the Engine will check it (node limit, the LLM each was made for), checked now;
+    --expansion only shapes SSM drafts, so without one it is refused rather than ignored."""
+    from specjax.speculation.drafters.ssm import SSMDrafter
+    from specjax.speculation.request import check_spec
+    from specjax.speculation.spec import SpecConfig
+
+    drafters = tuple(b.drafter for b in bound)
+    if args.expansion is not None and not any(isinstance(d, SSMDrafter) for d in drafters):
+        raise InputError("--expansion shapes SSM drafts, but no --drafter ssm:ARG is given; drop it")
+    spec = SpecConfig(drafters=drafters, impl="xla", verifier="seeded")
+    check_spec(light.config, spec)
+    return spec
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening: clients are refused until the programs are compiled)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a restart reuses the port
+        sock.bind(address)
+    except OSError as e:
+        raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def _budget(args, bound: list) -> str | None:
     """auto when every drafter estimates its acceptance (the default drafter does), else the whole tree."""
     from specjax.speculation.drafters.base import estimates_acceptance
@@ -82,14 +111,23 @@ def _cmd_serve(args, out) -> int:
     import specjax
     from specjax.cli.generate import _compile_cache
     from specjax.serving.server import build_state, run, warm_up
+    from specjax.speculation.request import check_positions
 
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     light = specjax.describe_model(args.model)
-    budget = _budget(args, _drafters(args, light, load=False))  # every flag checked before the weights load
-    _lengths(args, light.config.max_positions)
+    if light.tokenizer is None:
+        raise InputError(f"serving needs a tokenizer (text in, text out); {args.model} has none")
+    light_bound = _drafters(args, light, load=False)  # every flag checked before the weights load
+    budget = _budget(args, light_bound)
+    spec = _spec(args, light, light_bound)
+    limits = [d.position_limit for d in spec.drafters if d.position_limit is not None]
+    _lengths(args, min([light.config.max_positions, *limits]))
     if args.max_prompt_tokens + args.max_tokens > light.config.max_positions:
         raise InputError(f"--max-prompt-tokens {args.max_prompt_tokens} + --max-tokens {args.max_tokens} exceeds the "
                          f"context window of {light.config.max_positions}")
+    check_positions(spec, args.max_prompt_tokens + args.max_tokens,
+                    f"--max-prompt-tokens {args.max_prompt_tokens} + --max-tokens {args.max_tokens}")
+    sock = _listen_socket(args.host, args.port)  # an address in use is found now, not after loading and compiling
     _compile_cache(args.compile_cache)
     model = specjax.load_model(args.model, dtype=args.dtype, progress=True, split_layers=split_layers_arg(args))
     bound = _drafters(args, model, load=True)
@@ -99,7 +137,7 @@ def _cmd_serve(args, out) -> int:
                         special_tokens=args.special_tokens,
                         **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
     warm_up(state.scheduler.engine, log=log)  # the prefill and the step compile before the server listens
-    run(state, host=args.host, port=args.port, shutdown_grace=args.shutdown_grace, log=log)
+    run(state, host=args.host, port=args.port, shutdown_grace=args.shutdown_grace, log=log, sock=sock)
     return 1 if state.scheduler.failure is not None else 0  # the engine failed: a supervisor should restart it
 
 

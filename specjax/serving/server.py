@@ -55,7 +55,8 @@ def warm_up(engine: Engine, log=lambda *a: None) -> None:
     """Compile the prefill (one program for every prompt length), insert, the step and release, so no
     request pays a compilation."""
     log("# compiling the prefill")
-    state = engine.insert(engine.init(), engine.prefill([0], max_new_tokens=2), 0)
+    # two new tokens where the engine allows them (one comes from the prefill, one from the step)
+    state = engine.insert(engine.init(), engine.prefill([0], max_new_tokens=min(2, engine.max_new_tokens)), 0)
     log("# compiling the batched speculative step")
     state = engine.release(engine.step(state), 0)
     jax.block_until_ready(state)
@@ -80,8 +81,9 @@ class _Uvicorn(uvicorn.Server):
 
 
 def run(state: ServerState, *, host: str, port: int, shutdown_grace: float = 10.0, log=lambda *a: None,
-        on_ready=None) -> None:
-    """Serve until a signal; blocks."""
+        on_ready=None, sock=None) -> None:
+    """Serve until a signal; blocks. ``sock``: a socket already bound to host:port (``specjax serve`` binds
+    it before loading the model, so that an address in use is found before minutes of work)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -105,4 +107,4 @@ def run(state: ServerState, *, host: str, port: int, shutdown_grace: float = 10.
     # An engine that failed in a step cannot serve again: exit (``specjax serve`` with status 1), so that a
     # supervisor starts a fresh one, rather than answer every request with an error while /health says 503.
     state.scheduler.on_failure = lambda: setattr(server, "should_exit", True)
-    server.run()
+    server.run(sockets=None if sock is None else [sock])

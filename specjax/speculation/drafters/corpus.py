@@ -265,6 +265,7 @@ def read_documents(path: str, labels: bool = False) -> list:
 
 
 TOKENIZE_CHARS = 1 << 20
+SHORT_TEXT_CHARS = 4096  # text corpora this short are tokenized in the checks before loading too
 
 
 def _tokenize(tokenizer, text: str, label: str, total: int) -> list[int]:
@@ -357,8 +358,12 @@ def from_arg(arg: str, llm, *, load: bool, expansion, draft: str) -> Bound:
                              f"token ids (\"token_ids\" in a .jsonl)")
         given = [(label, d) for label, d in named if not isinstance(d, str)]
         arrays = document_arrays([d for _, d in given], llm.config.vocab_size, [label for label, _ in given])
-        if all(isinstance(d, list) or not d for _, d in named):  # no text that could still make a document
-            require_copyable(arrays)
+        texts = [d for _, d in named if isinstance(d, str)]
+        if not any(a.size >= 2 for a in arrays) and sum(map(len, texts)) < SHORT_TEXT_CHARS:
+            # whether the texts make a document of two tokens: known cheaply for short ones, which are the
+            # ones that may not (found after the weights loaded, before)
+            tokens = [np.asarray(llm.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+            require_copyable(arrays + tokens)
         return Bound(CorpusDrafter(**values), ())
     return corpus_drafter(llm, [d for _, d in named], labels=[label for label, _ in named], bucket=True, **values)
 

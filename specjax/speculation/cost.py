@@ -329,8 +329,8 @@ def _measuring_lock(path: str, shared: bool):
                 now = time.monotonic()
                 if waited_from is None:
                     waited_from = now
-                    print(f"specjax: waiting for another process measuring tree pass costs on this machine (holding "
-                          f"{path}.lock; at most {LOCK_WAIT_S:g} s)", file=sys.stderr, flush=True)
+                    print(f"specjax: waiting for another process measuring tree pass costs on this machine (it "
+                          f"holds {path}.lock; waiting at most {LOCK_WAIT_S:g} s)", file=sys.stderr, flush=True)
                 elif now - waited_from > LOCK_WAIT_S:  # a stopped process (Ctrl-Z) holds it: not forever
                     warnings.warn(f"specjax: {path}.lock still held after {LOCK_WAIT_S:g} s; measuring beside its "
                                   f"holder", stacklevel=3)

@@ -260,9 +260,8 @@ class _Reader:
         return self.int(key, minimum=0)
 
     def unused_token_id(self, key: str, vocab_size: int):
-        """A token id specjax reads but never uses (BOS: tokenizers add it; padding): one that names no
-        token (early LLaMA conversions ship ``"pad_token_id": -1``) is read as none, with a warning, as
-        transformers runs such a model, instead of refusing the model for it."""
+        """A token id specjax never uses (BOS, which tokenizers add; padding): one naming no token (early
+        LLaMA conversions: ``"pad_token_id": -1``) is read as none with a warning, as transformers runs it."""
         value = self.int(key, minimum=None)
         if value is not None and not 0 <= value < vocab_size:
             warnings.warn(f"{self.source}: {self.prefix + key!r} is {value}, not a token id of the vocabulary "

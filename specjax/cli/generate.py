@@ -281,11 +281,11 @@ def _cmd_generate(args, out) -> int:
               budget=_budget(args, ssm_specs, [b.drafter for b in light_drafters]))
     plans = [plan_generation(light, batch, ssms=light_ssms, drafters=light_drafters, labels=names, **kw)
              for batch, names in zip(batches, batch_labels)]
-    # what every process of a cluster must agree on: the request as tokenized, the model's config and the
-    # flags that are not about this host (paths may differ between hosts; their contents may not)
+    # What every process of a cluster must agree on: the request as tokenized, the models' configs, the
+    # drafters' settings and the flags that are not about this host (paths, --ssm's and --drafter's too,
+    # may differ between hosts: what they hold is compared, as far as it is known before loading).
     from specjax.sharding.distributed import check_agreement
 
-    # (--ssm and --drafter name files too: what they hold, as far as known before loading, is compared)
     own = {"process_id", "coordinator", "num_processes", "distributed", "init_timeout", "compile_cache", "model",
            "prompts_file", "ssm", "drafter", "func"}
     check_agreement("arguments, prompts or models", (

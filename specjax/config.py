@@ -263,11 +263,10 @@ class _Reader:
         """A token id specjax never uses (BOS, which tokenizers add; padding): one naming no token (early
         LLaMA conversions: ``"pad_token_id": -1``) is read as none with a warning, as transformers runs it."""
         value = self.int(key, minimum=None)
-        if value is not None and not 0 <= value < vocab_size:
-            warnings.warn(f"{self.source}: {self.prefix + key!r} is {value}, not a token id of the vocabulary "
-                          f"[0, {vocab_size}); read as none (specjax does not use it)", stacklevel=2)
-            return None
-        return value
+        if value is None or 0 <= value < vocab_size:
+            return value
+        warnings.warn(f"{self.source}: {self.prefix + key!r} is {value}, not a token id of the vocabulary "
+                      f"[0, {vocab_size}); read as none (specjax does not use it)", stacklevel=2)
 
     def token_ids(self, key: str) -> tuple[int, ...]:
         value = self.d.get(self.prefix + key)

@@ -34,6 +34,16 @@ def test_generation_config_eos_ids_end_requests_too(tiny_llama_dir, tmp_path):
 
     save_checkpoint(str(tmp_path / "ck"), model.config, model.params)  # kept through convert
     assert read_checkpoint_config(str(tmp_path / "ck"))[0].eos_token_ids == (5, 7)
+    # and a request ends there: at the first of the greedy tokens made an eos id by generation_config.json only
+    prompt = [[1, 2, 3]]
+    free = specjax.generate(model, prompt, max_new_tokens=12, mode="incremental", ignore_eos=True).token_ids[0]
+    k, stop = next((i, t) for i, t in enumerate(free)  # before the config's own eos id 5 ends it
+                   if i >= 2 and 5 not in free[:i + 1] and t != 7 and t not in free[:i])
+    with open(f"{d}/generation_config.json", "w") as f:
+        json.dump({"eos_token_id": [stop]}, f)
+    ended = specjax.generate(specjax.load_model(d, progress=False), prompt, max_new_tokens=12, mode="incremental")
+    assert stop not in specjax.load_model(tiny_llama_dir, progress=False).config.eos_token_ids
+    assert ended.token_ids[0] == free[:k + 1]
     with open(f"{d}/generation_config.json", "w") as f:
         json.dump({"eos_token_id": 10**6}, f)
     with pytest.raises(ConfigError, match=r"generation_config.json: ModelConfig.eos_token_ids holds 1000000, outside"):

@@ -61,13 +61,17 @@ def _sentencepiece_style():
     return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
-@pytest.mark.parametrize("stops", [(), ("zz",), (" Par",)])
+@pytest.mark.parametrize("stops", [(), ("s.x",), (" Par",)])
 def test_the_served_completion_keeps_the_space_after_the_prompt(stops):
-    """As OpenAI and vLLM serve it: prompt text + completion text = the whole sequence's text."""
+    """As OpenAI and vLLM serve it: prompt text + completion text = the whole sequence's text. ("s.x": the
+    text's "s", then "s.", is held back as a stop's possible start, and served when the request ends.)"""
     tok = _sentencepiece_style()
     prompt = tok("The capital of France is", add_special_tokens=False)["input_ids"]
     tracker = TextTracker(tok, stops, prompt)
-    served = "".join([tracker.feed([t]) for t in (8, 9, 2)] + [tracker.finish()])
+    pieces = [tracker.feed([t]) for t in (8, 9, 2)]
+    served = "".join(pieces + [tracker.finish()])
+    if stops == ("s.x",):
+        assert pieces == [" Pari", "", ""]  # "s" and then "s." held back; finish serves them
     if stops == (" Par",):
         assert served == "" and tracker.stopped and tracker.served_tokens == 1
     else:

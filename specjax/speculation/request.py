@@ -118,8 +118,8 @@ def spec_config(model: Model, ssms: list, drafters: list, mode: str, expansion, 
 
 def check_positions(spec, tokens: int, what: str) -> None:
     """Refuse a request of ``tokens`` (prompt + new tokens; ``what`` names it) that some drafter cannot
-    follow to its end (``Drafter.position_limit``), before any work. A draft a position reads past the
-    limit can only be of a token past the request's last, which is never committed."""
+    follow to its end (``Drafter.position_limit``), before any work. Up to the limit it is enough: a
+    draft made by reading a position past it is of a token after the request's last, never committed."""
     for d in spec.drafters:
         limit = d.position_limit
         if limit is not None and tokens > limit:

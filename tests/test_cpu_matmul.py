@@ -348,3 +348,11 @@ def test_the_avx2_build_matches_float64(tmp_path, dtype):
             fn(*(a.ctypes.data_as(ctypes.c_void_p) for a in (x, panels, part)), ctypes.c_long(rows), ctypes.c_long(k),
                ctypes.c_long(n))
             np.testing.assert_array_equal(part, y[:rows], err_msg=f"AVX2 {dtype.__name__} {rows} of {m}x{k}x{n}")
+    # K = 0: every product is the empty sum, 0, in the whole panels and the last partial one. The kernel once
+    # left whole panels unwritten (the NaN put there stays) and copied the partial panel's stack scratch,
+    # which the calls above left holding their sums.
+    for m, n in ((3, 2 * width + 5), (1, width), (70, 7)):
+        y = np.full((m, n), np.nan, np.float32)
+        fn(*(a.ctypes.data_as(ctypes.c_void_p) for a in (np.zeros((m, 1), np.float32), np.zeros((1, 1, width), dtype),
+                                                          y)), ctypes.c_long(m), ctypes.c_long(0), ctypes.c_long(n))
+        np.testing.assert_array_equal(y, np.zeros((m, n), np.float32), err_msg=f"AVX2 {dtype.__name__} K = 0, {m}x{n}")

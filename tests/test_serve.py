@@ -445,6 +445,9 @@ def test_full_queue_answers_429_and_sigterm_ends_everything_cleanly(one_slot):
     (["--drafter", "nope:1"], "expected NAME:ARG with NAME one of"),
     (["--budget", "auto", "--drafter", "ssm:derived:1"], "--budget auto needs drafters that estimate"),
     (["--max-prompt-tokens", "1024", "--max-tokens", "1025"], f"exceeds the context window of {CONTEXT}"),
+    # 10 TiB of cache: more than any host has free (specjax.memory)
+    (["--slots", "10000000"], "--slots 10000000 with --max-prompt-tokens 1536 and --max-tokens 512: the KV cache of "
+                              "10000000 requests x 2,560 positions needs 11.9 TiB"),
     # found only after the weights loaded before, or never
     (["--shutdown-grace", "nan"], "--shutdown-grace must be a finite number of seconds >= 0, got nan"),
     (["--expansion", "2,2", "--drafter", "lookup:auto"], "--expansion shapes SSM drafts, but no --drafter ssm:ARG"),

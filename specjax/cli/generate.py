@@ -292,10 +292,15 @@ def _cmd_generate(args, out) -> int:
         [p.ids for p in plans], light.config, [s.config for s in light_ssms], [b.drafter for b in light_drafters],
         sorted((k, v) for k, v in vars(args).items() if k not in own)))
     meshes = [_batch_parallel(parallel, len(batch)) for batch in batches]
-    for batch, batch_mesh in zip(batches, meshes):
+    from specjax.memory import check_cache_fits
+
+    for batch, batch_mesh, plan in zip(batches, meshes, plans):
+        rows = len(batch) + (batch_mesh.padding_for(len(batch)) if batch_mesh is not None else 0)
         if batch_mesh is not None:
-            batch_mesh.validate(light.config, len(batch) + batch_mesh.padding_for(len(batch)),
-                                [s.config for s in light_ssms])
+            batch_mesh.validate(light.config, rows, [s.config for s in light_ssms])
+        check_cache_fits(light.config, rows, plan.cache_len, args.dtype,
+                         f"--batch-size {args.batch_size} at --max-new-tokens {args.max_new_tokens}",
+                         processes=jax.process_count())
     t0 = time.perf_counter()
     # With a mesh the LLM goes straight to its sharding (a model larger than one device never sits on one).
     model = specjax.load_model(args.model, dtype=args.dtype, progress=not args.json and printing, parallel=parallel,

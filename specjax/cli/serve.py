@@ -127,6 +127,12 @@ def _cmd_serve(args, out) -> int:
                          f"context window of {light.config.max_positions}")
     check_positions(spec, args.max_prompt_tokens + args.max_tokens,
                     f"--max-prompt-tokens {args.max_prompt_tokens} + --max-tokens {args.max_tokens}")
+    from specjax.decoding.buckets import next_pow2
+    from specjax.memory import check_cache_fits
+
+    check_cache_fits(light.config, args.slots, next_pow2(args.max_prompt_tokens) + next_pow2(args.max_tokens),
+                     args.dtype, f"--slots {args.slots} with --max-prompt-tokens {args.max_prompt_tokens} and "
+                     f"--max-tokens {args.max_tokens}")
     sock = _listen_socket(args.host, args.port)  # an address in use is found now, not after loading and compiling
     _compile_cache(args.compile_cache)
     model = specjax.load_model(args.model, dtype=args.dtype, progress=True, split_layers=split_layers_arg(args))

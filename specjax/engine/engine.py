@@ -26,6 +26,7 @@ from specjax.decoding.buckets import next_pow2
 from specjax.decoding.programs import step_drafter_params, step_program
 from specjax.decoding.sampling import SamplingArrays, SamplingParams
 from specjax.errors import InputError
+from specjax.memory import check_cache_fits
 from specjax.speculation.budget import Budget, default_levels
 from specjax.speculation.cost import pass_head, with_costs
 from specjax.speculation.drafters.base import Bound
@@ -82,6 +83,10 @@ class Engine:
         spec = SpecConfig(drafters=drafter_objs, impl=resolve_impl(impl), verifier=verifier)
         check_spec(model.config, spec)  # before the budget measures any pass cost
         check_positions(spec, max_prompt_tokens + max_new_tokens, "max_prompt_tokens + max_new_tokens")
+        # the cache is at least the padded prompt and output widths (its tree slots come on top)
+        check_cache_fits(model.config, slots, next_pow2(max_prompt_tokens) + next_pow2(max_new_tokens),
+                         jax.tree.leaves(model.params)[0].dtype,
+                         f"slots={slots} with max_prompt_tokens={max_prompt_tokens}, max_new_tokens={max_new_tokens}")
         if budget is not None and budget != "auto" and not isinstance(budget, Budget):
             raise InputError(f"budget must be None, 'auto' or a Budget, got {budget!r}")
         if budget == "auto":

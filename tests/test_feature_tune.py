@@ -469,6 +469,33 @@ def _shard_prompts(part_dir):
 
 @requires_smollm2
 @pytest.mark.slow
+@requires_smollm2
+def test_an_export_drafts_as_the_shipped_drafter_or_its_init_from_unless_told(monkeypatch):
+    """feature-tune's --depth defaulted to 6 while the shipped drafter drafts at depth 4 (as every recipe on its
+    card passes by hand): the README's command exported another drafting than the shipped one's, and
+    continuing a drafter changed how it drafts. Now: each flag given, else --init-from's, else the shipped one's."""
+    from specjax.cli.feature import SHIPPED_DRAFTING, resolve_drafting
+
+    with open(os.path.join(os.path.dirname(__file__), os.pardir, "models", "smollm2-feature",
+                           "feature_drafter.json")) as f:
+        shipped = json.load(f)["drafting"]
+    assert {k: shipped[k] for k in SHIPPED_DRAFTING} == SHIPPED_DRAFTING
+    llm = specjax.describe_model("smollm2-135m-instruct")
+    unset = dict.fromkeys(SHIPPED_DRAFTING)
+    assert resolve_drafting(llm, None, unset) == {**SHIPPED_DRAFTING, "ladder": tuple(shipped["ladder"])}
+    assert resolve_drafting(llm, None, {**unset, "depth": 6, "nodes": 8}) == {
+        "depth": 6, "beam": 4, "nodes": 8, "ladder": (0, 1, 3, 6, 8)}
+    # an --init-from drafter that drafts otherwise: the shipped one, read with other drafting settings
+    import specjax.speculation.drafters.feature as feature_module
+
+    other = dict(depth=3, beam=2, nodes=6)
+    read = feature_module.load_feature_drafter
+    monkeypatch.setattr(feature_module, "load_feature_drafter",
+                        lambda name, llm, load=True: read(name, llm, load=load, **other, ladder=(0, 1, 3, 6)))
+    assert resolve_drafting(llm, "smollm2-feature", unset) == {**other, "ladder": (0, 1, 3, 6)}
+    assert resolve_drafting(llm, "smollm2-feature", {**unset, "beam": 4})["beam"] == 4
+
+
 def test_the_shipped_drafter_loads_by_name_drafts_accepted_tokens_and_is_lossless(smollm2):
     from specjax.io import registry
     from specjax.io.feature_checkpoint import read_feature_meta

@@ -3,6 +3,7 @@ fresh virtual environment) and every other snippet runs as written."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -198,6 +199,19 @@ def test_feature_tune_commands_are_valid():
 
     for args in _checked_training_commands("feature-tune", check_args):
         assert any(p.endswith("task_kinds.jsonl") for p in args.exclude_prompts)
+    # the recipe exports a drafter that drafts as the shipped one (its --depth once defaulted to 6, not 4)
+    import specjax
+    from specjax.cli import build_parser
+    from specjax.cli.feature import SHIPPED_DRAFTING, resolve_drafting
+
+    with open(os.path.join(ROOT, "models", "smollm2-feature", "feature_drafter.json")) as f:
+        shipped = json.load(f)["drafting"]
+    recipe = [c for c in _commands(_readme()) if c.startswith("specjax feature-tune")][0]
+    args = build_parser().parse_args(shlex.split(recipe.split(" && ")[0])[1:])
+    assert args.init_from is None
+    drafting = resolve_drafting(specjax.describe_model(args.model), None,
+                                {k: getattr(args, k) for k in SHIPPED_DRAFTING})
+    assert drafting == {**shipped, "ladder": tuple(shipped["ladder"])}
 
 
 @requires_smollm2

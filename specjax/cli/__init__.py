@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: each step verifies as much of the drafted tree as pays, from this machine's measured "
                         "pass cost per tree size (measured once, cached; see `specjax tree-cost`) and the drafts' "
                         "measured acceptance, down to none; off: always the whole tree (default: auto when every "
-                        "drafter estimates its acceptance (lookup), else off)")
+                        "drafter estimates its acceptance (lookup, corpus, feature), else off)")
     g.add_argument("--expansion", default=None,
                    help="expansion widths k1,...,km (default: "
                         f"{','.join(map(str, registry.DEFAULT_EXPANSION))} for tree, the best measured on this CPU, "

@@ -13,6 +13,25 @@ import time
 
 from specjax.errors import InputError
 
+# The drafting settings of the shipped drafter (models/smollm2-feature): what an export gets by default.
+SHIPPED_DRAFTING = {"depth": 4, "beam": 4, "nodes": 16}
+
+
+def resolve_drafting(llm, init_from: str | None, given: dict) -> dict:
+    """The exported drafter's drafting settings: each one given, else ``init_from``'s own (continuing a
+    drafter keeps how it drafts, as it keeps its layers and fusion), else ``SHIPPED_DRAFTING``; and the
+    tree budget's ladder of node counts up to ``nodes``."""
+    base = dict(SHIPPED_DRAFTING)
+    if init_from is not None:
+        from specjax.speculation.drafters.feature import load_feature_drafter
+
+        own = load_feature_drafter(init_from, llm, load=False).drafter
+        base = {k: getattr(own, k) for k in base}
+    drafting = {k: base[k] if given.get(k) is None else given[k] for k in base}
+    nodes = drafting["nodes"]
+    drafting["ladder"] = tuple(sorted({0, 1, min(3, nodes), min(6, nodes), min(10, nodes), nodes}))
+    return drafting
+
 
 def add_parser(sub, formatter_class) -> None:
     f = sub.add_parser("feature-tune", formatter_class=formatter_class,
@@ -84,12 +103,15 @@ def add_parser(sub, formatter_class) -> None:
     f.add_argument("--reg-weight", type=float, default=0.5,
                    help="weight of the smooth-L1 regression of the drafter's features on the LLM's, beside the "
                         "distribution loss (0: the distribution loss alone, as EAGLE-3 trains) (default: 0.5)")
-    f.add_argument("--depth", type=int, default=6, help="shipped drafting depth")
-    f.add_argument("--beam", type=int, default=4, help="shipped beam (children per expanded node)")
-    f.add_argument("--nodes", type=int, default=16, help="shipped node budget (best nodes kept)")
+    for flag, what in (("depth", "drafting depth"), ("beam", "beam (children per expanded node)"),
+                       ("nodes", "node budget (best nodes kept)")):
+        f.add_argument(f"--{flag}", type=int, default=None,
+                       help=f"the exported drafter's {what} (default: --init-from's, else the shipped drafter's "
+                            f"{SHIPPED_DRAFTING[flag]})")
     f.add_argument("--stop-after", type=int, default=None,
-                   help="train at most this many steps in this run (0: none), then evaluate and export what there is; "
-                        "running again resumes (default: none, train to the end)")
+                   help="train at most this many steps in this run (0: no training, evaluate and export the newest "
+                        "checkpoint), then evaluate and export what there is; running again resumes (default: "
+                        "none, train to the end)")
     f.add_argument("--time-budget", type=float, default=None,
                    help="seconds this run may take before its training stops (counted from its start: the corpus, "
                         "features and evaluations count), then checkpoint, evaluate and export what there is (the "
@@ -177,9 +199,8 @@ def check_args(args):
     if args.draft_vocab > llm_cfg.vocab_size:
         raise InputError(f"--draft-vocab {args.draft_vocab} exceeds the LLM's vocabulary ({llm_cfg.vocab_size})")
     cfg = FeatureConfig(llm_cfg, tuple(range(args.draft_vocab)))  # the real vocabulary comes from the corpus
-    drafting = {"depth": args.depth, "beam": args.beam, "nodes": args.nodes,
-                "ladder": tuple(sorted({0, 1, min(3, args.nodes), min(6, args.nodes), min(10, args.nodes),
-                                       args.nodes}))}
+    drafting = resolve_drafting(describe_model(args.model), args.init_from,
+                                {k: getattr(args, k) for k in SHIPPED_DRAFTING})
     FeatureDrafter(cfg, **drafting)  # the shipped settings must make a valid drafter
     # --init-from exists and fits the LLM, --fused fits both: refused before any work
     args.fused_layers = resolve_fusion(describe_model(args.model), args.init_from, parse_fused(args.fused))

@@ -13,8 +13,8 @@ A forward pass of T tokens has written their K/V to the scratch slots ``length[b
 longest request may grow, but a step reads only a static *view* of it: the smallest of
 ``prefix_views(S)`` (0, 128, 256, 384, 512, then four steps per doubling, then S) that covers the
 longest committed length of the batch, chosen with ``lax.switch`` so one compiled program serves
-every length. A decode step at 300 tokens of context reads 384 slots whether the buffer holds 1k or 8k; a prefill from an
-empty cache reads none. The block is T x T (T x region), never T x S; a prefill chunk's causal
+every length. A decode step at 300 tokens of context reads 384 slots whether the buffer holds 1k or
+8k; a prefill from an empty cache reads none. The block is T x T (T x region), never T x S; a prefill chunk's causal
 block is read in query blocks, each against the keys up to its own last query only.
 
 **Non-finite K/V** (NaN-poisoned unused slots, a token whose activations overflowed) reach exactly

@@ -130,6 +130,59 @@ def test_all_implementations_reject_the_same_inputs(impl):
         call(q[:, :6], k, v, lengths, tree)
     with pytest.raises(InputError, match="negative committed length"):
         call(q, k, v, np.array([-1, 0], np.int32), tree)
+    with pytest.raises(InputError, match="lengths must be integers, got dtype float32"):  # Pallas truncated them
+        call(q, k, v, lengths.astype(np.float32) + 0.7, tree)
+    with pytest.raises(InputError, match=r"has no KV heads"):  # a bare ZeroDivisionError
+        call(q, k[:, :, :0], v[:, :, :0], lengths, tree)
+    if impl == "reference":  # it reads the parents, not the ancestor bits
+        return
+    ancestor = np.asarray(tree.ancestor)
+    # request 1 silently attended with request 0's tree; a third table broadcast or failed unclearly
+    for bad in (ancestor[:1], np.concatenate([ancestor, ancestor[:1]]), ancestor[:, :, 0], ancestor.astype(np.int32),
+                ancestor.astype(np.float32)):
+        with pytest.raises(InputError, match=r"ancestor must be \[B=2, T, W\] uint32 bit rows"):
+            call(q, k, v, lengths, tree.replace(ancestor=jnp.asarray(bad)))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_lengths_known_only_under_jit_that_overrun_the_buffer_give_nan_rows(impl):
+    """Checked on the host where they are concrete; under the caller's jit the XLA path read clamped slots
+    and returned a finite, wrong row for the request whose prefix + tree ran past the buffer."""
+    rng = np.random.RandomState(3)
+    tree, q, k, v, lengths = _case(rng, 2, 8, [4, 4], [10, 40], 4, 2, 8, 60)
+    k, v = np.nan_to_num(k), np.nan_to_num(v)
+    fn = jax.jit(lambda lengths: tree_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), lengths,
+                                                tree.ancestor, scale=1.0, impl=impl))
+    out = np.asarray(fn(jnp.asarray([10, 53], np.int32)))  # 53 + 8 > 60
+    assert np.isfinite(out[0]).all() and np.isnan(out[1]).all()
+    np.testing.assert_array_equal(out[0], np.asarray(fn(jnp.asarray([10, 40], np.int32)))[0])
+
+
+def test_pallas_runs_with_64_bit_mode_on():
+    """Under jax_enable_x64 (user code sets it; the float64 references do) the kernel's block count mixed an
+    int32 length with an int64 block size: "lax.div requires arguments to have the same dtypes"."""
+    rng = np.random.RandomState(4)
+    tree, q, k, v, lengths = _case(rng, 2, 8, [4, 7], [10, 33], 4, 2, 8, 60)
+    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), tree.ancestor)
+    want = np.asarray(tree_attention(*args, scale=0.5, impl="pallas"))
+    with jax.enable_x64(True):
+        got = np.asarray(tree_attention(*args, scale=0.5, impl="pallas"))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_the_entry_point_lowers_the_triton_kernel_for_cuda_and_the_interpreter_elsewhere():
+    """Whether the kernel is compiled or interpreted was read from this host's backend when tracing: a CUDA
+    export made on a CPU host embedded the interpreter's loops, no Triton kernel."""
+    S = jax.ShapeDtypeStruct
+    args = (S((1, 16, 9, 64), jnp.float32), S((1, 512, 3, 64), jnp.float32), S((1, 512, 3, 64), jnp.float32),
+            S((1,), jnp.int32), S((1, 16, 1), jnp.uint32))
+    fn = jax.jit(lambda q, k, v, lengths, a: tree_attention(q, k, v, lengths, a, scale=0.125, impl="pallas"))
+    triton = "__gpu$xla.gpu.triton"
+    cuda = jax.export.export(fn, platforms=("cuda",),
+                             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(*args)
+    assert triton in cuda.mlir_module()
+    cpu = jax.export.export(fn, platforms=("cpu",))(*args).mlir_module()
+    assert triton not in cpu and "stablehlo.while" in cpu
 
 
 def test_frontier_queries_see_ancestors_written_by_earlier_passes():

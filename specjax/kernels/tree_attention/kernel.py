@@ -75,7 +75,8 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, anc_ref, o_ref, *, region: int, re
 
     carry = (jnp.full((rows_padded,), -jnp.inf, jnp.float32), jnp.zeros((rows_padded,), jnp.float32),
              jnp.zeros((rows_padded, dims_padded), jnp.float32), jnp.zeros((rows_padded,), bool))
-    carry = jax.lax.fori_loop(0, pl.cdiv(length, block_k), prefix_block, carry)
+    # int32 block count: under jax_enable_x64 a Python block_k would be int64, and lax.div refuses the mix
+    carry = jax.lax.fori_loop(0, pl.cdiv(length, jnp.int32(block_k)), prefix_block, carry)
 
     # Tree phase: slot j of the tree lives at cache row length + j.
     j = jnp.arange(region_padded)

@@ -30,10 +30,14 @@ def validate_tree_attention(q, k, v, lengths, num_mask_rows: int, mask_name: str
         raise InputError(f"k shape {k.shape} != v shape {v.shape}")
     if k.shape[0] != batch or k.shape[3] != head_dim:
         raise InputError(f"k/v shape {k.shape} does not match q shape {q.shape} (batch, head_dim)")
+    if k.shape[2] < 1:
+        raise InputError(f"k/v shape {k.shape} has no KV heads")
     if heads % k.shape[2]:
         raise InputError(f"{heads} query heads are not a multiple of {k.shape[2]} KV heads")
     if lengths.shape != (batch,):
         raise InputError(f"lengths must have shape ({batch},), got {lengths.shape}")
+    if not np.issubdtype(lengths.dtype, np.integer):  # a float length was truncated (Pallas) or failed unclearly
+        raise InputError(f"lengths must be integers, got dtype {lengths.dtype}")
     if num_mask_rows != num_nodes:
         raise InputError(f"{mask_name} describes {num_mask_rows} nodes but q has {num_nodes} tree tokens")
     max_len = k.shape[1]

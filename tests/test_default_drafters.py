@@ -24,8 +24,9 @@ def test_the_default_falls_back_from_the_feature_drafter_to_the_corpus_to_lookup
     monkeypatch.undo()
     monkeypatch.setattr(registry, "MODELS_DIR", str(tmp_path))  # a plain install: no models/ at all
     assert registry.default_drafters(smollm2.config) == ("lookup:auto",)
-    assert registry.describe_default_drafters() == ("feature:auto,lookup:auto for smollm2-135m-instruct, else "
-                                                    "corpus:auto for smollm2-135m-instruct, else lookup:auto")
+    assert registry.describe_default_drafters() == (
+        "feature:auto,lookup:auto for smollm2-135m-instruct; where those files are missing, corpus:auto for "
+        "smollm2-135m-instruct; otherwise lookup:auto")
 
 
 def _run(capsys, prompts_file: str, *flags: str) -> list[dict]:

@@ -135,7 +135,9 @@ def describe_default_drafters() -> str:
                                    (CORPUS_DEFAULT_DRAFTERS, _CORPUS_DEFAULT, _CORPORA)):
         if names:
             out.append(f"{','.join(defaults)} for {', '.join(sorted({table[n][1] for n in names}))}")
-    return ", else ".join(out + [",".join(DEFAULT_DRAFTERS)])  # each one down where the one before is missing
+    # each one down where the one before has no files here ("else" alone read as a contradiction)
+    return "; ".join([out[0], *(f"where those files are missing, {o}" for o in out[1:])] if out else []) + \
+        f"{'; otherwise ' if out else ''}{','.join(DEFAULT_DRAFTERS)}"
 
 
 def is_corpus(name: str) -> bool:

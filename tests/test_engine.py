@@ -132,6 +132,21 @@ def test_insert_refuses_rows_and_states_that_are_not_this_engines(llama):
     assert int(engine.read(engine.insert(state, row, 2)).num_generated[2]) == 1
 
 
+def test_a_state_donated_to_an_earlier_call_is_refused_naming_the_fix(llama):
+    """step() and insert() donate the state they are given; passing it again failed inside XLA ("Invalid buffer
+    passed to Execute() as argument 24 to replica 0: ... Buffer has been deleted or donated")."""
+    engine = _engine(llama, "none", slots=2)
+    state, row = engine.init(), engine.prefill([1, 2, 3])
+    stepped = engine.insert(state, row, 0)
+    with pytest.raises(InputError, match=r"state was donated to an earlier step\(\) or insert\(\) .*: pass on the "
+                                         r"state that call returned"):
+        engine.insert(state, engine.prefill([4, 5]), 1)
+    after = engine.step(stepped)
+    with pytest.raises(InputError, match="state was donated"):
+        engine.step(stepped)
+    assert int(engine.read(engine.step(after)).num_generated[0]) >= 2  # the engine goes on
+
+
 def test_release_and_step_refuse_states_that_are_not_this_engines(llama):
     """release() took a prefilled row or another engine's state and changed nothing (JAX drops out-of-range
     writes), so the slot it was asked to free stayed busy."""

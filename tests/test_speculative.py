@@ -159,6 +159,11 @@ def test_the_jittable_cores_refuse_inputs_that_are_not_one_batch(llama):
         (dict(cache_len=2), "cache_len=2 is narrower than the prompts' width T=4"),
         (dict(max_new=jnp.full((2,), 12, jnp.int32)), r"max_new_tokens must be in \[1, max_out=8\], got \[12, 12\]"),
         (dict(lens=jnp.asarray([0, 2], jnp.int32)), r"prompt_lens must be in \[1, 4\]"),
+        # PRNG keys failed deep inside sampling ("key accepts a scalar seed"); seeds past 2**31 passed
+        (dict(sampling=sampling.replace(seed=jax.random.split(jax.random.key(0), 2))),
+         r"sampling.seed must be \[B\] int32 seeds in \[0, 2\*\*31\), one per request \(not PRNG keys\)"),
+        (dict(sampling=sampling.replace(seed=jnp.asarray([1, 2**31 + 5], jnp.uint32))),
+         r"sampling.seed must be in \[0, 2\*\*31\), got \[1, 2147483653\]"),
     ]
     # the tree's scratch slots after a request's tokens: a cache without them failed requests near their end
     # on the Pallas path (the tree's keys and values written past the end were dropped)

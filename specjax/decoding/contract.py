@@ -36,6 +36,15 @@ def check_batch(prompt_tokens, prompt_lens, max_new_tokens, sampling, *, cache_l
         if tuple(np.shape(value)) != (batch,):
             raise InputError(f"{where}: {name} must have shape ({batch},), one entry per prompt of prompt_tokens "
                              f"{shape}, got {tuple(np.shape(value))}")
+    seed = sampling.seed
+    seed_dtype = seed.dtype if hasattr(seed, "dtype") else np.asarray(seed).dtype
+    if jax.dtypes.issubdtype(seed_dtype, jax.dtypes.prng_key) or not jax.dtypes.issubdtype(seed_dtype, np.integer):
+        # a PRNG key array failed deep inside sampling ("key accepts a scalar seed")
+        raise InputError(f"{where}: sampling.seed must be [B] int32 seeds in [0, 2**31), one per request (not PRNG "
+                         f"keys), got dtype {seed_dtype}")
+    seeds = _concrete(seed)
+    if seeds is not None and ((seeds < 0) | (seeds >= 2 ** 31)).any():  # SamplingParams refuses them too
+        raise InputError(f"{where}: sampling.seed must be in [0, 2**31), got {seeds.tolist()}")
     if stop_ids is not None and (np.ndim(stop_ids) != 2 or np.shape(stop_ids)[0] != batch):
         raise InputError(f"{where}: stop_ids must be [{batch}, E] (-1 padded), got shape {tuple(np.shape(stop_ids))}")
     if isinstance(max_out, bool) or not isinstance(max_out, (int, np.integer)) or max_out < 1:

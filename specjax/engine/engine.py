@@ -130,6 +130,10 @@ class Engine:
     def _check_state(self, state, rows: int, what: str) -> None:
         """``state`` is one of this engine's, of ``rows`` requests: a row of another engine, or a whole batch
         state passed as a row, would be scattered partly or not at all, and the request lost silently."""
+        deleted = [a for a in jax.tree.leaves(state) if isinstance(a, jax.Array) and a.is_deleted()]
+        if deleted:  # XLA's own error named a buffer number and "deleted or donated", not the state or the fix
+            raise InputError(f"{what} was donated to an earlier step() or insert() (its buffers are gone): pass on "
+                             f"the state that call returned")
         want = self._state_shapes(rows)
         try:
             same = jax.tree.structure(state) == jax.tree.structure(want) and all(

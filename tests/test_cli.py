@@ -24,6 +24,17 @@ def cli(*args, timeout=600, env=None):
                           cwd=ROOT, env=dict(os.environ, **(env or {})))
 
 
+def cli_here(capsys, *args) -> tuple[int, str]:
+    """(status, stderr) of ``specjax ARGS`` run in this process (``specjax.cli.main``, what the command calls):
+    for requests refused before any work, which a subprocess ran the same way after 3-6 s of start-up each.
+    The suite's process already simulates the 8 CPU devices the mesh flags need."""
+    from specjax.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    return code, capsys.readouterr().err
+
+
 def _subparsers():
     parser = build_parser()
     action = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
@@ -199,14 +210,16 @@ def test_stdout_is_protected_from_native_writes():
     (["--drafter", "feature:auto,beam=2,beam=3"], "--drafter feature:auto,beam=2,beam=3: beam given twice"),
     (["--max-new-tokens", "2000"], "exceeds the context window of 1024"),
 ])
-def test_bad_generate_flags_fail_fast_with_status_2(tiny_llama_dir, args, message):
-    env = {"JAX_NUM_CPU_DEVICES": "8"}
-    r = cli("generate", "--model", tiny_llama_dir, "--prompts-file", os.path.join(ROOT, "tests", "data", "ids.jsonl"),
-            *args, env=env)
-    assert r.returncode == 2, r.stderr
-    assert message in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr
-    assert "loading" not in r.stderr  # refused before the weights load
+def test_bad_generate_flags_fail_fast_with_status_2(tiny_llama_dir, args, message, capsys):
+    import jax
+
+    assert len(jax.devices()) == 8  # what the mesh flags are checked against
+    code, err = cli_here(capsys, "generate", "--model", tiny_llama_dir, "--prompts-file",
+                         os.path.join(ROOT, "tests", "data", "ids.jsonl"), *args)
+    assert code == 2, err
+    assert message in err, err
+    assert "Traceback" not in err
+    assert "loading" not in err  # refused before the weights load
 
 
 def test_a_mesh_runs_an_ssm_loaded_by_path_and_a_short_last_batch_of_microbatches(tiny_llama_dir, tmp_path):
@@ -257,12 +270,13 @@ def test_corpus_documents_are_checked_before_the_weights_load(tiny_llama_dir, tm
                                              "or a list of token ids (ints); the line is not valid JSON (Exceeds"),
     (b'{"prompt": "a",}\n', "the line is not valid JSON (Expecting property name"),
 ])
-def test_bad_prompts_files(tiny_llama_dir, tmp_path, content, message):
+def test_bad_prompts_files(tiny_llama_dir, tmp_path, content, message, capsys):
     path = tmp_path / "p.jsonl"
     path.write_bytes(content)
-    r = cli("generate", "--model", tiny_llama_dir, "--prompts-file", str(path), "--no-chat-template")
-    assert r.returncode == 2 and message in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr
+    code, err = cli_here(capsys, "generate", "--model", tiny_llama_dir, "--prompts-file", str(path),
+                         "--no-chat-template")
+    assert code == 2 and message in err, err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("flags,unused", [

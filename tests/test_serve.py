@@ -454,11 +454,12 @@ def test_full_queue_answers_429_and_sigterm_ends_everything_cleanly(one_slot):
     (["--drafter", "lookup:depth=31,branches=2", "--drafter", "lookup:depth=31,branches=2,ngram=2"],
      "make a token tree of 125 nodes; the limit is 64"),
 ])
-def test_bad_serve_flags_fail_before_loading(chat_dir, args, message):
-    r = subprocess.run([sys.executable, "-m", "specjax", "serve", "--model", chat_dir, *args], capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 2, r.stderr
-    assert message in r.stderr and "Traceback" not in r.stderr and "loading" not in r.stderr, r.stderr
+def test_bad_serve_flags_fail_before_loading(chat_dir, args, message, capsys):
+    from tests.test_cli import cli_here
+
+    code, err = cli_here(capsys, "serve", "--model", chat_dir, *args)
+    assert code == 2, err
+    assert message in err and "Traceback" not in err and "loading" not in err, err
 
 
 def test_an_address_in_use_or_a_model_without_tokenizer_fail_before_loading(chat_dir, tiny_llama_dir):

@@ -441,11 +441,11 @@ def test_bad_launch_flags(args, message):
     (["--boost-weight", "1"], "--boost-weight 1.0: must be in [0, 1)"),
     (["--exclude-prompts", "/nonexistent.jsonl"], "prompts file not found"),
 ])
-def test_bad_boost_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, args, message):
+def test_bad_boost_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, args, message, capsys):
     members = [] if "--member" in args else ["--member", "m:0:32:64"]  # the default members fit SmolLM2 only
-    r = cli("boost-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "o"),
-            *members, *args)
-    assert r.returncode == 2 and message in r.stderr, r.stderr
+    code, err = cli_here(capsys, "boost-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"), "--out",
+                         str(tmp_path / "o"), *members, *args)
+    assert code == 2 and message in err, err
     assert not (tmp_path / "c").exists() and not (tmp_path / "o").exists()  # refused before any work
 
 

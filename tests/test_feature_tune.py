@@ -468,8 +468,6 @@ def _shard_prompts(part_dir):
 
 
 @requires_smollm2
-@pytest.mark.slow
-@requires_smollm2
 def test_an_export_drafts_as_the_shipped_drafter_or_its_init_from_unless_told(monkeypatch):
     """feature-tune's --depth defaulted to 6 while the shipped drafter drafts at depth 4 (as every recipe on its
     card passes by hand): the README's command exported another drafting than the shipped one's, and
@@ -496,6 +494,8 @@ def test_an_export_drafts_as_the_shipped_drafter_or_its_init_from_unless_told(mo
     assert resolve_drafting(llm, "smollm2-feature", {**unset, "beam": 4})["beam"] == 4
 
 
+@requires_smollm2
+@pytest.mark.slow
 def test_the_shipped_drafter_loads_by_name_drafts_accepted_tokens_and_is_lossless(smollm2):
     from specjax.io import registry
     from specjax.io.feature_checkpoint import read_feature_meta

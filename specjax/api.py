@@ -19,7 +19,7 @@ from specjax.decoding.sampling import SamplingArrays, SamplingParams
 from specjax.errors import GenerationError, InputError, SpecjaxError
 from specjax.io.prompts import normalize_prompts, prompt_labels
 from specjax.io.special_tokens import check_policy, encode_chat, encode_text
-from specjax.memory import check_cache_fits
+from specjax.memory import check_cache_fits, local_devices_of
 from specjax.speculation.choices import MODES
 from specjax.speculation.cost import pass_head, with_costs
 from specjax.speculation.drafters.ssm import SSMDrafter
@@ -277,7 +277,8 @@ def run_plan(model: Model, plan: GenerationPlan, ssms=(), parallel=None, on_toke
     check_cache_fits(model.config, n + (0 if parallel is None else parallel.padding_for(n)), plan.cache_len,
                      jax.tree.leaves(model.params)[0].dtype,
                      f"{n} prompt{'s' if n != 1 else ''} at max_new_tokens={plan.max_new_tokens}",
-                     processes=jax.process_count() if parallel is not None else 1)
+                     processes=jax.process_count() if parallel is not None else 1,
+                     devices=local_devices_of(model.params, parallel.mesh if parallel is not None else None))
     drafter_params = tuple(s.params for s in ssms) + tuple(as_bound(d).params for d in drafters)
     params, drafter_params, inputs, host = _place(parallel, model, plan, drafter_params)
     if plan.spec is not None:  # the drafters' matmul weights packed for the CPU kernel, where it runs

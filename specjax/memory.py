@@ -34,29 +34,72 @@ def kv_cache_bytes(cfg, batch: int, positions: int, dtype) -> int:
     return 2 * cfg.num_layers * batch * positions * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
-def _host_available(meminfo: str = MEMINFO, cgroup: str = CGROUP) -> int | None:
-    """MemAvailable (free memory plus what the kernel can reclaim at once), capped by a cgroup v2 limit's
-    headroom (a container's limit is not what /proc/meminfo shows); None where neither is readable."""
-    available = None
+def _read(path: str) -> str | None:
     try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    break
+        with open(path) as f:
+            return f.read()
     except OSError:
-        pass
-    try:
-        with open(os.path.join(cgroup, "memory.max")) as f:
-            limit = f.read().strip()
-        with open(os.path.join(cgroup, "memory.current")) as f:
-            used = int(f.read().strip())
-        if limit != "max":
-            headroom = max(0, int(limit) - used)
-            available = headroom if available is None else min(available, headroom)
-    except (OSError, ValueError):
-        pass
+        return None
+
+
+def _stat(text: str | None, key: str) -> int:
+    for line in (text or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            return int(value)
+    return 0
+
+
+def _cgroup_headroom(cgroup: str) -> int | None:
+    """What a cgroup's memory limit still allows (v2: memory.max; v1: memory/memory.limit_in_bytes), None
+    without a limit. Its usage counts the page cache, which the kernel drops when the group needs the memory
+    (the model file just read is most of it): the inactive file pages are counted as free, as container
+    runtimes count them."""
+    for limit_file, used_file, stat_file, inactive in (
+            ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+             "total_inactive_file")):
+        limit, used = _read(os.path.join(cgroup, limit_file)), _read(os.path.join(cgroup, used_file))
+        if limit is None or used is None or limit.strip() == "max":
+            continue
+        try:
+            limit_bytes, used_bytes = int(limit), int(used)
+            reclaimable = _stat(_read(os.path.join(cgroup, stat_file)), inactive)
+        except ValueError:
+            continue
+        if limit_bytes >= 2 ** 62:  # v1's "no limit" is a huge page-aligned number
+            continue
+        return max(0, limit_bytes - used_bytes + reclaimable)
+    return None
+
+
+def _host_available(meminfo: str = MEMINFO, cgroup: str = CGROUP) -> int | None:
+    """MemAvailable (free memory plus what the kernel can reclaim at once) plus free swap, capped by a
+    cgroup limit's headroom (a container's limit is not what /proc/meminfo shows); None where neither is
+    readable."""
+    text = _read(meminfo)
+    available = None
+    if text is not None and "MemAvailable:" in text:
+        fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in text.splitlines() if ":" in line
+                  and len(line.split()) >= 2 and line.split()[1].isdigit()}
+        available = fields["MemAvailable"] + fields.get("SwapFree", 0)  # swapped, slow, yet it runs
+    headroom = _cgroup_headroom(cgroup)
+    if headroom is not None:
+        available = headroom if available is None else min(available, headroom)
     return available
+
+
+def local_devices_of(params=None, mesh=None) -> list | None:
+    """This process's devices of a mesh, or of an already placed model's weights: where its cache will be
+    (None where neither says)."""
+    import jax
+
+    if mesh is not None:
+        found = set(mesh.devices.flat)
+    else:
+        found = {d for leaf in jax.tree.leaves(params) if isinstance(leaf, jax.Array) for d in leaf.devices()}
+    local = sorted((d for d in found if d.process_index == jax.process_index()), key=lambda d: d.id)
+    return local or None
 
 
 def available_bytes(devices=None) -> tuple[int, str] | None:
@@ -65,7 +108,7 @@ def available_bytes(devices=None) -> tuple[int, str] | None:
     unknown (no /proc/meminfo, a backend without memory statistics): then nothing is refused."""
     import jax
 
-    devices = list(jax.local_devices() if devices is None else devices)
+    devices = list(jax.local_devices() if not devices else devices)  # where the cache will be
     if all(d.platform == "cpu" for d in devices):
         host = _host_available()
         return None if host is None else (host, "this host")
@@ -79,11 +122,12 @@ def available_bytes(devices=None) -> tuple[int, str] | None:
 
 
 def check_cache_fits(cfg, batch: int, positions: int, dtype, what: str, processes: int = 1,
-                     available: tuple[int, str] | None = None) -> None:
+                     available: tuple[int, str] | None = None, devices=None) -> None:
     """Refuse (``InputError`` naming ``what``, the request's knobs) an LLM cache larger than the memory free
-    now. ``processes``: a cluster's processes each hold about their share of it."""
+    now on ``devices`` (default: this process's). ``processes``: a cluster's processes each hold about their
+    share of it."""
     need = -(-kv_cache_bytes(cfg, batch, positions, dtype) // max(1, processes))
-    available = available_bytes() if available is None else available
+    available = available_bytes(devices) if available is None else available
     if available is None or need <= available[0]:
         return
     share = f" (this process's 1/{processes} share)" if processes > 1 else ""

@@ -27,11 +27,21 @@ def cli(*args, timeout=600, env=None):
 def cli_here(capsys, *args) -> tuple[int, str]:
     """(status, stderr) of ``specjax ARGS`` run in this process (``specjax.cli.main``, what the command calls):
     for requests refused before any work, which a subprocess ran the same way after 3-6 s of start-up each.
-    The suite's process already simulates the 8 CPU devices the mesh flags need."""
+    The suite's process already simulates the 8 CPU devices the mesh flags need. Loading a model fails the
+    test at once (a refusal that regressed would otherwise go on to generate, or serve forever)."""
+    import specjax
     from specjax.cli import main
 
+    def loaded(*a, **kw):
+        raise AssertionError(f"specjax {' '.join(args)}: not refused before loading the model")
+
     capsys.readouterr()
-    code = main(list(args))
+    real = specjax.load_model
+    specjax.load_model = loaded
+    try:
+        code = main(list(args))
+    finally:
+        specjax.load_model = real
     return code, capsys.readouterr().err
 
 

@@ -22,19 +22,48 @@ def test_the_counted_bytes_are_what_init_cache_allocates(llama, dtype):
     assert memory.kv_cache_bytes(llama.config, 3, 40, dtype) == cache.k.nbytes + cache.v.nbytes
 
 
-def test_host_memory_is_meminfo_capped_by_a_cgroup_limit(tmp_path):
+def test_host_memory_is_meminfo_and_swap_capped_by_a_cgroup_limits_headroom(tmp_path):
+    gib = 2 ** 30
     meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:       24683784 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n")
+    meminfo.write_text("MemTotal:       24683784 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n"
+                       "SwapTotal:       2097152 kB\nSwapFree:        1048576 kB\n")
     cgroup = tmp_path / "cgroup"
     cgroup.mkdir()
-    assert memory._host_available(str(meminfo), str(cgroup)) == 20000000 * 1024  # no cgroup files: meminfo alone
+    host = 20000000 * 1024 + gib  # swapped pages are slow, yet the run fits
+    assert memory._host_available(str(meminfo), str(cgroup)) == host  # no cgroup files: meminfo alone
     (cgroup / "memory.max").write_text("max\n")
     (cgroup / "memory.current").write_text("123\n")
-    assert memory._host_available(str(meminfo), str(cgroup)) == 20000000 * 1024  # no limit
-    (cgroup / "memory.max").write_text(f"{4 * 2**30}\n")
-    (cgroup / "memory.current").write_text(f"{2**30}\n")
-    assert memory._host_available(str(meminfo), str(cgroup)) == 3 * 2**30  # the container's headroom
+    assert memory._host_available(str(meminfo), str(cgroup)) == host  # no limit
+    (cgroup / "memory.max").write_text(f"{4 * gib}\n")
+    (cgroup / "memory.current").write_text(f"{gib}\n")
+    assert memory._host_available(str(meminfo), str(cgroup)) == 3 * gib  # the container's headroom
+    # the group's usage counts the page cache (a model file just read): its inactive part is dropped on demand,
+    # so a container at its limit with 2 GiB of it had 2 GiB, not nothing
+    (cgroup / "memory.current").write_text(f"{4 * gib}\n")
+    (cgroup / "memory.stat").write_text(f"anon 1\nfile {3 * gib}\ninactive_file {2 * gib}\nactive_file 5\n")
+    assert memory._host_available(str(meminfo), str(cgroup)) == 2 * gib
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # cgroup v1: no limit
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{gib}\n")
+    assert memory._host_available(str(meminfo), str(v1)) == host
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{6 * gib}\n")
+    (v1 / "memory" / "memory.stat").write_text(f"cache {gib}\ntotal_inactive_file {gib // 2}\n")
+    assert memory._host_available(str(meminfo), str(v1)) == 5 * gib + gib // 2
     assert memory._host_available(str(tmp_path / "none"), str(tmp_path / "none")) is None
+
+
+def test_the_devices_counted_are_those_of_the_mesh_or_the_weights(llama):
+    import jax
+
+    from specjax.sharding import Parallel
+
+    assert memory.local_devices_of(llama.params) == sorted({d for x in jax.tree.leaves(llama.params)
+                                                            for d in x.devices()}, key=lambda d: d.id)
+    mesh = Parallel.create("dp=2,tp=4").mesh
+    assert memory.local_devices_of(llama.params, mesh) == sorted(mesh.devices.flat, key=lambda d: d.id)
+    assert len(memory.local_devices_of(llama.params, mesh)) == 8
+    assert memory.local_devices_of({}) is None
 
 
 def test_a_cache_that_cannot_fit_is_refused_with_its_size_and_the_free_memory(llama):

@@ -26,7 +26,7 @@ from specjax.decoding.buckets import next_pow2
 from specjax.decoding.programs import step_drafter_params, step_program
 from specjax.decoding.sampling import SamplingArrays, SamplingParams
 from specjax.errors import InputError
-from specjax.memory import check_cache_fits
+from specjax.memory import check_cache_fits, local_devices_of
 from specjax.speculation.budget import Budget, default_levels
 from specjax.speculation.cost import pass_head, with_costs
 from specjax.speculation.drafters.base import Bound
@@ -86,7 +86,8 @@ class Engine:
         # the cache is at least the padded prompt and output widths (its tree slots come on top)
         check_cache_fits(model.config, slots, next_pow2(max_prompt_tokens) + next_pow2(max_new_tokens),
                          jax.tree.leaves(model.params)[0].dtype,
-                         f"slots={slots} with max_prompt_tokens={max_prompt_tokens}, max_new_tokens={max_new_tokens}")
+                         f"slots={slots} with max_prompt_tokens={max_prompt_tokens}, max_new_tokens={max_new_tokens}",
+                         devices=local_devices_of(model.params))
         if budget is not None and budget != "auto" and not isinstance(budget, Budget):
             raise InputError(f"budget must be None, 'auto' or a Budget, got {budget!r}")
         if budget == "auto":

@@ -459,6 +459,20 @@ def test_bad_boost_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, arg
     assert not (tmp_path / "c").exists() and not (tmp_path / "o").exists()  # refused before any work
 
 
+def test_feature_tune_evaluates_each_prompt_once(tiny_llama_dir, tmp_path):
+    """A prompt repeated in an --eval-prompts file, or given in two, was generated and weighed in the reported
+    agreement as often as it appeared."""
+    from specjax.cli.feature import check_args
+
+    prompts = tmp_path / "eval.txt"
+    prompts.write_text("Name a river.\nName a river.\nName a star.\n")
+    parsed = build_parser().parse_args(["feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"),
+                                        "--out", str(tmp_path / "o"), "--draft-vocab", "64",
+                                        "--eval-prompts", str(prompts), "--eval-prompts", str(prompts)])
+    evaluate = check_args(parsed)[4]
+    assert evaluate == ["Name a river.", "Name a star."]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--held-out", "0.7"], "--held-out must be in (0, 0.5)"),
     (["--draft-vocab", "0"], "--draft-vocab must be >= 1"),
@@ -483,6 +497,8 @@ def test_bad_boost_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, arg
     (["--passages", "3", "--grounded", "2", "--tasks", "2", "--epochs", "1"],
      "this corpus plan makes at most 7 sequences: at --batch-size 8 for 1 epochs they give at most 0 steps"),
     (["--batch-size", "100000"], "they give at most 0 steps, not more than the 50 warm-up steps"),
+    # refused only after the passages were generated (and the corpus directory then kept them)
+    (["--passages", "1"], "--grounded 2400 quotes two passages per prompt: it needs --passages >= 2, got 1"),
     (["--reg-weight", "-0.5"], "a finite reg_weight >= 0"),
     (["--reg-weight", "inf"], "a finite reg_weight >= 0"),
     (["--written-prompts", "/nonexistent.jsonl"], "--written-prompts /nonexistent.jsonl: prompts file not found"),

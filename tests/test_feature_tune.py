@@ -17,7 +17,7 @@ import specjax
 from specjax.boost.feature_corpus import CorpusPlan, build_feature_corpus
 from specjax.boost.feature_train import FeatureTrainConfig
 from specjax.boost.request_prompts import extract_request, meta_prompts
-from specjax.boost.task_prompts import passage_prompts, stage1_prompts
+from specjax.boost.task_prompts import passage_prompts, stage1_prompts, stage2_prompts
 from specjax.errors import InputError
 from specjax.io.feature_checkpoint import restore_feature_drafter
 from tests.conftest import load_script, requires_smollm2
@@ -33,6 +33,17 @@ def test_stage1_prompts_are_seeded_distinct_and_keep_held_out_prompts_out():
     assert not set(held) & {p for _, p in again}
     passages = passage_prompts(40, seed=3, exclude=held)
     assert len({t for t, _ in passages}) > 20 and len({p for _, p in passages}) == 40
+
+
+def test_grounded_prompts_that_the_passages_cannot_give_are_refused_not_drawn_forever():
+    """2 passages give 110 distinct grounded prompts; asking for more drew without end, printing nothing."""
+    words = " ".join(f"word{i}" for i in range(40))
+    passages = [("rivers", f"Rivers carve valleys over ages. {words}."), ("stars", f"Stars fuse hydrogen. {words}.")]
+    got = stage2_prompts(passages, 80, seed=3)
+    assert len({p for _, p in got}) == 80 and got == stage2_prompts(passages, 80, seed=3)
+    with pytest.raises(InputError, match=r"2 usable passages \(of 2; 30\+ words each\) give only \d+ distinct "
+                                         r"grounded prompts, not the 400 asked for: more --passages"):
+        stage2_prompts(passages, 400, seed=3)
 
 
 def test_meta_prompts_are_seeded_and_vary_kind_writer_and_topic():

@@ -217,7 +217,15 @@ def stage2_prompts(passages: list[tuple[str, str]], n: int, seed: int = 0, exclu
     rng = np.random.RandomState(seed + 2)
     kinds = list(GROUNDED)
     out, seen = [], set(exclude)
+    # The distinct prompts a few passages allow are few (2 passages: 110, 10: 790), and asking for more drew
+    # forever. Needing n of them takes about n draws where they are plenty; this many means they ran out.
+    draws = 200 * n + 10_000
     while len(out) < n:
+        draws -= 1
+        if draws < 0:
+            raise InputError(f"{len(usable)} usable passages (of {len(passages)}; 30+ words each) give only "
+                             f"{len(out)} distinct grounded prompts, not the {n} asked for: more --passages or "
+                             f"fewer --grounded")
         kind = kinds[rng.randint(len(kinds))]
         tpl = GROUNDED[kind][rng.randint(len(GROUNDED[kind]))]
         (t, p), (u, q) = (usable[i] for i in rng.choice(len(usable), 2, replace=False))

@@ -150,6 +150,9 @@ def _check_plan_before_generating(plan, tc, held, written: int) -> None:
     from specjax.boost.distill import batches_per_epoch
     from specjax.boost.task_prompts import passage_prompts, stage1_prompts
 
+    if plan.grounded and plan.passages < 2:  # found only after the passages were generated
+        raise InputError(f"--grounded {plan.grounded} quotes two passages per prompt: it needs --passages >= 2, got "
+                         f"{plan.passages} (or --grounded 0)")
     passage_prompts(plan.passages, seed=plan.seed, exclude=held)  # raise InputError when the templates give
     stage1_prompts(plan.tasks, seed=plan.seed, exclude=held)  # fewer than asked for
     # an upper bound of the training sequences (a request round adds its written requests and their answers)
@@ -209,8 +212,10 @@ def check_args(args):
                                                 args.train_groups.split(","))
     held = [p for path in args.exclude_prompts
             for p in read_prompts_file(path, flag="--exclude-prompts", allow_token_ids=False, plain_lines=True)]
-    evaluate = [p for path in args.eval_prompts
-                for p in read_prompts_file(path, flag="--eval-prompts", allow_token_ids=False, plain_lines=True)]
+    # once each: a prompt repeated (in a file, or in two) was generated and weighed in the agreement as often
+    evaluate = list(dict.fromkeys(
+        p for path in args.eval_prompts
+        for p in read_prompts_file(path, flag="--eval-prompts", allow_token_ids=False, plain_lines=True)))
     taken = set(held) | set(evaluate)
     written = 0
     for written_round in WRITTEN_ROUNDS.values():

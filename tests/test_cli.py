@@ -459,6 +459,33 @@ def test_bad_boost_tune_flags_fail_before_any_work(tiny_llama_dir, tmp_path, arg
     assert not (tmp_path / "c").exists() and not (tmp_path / "o").exists()  # refused before any work
 
 
+def test_sigterm_while_feature_tune_exports_leaves_no_partial_directory(tiny_llama_dir, tmp_path, monkeypatch,
+                                                                        capsys):
+    """SIGTERM (a scheduler's stop, ``timeout``) ended the process at once: the export's half-written
+    ``.NAME.partial-*`` directory stayed beside it for good. It is now an interrupt (status 143), cleaned up
+    as Ctrl-C is; boost-tune and convert likewise."""
+    import signal
+    import time
+
+    import specjax.boost.feature_tune as feature_tune_module
+    from specjax.io.checkpoint import written_aside
+
+    def export_then_stopped(*args, **kwargs):
+        with written_aside(str(tmp_path / "drafter")) as tmp:
+            (tmp_path / tmp / "half").write_text("half an export")
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # the signal's handler raises here
+        raise AssertionError("not interrupted")
+
+    monkeypatch.setattr(feature_tune_module, "feature_tune", export_then_stopped)
+    before = signal.getsignal(signal.SIGTERM)
+    code = main(["feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"), "--out",
+                 str(tmp_path / "o"), "--draft-vocab", "64", "--no-progress"])
+    assert code == 128 + signal.SIGTERM, capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == [], os.listdir(tmp_path)  # nothing was written but the export's part
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is restored
+
+
 def test_feature_tune_evaluates_each_prompt_once(tiny_llama_dir, tmp_path):
     """A prompt repeated in an --eval-prompts file, or given in two, was generated and weighed in the reported
     agreement as often as it appeared."""

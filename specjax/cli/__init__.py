@@ -17,6 +17,7 @@ import sys
 from specjax.cli.generate import _cmd_generate
 from specjax.cli.layers import add_layers_flag
 from specjax.cli.serve import add_parser as add_serve
+from specjax.cli.signals import interruptible
 from specjax.cli.tree_cost import add_parser as add_tree_cost
 from specjax.errors import SpecjaxError
 from specjax.io import registry
@@ -46,6 +47,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 # -- small argument checks (no JAX, no model) -------------------------------------------------------
 
 
+@interruptible
 def _cmd_convert(args, out) -> int:
     import specjax
     from specjax.io.checkpoint import check_destination, save_checkpoint

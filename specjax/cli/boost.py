@@ -9,6 +9,7 @@ import math
 import os
 import time
 
+from specjax.cli.signals import interruptible
 from specjax.errors import InputError
 
 
@@ -110,6 +111,7 @@ def check_args(args):
     return members, temperatures, held, prompts, tc
 
 
+@interruptible
 def _cmd_boost_tune(args, out) -> int:
     members, temperatures, held, prompts, tc = check_args(args)
     from specjax.boost.corpus import generate_corpus

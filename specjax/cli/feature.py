@@ -11,6 +11,7 @@ import math
 import os
 import time
 
+from specjax.cli.signals import interruptible
 from specjax.errors import InputError
 
 # The drafting settings of the shipped drafter (models/smollm2-feature): what an export gets by default.
@@ -237,6 +238,7 @@ def check_args(args):
     return plan, tc, drafting, held, evaluate
 
 
+@interruptible
 def _cmd_feature_tune(args, out) -> int:
     plan, tc, drafting, held, evaluate = check_args(args)
     import jax

@@ -16,6 +16,7 @@ import zipfile
 import numpy as np
 
 from specjax.api import encode_prompts, generate
+from specjax.boost.runfiles import read_run_json
 from specjax.decoding.sampling import SamplingParams
 from specjax.errors import InputError
 from specjax.models.params import llm_weights_digest
@@ -78,8 +79,7 @@ def generate_corpus(model, prompts, out_dir: str, *, max_new_tokens: int = 128, 
     manifest_path = os.path.join(out_dir, "manifest.json")
     weights = llm_weights_digest(model.params)
     if os.path.exists(manifest_path):
-        with open(manifest_path) as f:
-            existing = json.load(f)
+        existing = read_run_json(manifest_path, "use another corpus directory, or remove this part to make it again")
         made_by = existing.pop("weights", None)
         if existing != manifest:
             raise InputError(f"{manifest_path}: the corpus there was made with {existing}, not {manifest}; "

@@ -23,9 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.attention.meta import causal_meta
+from specjax.boost.runfiles import differences, read_run_json
 from specjax.boost.teacher import top_k_logprobs
 from specjax.decoding.incremental import full_logits
-from specjax.errors import InputError
+from specjax.errors import CheckpointError, InputError
 from specjax.models import llama
 from specjax.models.cache import init_cache
 from specjax.types import Model
@@ -317,9 +318,11 @@ class RunDir:
         os.makedirs(directory, exist_ok=True)
         recipe_path = os.path.join(directory, "recipe.json")
         if os.path.exists(recipe_path):
-            with open(recipe_path) as f:
-                if json.load(f) != json.loads(json.dumps(recipe)):
-                    raise InputError(f"{directory}: holds a run with another recipe; use a fresh directory")
+            held = read_run_json(recipe_path, "remove the run directory to start afresh")
+            changed = differences(held, json.loads(json.dumps(recipe))) if isinstance(held, dict) else ["all"]
+            if changed:
+                raise InputError(f"{directory}: holds a run with another recipe ({'; '.join(changed[:6])}); use a "
+                                 f"fresh directory, or this run's settings")
         else:
             with open(recipe_path, "w") as f:
                 json.dump(recipe, f)
@@ -333,12 +336,18 @@ class RunDir:
         step = self.manager.latest_step()
         if step is None:
             return 0, params, opt_state, []
-        state = self.manager.restore(step, args=self.ocp.args.StandardRestore({"params": params,
-                                                                                "opt_state": opt_state}))
+        try:
+            state = self.manager.restore(step, args=self.ocp.args.StandardRestore({"params": params,
+                                                                                    "opt_state": opt_state}))
+        except Exception as e:  # orbax's own errors name an OCDBT key or "args of type Composite"
+            steps = os.path.join(os.path.dirname(self.history_path), "steps")
+            raise CheckpointError(f"{steps}/{step}: the newest checkpoint cannot be restored ({type(e).__name__}: "
+                                  f"{str(e)[:200]}); remove {steps}/{step} to resume from the one before it "
+                                  f"({sorted(self.manager.all_steps())[:-1] or 'none: a fresh start'})") from None
         history = []
         if os.path.exists(self.history_path):
-            with open(self.history_path) as f:
-                history = [r for r in json.load(f) if r["step"] <= step]
+            history = [r for r in read_run_json(self.history_path, "remove it (the evaluations so far are lost)")
+                       if r["step"] <= step]
         return step, state["params"], state["opt_state"], history
 
     def save(self, step: int, params, opt_state, history: list) -> None:

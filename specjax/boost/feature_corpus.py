@@ -46,6 +46,7 @@ import numpy as np
 
 from specjax.boost.corpus import generate_corpus, read_shard
 from specjax.boost.request_prompts import extract_request, meta_prompts
+from specjax.boost.runfiles import read_run_json
 from specjax.boost.task_prompts import passage_prompts, stage1_prompts, stage2_prompts
 from specjax.errors import InputError
 
@@ -271,7 +272,8 @@ def _continuations(paths, tokenizer) -> list[str]:
 def _record(out_dir: str, part: str, num_prompts: int, temperature: float, seconds: float,
             source: str | None = None) -> None:
     path = os.path.join(out_dir, "provenance.json")
-    record = json.load(open(path)) if os.path.exists(path) else {}
+    record = read_run_json(path, "remove it (it records where the corpus's parts came from; they are "
+                                 "recorded again as they are made)") if os.path.exists(path) else {}
     entry = record.get(part, {"seconds": 0.0})
     made = source or ("specjax.boost.request_prompts: the LLM writing requests (sampled), then the kept ones"
                       if part.startswith("requests") else

@@ -165,6 +165,26 @@ def _check_plan_before_generating(plan, tc, held, written: int) -> None:
                          f"{tc.warmup_steps} warm-up steps (more --tasks/--grounded/--passages, or --epochs)")
 
 
+def _check_run_recipe(out: str, tc, teacher_dots: str) -> None:
+    """An --out holding a run of other training settings was refused only after the corpus and its features
+    were made (hours at full size): its recipe's settings known now are compared now."""
+    import dataclasses
+
+    from specjax.boost.runfiles import differences, read_run_json
+
+    path = os.path.join(out, "recipe.json")
+    if not os.path.exists(path):
+        return
+    held = read_run_json(path, "remove the run directory to start afresh")
+    want = {"train": json.loads(json.dumps(dataclasses.asdict(tc))), "teacher_dots": teacher_dots}
+    have = {"train": held.get("train") if isinstance(held, dict) else None,
+            "teacher_dots": held.get("teacher_dots", "float32") if isinstance(held, dict) else None}
+    changed = differences(have, want)
+    if changed:
+        raise InputError(f"--out {out} holds a run with other settings ({'; '.join(changed[:6])}): use a fresh "
+                         f"directory, or that run's settings to resume it")
+
+
 def check_args(args):
     """Everything checked before any work: (corpus plan, training config, drafting settings, held-out prompts,
     evaluation prompts: ``feature_tune`` holds these out of training too)."""
@@ -228,6 +248,7 @@ def check_args(args):
     _check_plan_before_generating(plan, tc, held, written)
     _writable_dir(args.corpus, "--corpus")
     _writable_dir(args.out, "--out")
+    _check_run_recipe(args.out, tc, args.teacher_dots)
     if args.export:
         for flag, other in (("--out", args.out), ("--corpus", args.corpus)):
             if os.path.abspath(args.export) == os.path.abspath(other):

@@ -595,7 +595,8 @@ def test_feature_tune_training_flags_reach_the_training_config(tiny_llama_dir, t
     assert parsed.train_group_names == ()  # every group
 
 
-def test_feature_tune_reports_step_0_and_the_end_on_the_same_sequences(tiny_llama_dir, tmp_path, monkeypatch):
+def test_feature_tune_reports_step_0_and_the_end_on_the_same_sequences(tiny_llama_dir, tmp_path, monkeypatch,
+                                                                       capsys):
     """The closing line puts the final drafter on the sequences the history evaluated beside its first
     evaluation of them (stop 74 compared a 400-sequence step 0 with a 464-sequence end)."""
     import io
@@ -610,12 +611,16 @@ def test_feature_tune_reports_step_0_and_the_end_on_the_same_sequences(tiny_llam
                "history_set_agreement": {"sequences": 400, **agreement(0.591, 43000)},
                "history": [{"step": 0, "loss": None, "held_out": agreement(0.583, 43000)}],
                "eval_prompts_agreement": None, "steps": {"done": 90, "planned": 90}}
-    monkeypatch.setattr(tune, "feature_tune", lambda *a, **k: summary)
+    monkeypatch.setattr(tune, "feature_tune", lambda *a, **k: (k["log"]("resumed o at step 50/90"), summary)[1])
     args = build_parser().parse_args(["feature-tune", "--model", tiny_llama_dir, "--corpus", str(tmp_path / "c"),
                                       "--out", str(tmp_path / "o"), "--draft-vocab", "64", "--no-progress"])
     out = io.StringIO()
+    capsys.readouterr()
     assert _cmd_feature_tune(args, out) == 0
-    line = out.getvalue().splitlines()[0]
+    # stdout: the closing line and the JSON summary alone; progress lines went there too and broke its readers
+    assert "resumed o at step 50/90" in capsys.readouterr().err
+    line, record = out.getvalue().splitlines()
+    assert json.loads(record)["steps"] == {"done": 90, "planned": 90}
     assert "0.573, 0.100" in line and "(464 sequences; on the 400 evaluated during training 0.591, " in line
     assert "at the history's first evaluation 0.583, " in line
     assert line.startswith("feature-tune done in ")

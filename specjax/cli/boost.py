@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import sys
 import time
 
 from specjax.cli.signals import interruptible
@@ -127,7 +128,8 @@ def _cmd_boost_tune(args, out) -> int:
                             "prompts": f"training_prompts({args.num_prompts}, seed={args.seed}, exclude={excluded})"})
     corpus_s = time.perf_counter() - started
     os.makedirs(args.out, exist_ok=True)
-    boost_tune(llm, args.corpus, args.out, members, tc, boost_weight=args.boost_weight, progress=not args.no_progress)
+    boost_tune(llm, args.corpus, args.out, members, tc, boost_weight=args.boost_weight, progress=not args.no_progress,
+               log=lambda *parts: print(*parts, file=sys.stderr, flush=True))  # progress beside the bars
     out.write(f"boost-tune done: corpus {corpus_s:.0f} s (this run), total {time.perf_counter() - started:.0f} s; "
               f"members in {args.out}\n")
     return 0

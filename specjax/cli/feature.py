@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 import time
 
 from specjax.cli.signals import interruptible
@@ -259,6 +260,12 @@ def check_args(args):
     return plan, tc, drafting, held, evaluate
 
 
+def _log(*parts) -> None:
+    """Progress lines to stderr, beside the progress bars: stdout holds the closing line and the JSON summary
+    alone (the log lines there broke a reader of the JSON)."""
+    print(*parts, file=sys.stderr, flush=True)
+
+
 @interruptible
 def _cmd_feature_tune(args, out) -> int:
     plan, tc, drafting, held, evaluate = check_args(args)
@@ -278,7 +285,7 @@ def _cmd_feature_tune(args, out) -> int:
                            else args.time_budget - (time.perf_counter() - started),
                            shapes=BatchShapes.gpu() if gpu else BatchShapes(), fused=args.fused_layers,
                            train_groups=args.train_group_names, teacher_dots=args.teacher_dots,
-                           drafter_layers=args.drafter_layers)
+                           drafter_layers=args.drafter_layers, log=_log)
     depth = summary["held_out_agreement"]["all"]
     on_prompts = summary["eval_prompts_agreement"]
     history = summary["history_set_agreement"]

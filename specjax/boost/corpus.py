@@ -100,7 +100,8 @@ def generate_corpus(model, prompts, out_dir: str, *, max_new_tokens: int = 128, 
             _check_shard_prompts(path, encode_prompts(model, prompts[start:start + batch_size], chat_template))
     from tqdm import tqdm
 
-    for index, (temperature, start) in enumerate(tqdm(jobs, desc="LLM continuations", disable=not progress)):
+    bar = tqdm(jobs, desc=f"LLM continuations ({os.path.basename(os.path.normpath(out_dir))})", disable=not progress)
+    for index, (temperature, start) in enumerate(bar):
         path = paths[index]
         if os.path.exists(path):
             continue  # resumable: this shard was written by an earlier run (checked above)

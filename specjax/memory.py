@@ -77,12 +77,14 @@ def _host_available(meminfo: str = MEMINFO, cgroup: str = CGROUP) -> int | None:
     """MemAvailable (free memory plus what the kernel can reclaim at once) plus free swap, capped by a
     cgroup limit's headroom (a container's limit is not what /proc/meminfo shows); None where neither is
     readable."""
-    text = _read(meminfo)
+    kib = {}
+    for line in (_read(meminfo) or "").splitlines():  # "MemAvailable:   20000000 kB"
+        name, _, rest = line.partition(":")
+        if rest.split() and rest.split()[0].isdigit():
+            kib[name] = int(rest.split()[0])
     available = None
-    if text is not None and "MemAvailable:" in text:
-        fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in text.splitlines() if ":" in line
-                  and len(line.split()) >= 2 and line.split()[1].isdigit()}
-        available = fields["MemAvailable"] + fields.get("SwapFree", 0)  # swapped, slow, yet it runs
+    if "MemAvailable" in kib:
+        available = (kib["MemAvailable"] + kib.get("SwapFree", 0)) * 1024  # swapped, slow, yet it runs
     headroom = _cgroup_headroom(cgroup)
     if headroom is not None:
         available = headroom if available is None else min(available, headroom)

@@ -117,11 +117,6 @@ def _fingerprint(shard_path: str, model, layers, dots: str = "float32") -> str:
     return digest.hexdigest()
 
 
-def _part_name(directory: str) -> str:
-    """A corpus part's directory as its bars name it (every part's bar had the same name)."""
-    return os.path.basename(os.path.normpath(directory))
-
-
 def feature_shards(model, shard_paths, out_dir: str, batch_size: int = 8, progress: bool = True,
                    log=print, layers: tuple[int, ...] = (), width_multiple: int = WIDTH_MULTIPLE,
                    full_batches: bool = False, dots: str = "float32") -> list[str]:
@@ -135,7 +130,7 @@ def feature_shards(model, shard_paths, out_dir: str, batch_size: int = 8, progre
     run = None
     paths = []
     weights = llm_weights_digest(model.params)
-    bar = tqdm(shard_paths, desc=f"LLM features ({_part_name(out_dir)})", disable=not progress)
+    bar = tqdm(shard_paths, desc=f"LLM features ({os.path.basename(os.path.normpath(out_dir))})", disable=not progress)
     for index, shard in enumerate(bar):
         path = os.path.join(out_dir, f"features-{index:05d}.npz")
         paths.append(path)

@@ -136,8 +136,8 @@ def describe_default_drafters() -> str:
         if names:
             out.append(f"{','.join(defaults)} for {', '.join(sorted({table[n][1] for n in names}))}")
     # each one down where the one before has no files here ("else" alone read as a contradiction)
-    return "; ".join([out[0], *(f"where those files are missing, {o}" for o in out[1:])] if out else []) + \
-        f"{'; otherwise ' if out else ''}{','.join(DEFAULT_DRAFTERS)}"
+    fallback = ",".join(DEFAULT_DRAFTERS)
+    return f"{'; where those files are missing, '.join(out)}; otherwise {fallback}" if out else fallback
 
 
 def is_corpus(name: str) -> bool:

@@ -11,6 +11,7 @@ On a real cluster use srun/mpirun with ``specjax generate --distributed slurm`` 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -95,36 +96,31 @@ def launch(command: list[str], num_processes: int, cpu_devices: int | None = Non
         raise ShardingError(f"specjax launch: command {command[0]!r} not found (not an executable file or on PATH)")
     port = port or free_port()
     procs, pumps, tails = [], [], []
-    in_main = threading.current_thread() is threading.main_thread()  # signal handlers live there only
     # The processes run in sessions of their own (stopped as groups), so a hangup of the launcher's terminal
     # does not reach them: SIGHUP stops them as SIGTERM and Ctrl-C do.
-    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in _STOP_SIGNALS} if in_main else {}
-    try:
-        for i in range(num_processes):
-            env = dict(os.environ, PYTHONUNBUFFERED="1", **{ENV_COORDINATOR: f"127.0.0.1:{port}",
-                                                           ENV_NUM_PROCESSES: str(num_processes),
-                                                           ENV_PROCESS_ID: str(i)})
-            if cpu_devices is not None:
-                env.update(JAX_NUM_CPU_DEVICES=str(cpu_devices), JAX_PLATFORMS="cpu")
-            env.update(env_overrides or {})
-            p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 start_new_session=True)
-            procs.append(p)
-            label = f"[process {i}] "
-            for stream, sink, prefix in ((p.stdout, sys.stdout, "") if i == 0 else (p.stdout, sys.stderr, label),
-                                         (p.stderr, sys.stderr, label)):
-                tail: list = []
-                tails.append((i, tail))
-                t = threading.Thread(target=_pump, args=(stream, sink, prefix, tail), daemon=True)
-                t.start()
-                pumps.append(t)
-        failed = _watch(procs, time.monotonic() + timeout_s)
-    finally:  # also on Ctrl-C / SIGTERM / SIGHUP of the launcher, even mid-start: never leave a cluster running
+    with stop_signals_interrupt():  # the caller's handlers come back however this ends (a second Ctrl-C too)
         try:
+            for i in range(num_processes):
+                env = dict(os.environ, PYTHONUNBUFFERED="1", **{ENV_COORDINATOR: f"127.0.0.1:{port}",
+                                                               ENV_NUM_PROCESSES: str(num_processes),
+                                                               ENV_PROCESS_ID: str(i)})
+                if cpu_devices is not None:
+                    env.update(JAX_NUM_CPU_DEVICES=str(cpu_devices), JAX_PLATFORMS="cpu")
+                env.update(env_overrides or {})
+                p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     start_new_session=True)
+                procs.append(p)
+                label = f"[process {i}] "
+                for stream, sink, prefix in ((p.stdout, sys.stdout, "") if i == 0 else (p.stdout, sys.stderr, label),
+                                             (p.stderr, sys.stderr, label)):
+                    tail: list = []
+                    tails.append((i, tail))
+                    t = threading.Thread(target=_pump, args=(stream, sink, prefix, tail), daemon=True)
+                    t.start()
+                    pumps.append(t)
+            failed = _watch(procs, time.monotonic() + timeout_s)
+        finally:  # also on Ctrl-C / SIGTERM / SIGHUP of the launcher, even mid-start: never leave a cluster running
             _stop(procs)
-        finally:  # a second Ctrl-C ends _stop early: the caller's handlers come back all the same
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
     for t in pumps:
         t.join(timeout=5)
     if not failed:
@@ -160,19 +156,35 @@ class LaunchFailed(ShardingError):
         self.exit_code = exit_code
 
 
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 class Interrupted(KeyboardInterrupt):
-    """The launcher was sent ``signum``; its status is then 128 + signum, as a shell reports it."""
+    """The process was sent ``signum``; its status is then 128 + signum, as a shell reports it."""
 
     def __init__(self, signum: int):
-        super().__init__(f"specjax launch received signal {signum}")
+        super().__init__(f"specjax received signal {signum}")
         self.signum = signum
 
 
 def _raise_interrupt(signum, frame):
     raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def stop_signals_interrupt():
+    """Within the block, SIGTERM and SIGHUP raise ``Interrupted`` (a KeyboardInterrupt, so the clean-up a
+    Ctrl-C runs runs too) in the main thread, where handlers live; the handlers before come back after it,
+    however the block ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.signal(s, _raise_interrupt) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 def _watch(procs, deadline: float):

@@ -3,6 +3,7 @@ records per prompt, clean stdout, complete --help, and every refusal a clear err
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -230,6 +231,31 @@ def test_bad_generate_flags_fail_fast_with_status_2(tiny_llama_dir, args, messag
     assert message in err, err
     assert "Traceback" not in err
     assert "loading" not in err  # refused before the weights load
+
+
+def test_a_model_without_a_chat_template_is_said_not_silent(tiny_llama_dir, tmp_path, capsys):
+    """A base model's string prompt goes in as written; the command says so, unless --no-chat-template asked
+    for it. (Each request is refused afterwards, before loading: the tiny model's 128-token vocabulary cannot
+    hold SmolLM2's ids, and SmolLM2's context cannot hold the tokens asked for.)"""
+    import shutil
+
+    base = str(tmp_path / "base")
+    shutil.copytree(tiny_llama_dir, base)
+    tok = copy.deepcopy(specjax.describe_model("smollm2-135m-instruct").tokenizer)  # the process keeps its own
+    assert tok.chat_template
+    tok.chat_template = None
+    tok.save_pretrained(base)
+    assert not specjax.describe_model(base).tokenizer.chat_template
+    note = "has no chat template: prompts are tokenized as written"
+    for model, flags, said in ((base, (), True), (base, ("--no-chat-template",), False),
+                               ("smollm2-135m-instruct", (), False)):
+        code, err = cli_here(capsys, "generate", "--model", model, "--prompt", "Hi", "--max-new-tokens", "99999",
+                             *flags)
+        assert code == 2 and ("outside the model's vocabulary" in err or "exceeds the context window" in err), err
+        assert (note in err) == said, (model, flags, err)
+    code, err = cli_here(capsys, "generate", "--model", base, "--prompts-file",
+                         os.path.join(ROOT, "tests", "data", "ids.jsonl"), "--max-new-tokens", "99999")
+    assert code == 2 and "exceeds the context window" in err and note not in err, err  # ids take no template
 
 
 def test_a_mesh_runs_an_ssm_loaded_by_path_and_a_short_last_batch_of_microbatches(tiny_llama_dir, tmp_path):

@@ -271,6 +271,11 @@ def _cmd_generate(args, out) -> int:
     ssm_specs, expansion = _ssm_specs(args)
     # Check the whole request against the configs and tokenizer before the weights load.
     light = specjax.describe_model(args.model)
+    if (not args.no_chat_template and any(isinstance(p, str) for p in prompts) and light.tokenizer is not None
+            and not getattr(light.tokenizer, "chat_template", None)):
+        # Said, not silent: a base model's prompt goes in as written, where a chat model's gets its turn markers.
+        log(f"# note: {args.model} has no chat template: prompts are tokenized as written "
+            f"(--no-chat-template says so and silences this note)")
     light_ssms = [_ssm(s, light, load=False) for s in ssm_specs]
     light_drafters = _drafters(args, light, False, args.verifier, args.draft)
     batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]

@@ -181,6 +181,29 @@ def test_a_broken_tokenizer_is_reported_before_the_weights_are_read(tiny_llama_d
         specjax.load_model(str(d), progress=False)
 
 
+def test_a_bad_config_is_reported_as_the_configs_not_the_tokenizers(tiny_llama_dir, tmp_path):
+    """transformers' tokenizer loading validates config.json as well, and the tokenizer was blamed: for what
+    specjax refuses itself (read first now), and for what only transformers refuses (heads that do not divide
+    the hidden size where head_dim is given)."""
+    d = _copy(tiny_llama_dir, tmp_path)
+    specjax.describe_model("smollm2-135m-instruct").tokenizer.save_pretrained(str(d))
+    config = json.loads((d / "config.json").read_text())
+    assert config["head_dim"] == 16
+    (d / "config.json").write_text(json.dumps({**config, "num_attention_heads": 5, "num_key_value_heads": 5}))
+    for read in (specjax.load_model, specjax.describe_model):
+        with pytest.raises(CheckpointError, match=r"config.json: transformers refuses it, and reads it to load the "
+                                                  r"tokenizer \(.*The hidden size \(64\) is not a multiple of the "
+                                                  r"number of attention heads \(5\)"):
+            read(str(d))
+    del config["head_dim"]
+    (d / "config.json").write_text(json.dumps({**config, "num_attention_heads": 5, "num_key_value_heads": 5}))
+    for read in (specjax.load_model, specjax.describe_model):
+        with pytest.raises(ConfigError, match=r"config.json: hidden_size=64 is not a multiple of "
+                                              r"num_attention_heads=5") as e:
+            read(str(d))
+        assert "tokenizer" not in str(e.value)
+
+
 def _safetensors_bytes(header: str, data: bytes) -> bytes:
     raw = header.encode()
     return struct.pack("<Q", len(raw)) + raw + data

@@ -284,6 +284,13 @@ BAD = [  # (path, body, status, param or code in the error)
     ("completions", {"model": NAME, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("completions", {"model": NAME, "prompt": "hi", "top_p": 1e-46}, 400, "top_p"),  # 0 as a float32
     ("completions", {"model": NAME, "prompt": "hi", "temperature": 10**400}, 400, "temperature"),  # past float
+    ("completions", {"model": NAME, "prompt": "hi", "temperature": 1e39}, 400, "temperature"),  # past float32
+    ("completions", {"model": NAME, "prompt": "a\ud800b"}, 400, "prompt"),  # an unpaired surrogate
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "a\udcffb"}]}, 400, "messages[0]"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2,
+                          "max_tokens": "x"}, 422, "max_tokens"),  # checked though the other one wins
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi", "name": "ann"}]}, 400,
+     "messages[0]"),  # the chat template has no place for a name: refused, not dropped
     ("completions", b"[" * 100_000, 400, None),  # nested past the parser's recursion
     ("completions", b'{"model": "tiny-chat", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", 400, None),
     ("completions", {"model": None, "prompt": "hi"}, 400, "model"),  # null is "not given", so: required

@@ -204,3 +204,15 @@ def test_text_mode_is_refused_where_pieces_tokenize_otherwise(tok, kind):
     assert st.encode_chat(other, plain, "text", "p") == st.encode_chat(other, plain, "parse", "p")  # nothing to read
     with pytest.raises(InputError, match="holds the special token"):
         st.encode_chat(other, [{"role": "user", "content": "Hello <|im_end|>"}], "refuse", "p")
+
+
+def test_unpaired_surrogates_are_refused_by_name_not_passed_to_the_tokenizer(tok):
+    """JSON's "\\ud800" makes a str that is not Unicode text; the tokenizer raised an unrelated TypeError on it
+    (the server passed that on; prompts files and --prompt were checked already)."""
+    with pytest.raises(InputError, match=r"^prompt 0 is not valid UTF-8 text \(lone surrogate U\+D800 at character "
+                                         r"1\)$"):
+        st.encode_text(tok, "a\ud800b", "parse", "prompt 0")
+    with pytest.raises(InputError, match=r"^'m\[1\]' is not valid UTF-8 text \(bytes b'\\xff' at character 0\)"):
+        st.encode_chat(tok, [{"role": "user", "content": "ok"}, {"role": "user", "content": "\udcff"}], "text", "m",
+                       ["'m[0]'", "'m[1]'"])
+    assert st.encode_text(tok, "a\U0001F600b", "parse", "p")  # a paired (astral) character is text

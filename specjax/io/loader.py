@@ -92,15 +92,18 @@ def _load(name_or_path: str, dtype: str, shardings, progress: bool, parallel, sp
         tokenizer = tok_lib.load_dir_tokenizer(tok_dir) if tok_dir else None
         # restored stacked on the device, then split there: briefly twice the layer weights
         return Model(cfg, params_lib.split_layers(params) if split else params, tokenizer)
-    # The tokenizer first: a broken one fails in a second, not after the weights were read and converted
-    # (and, for a GGUF, written to the weights cache).
+    # The config, then the tokenizer, before the weights: a broken one fails in a second, not after the weights
+    # were read and converted (and, for a GGUF, written to the weights cache). The config first because
+    # transformers' tokenizer loading validates config.json too, and would be blamed for what it refuses.
     if os.path.isdir(path):
+        light = hf_dir_config(path)
         tokenizer = tok_lib.load_dir_tokenizer(path)
-        _check_mesh(parallel, lambda: hf_dir_config(path))
+        _check_mesh(parallel, light)
         cfg, np_params = load_hf_dir(path, progress=progress)
     elif path.endswith(".gguf"):
+        light = gguf_config(*read_gguf_metadata(path))
         tokenizer = tok_lib.load_gguf_tokenizer(path)
-        _check_mesh(parallel, lambda: gguf_config(*read_gguf_metadata(path)))
+        _check_mesh(parallel, light)
         cfg, np_params = gguf_params(path, split, progress)
     else:
         raise CheckpointError(f"{path}: unsupported model file (expected an HF directory, a .gguf file "
@@ -121,7 +124,7 @@ def _load(name_or_path: str, dtype: str, shardings, progress: bool, parallel, sp
 def _check_mesh(parallel, config) -> None:
     """A mesh that cannot split this model's weights, refused from its config before they are read."""
     if parallel is not None:
-        parallel.param_shardings(config())
+        parallel.param_shardings(config)
 
 
 def gguf_params(path: str, split: bool, progress: bool = True) -> tuple:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import uuid
 
 from specjax.errors import InputError
+from specjax.io.prompts import check_text
 
 POLICIES = ("parse", "text", "refuse")
 
@@ -59,6 +60,7 @@ def refuse_special(text: str, tokenizer, label: str) -> None:
 
 def encode_text(tokenizer, text: str, policy: str, label: str) -> list[int]:
     """A prompt without a chat template (the tokenizer's own BOS handling, as ``tokenizer(text)``)."""
+    check_text(text, label)  # a lone surrogate: the tokenizer's own error is an unrelated TypeError
     if policy == "refuse":
         refuse_special(text, tokenizer, label)
     if policy == "text":
@@ -75,6 +77,8 @@ def _apply_template(tokenizer, messages, tokenize: bool):
 def encode_chat(tokenizer, messages: list[dict], policy: str, label: str, message_labels=None) -> list[int]:
     """``messages`` (dicts with ``role`` and string ``content``) through the tokenizer's chat template.
     ``label`` names the conversation in errors, ``message_labels`` each message (default: ``label``)."""
+    for m, where in zip(messages, message_labels or [label] * len(messages)):
+        check_text(m["content"], where)
     if policy == "refuse":
         for m, where in zip(messages, message_labels or [label] * len(messages)):
             refuse_special(m["content"], tokenizer, where)

@@ -31,7 +31,20 @@ def load_dir_tokenizer(path: str):
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for broken files
-        raise CheckpointError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+        error = e
+    # transformers reads config.json to load a tokenizer, and validates it more strictly than specjax needs
+    # (LLaMA heads x head_dim may differ from the hidden size): name the file it refused, not the tokenizer.
+    from transformers import AutoConfig
+
+    config = os.path.join(path, "config.json")
+    if os.path.exists(config):
+        try:
+            AutoConfig.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001 - as above
+            said = " ".join(str(e).split())  # its validators' messages span lines
+            raise CheckpointError(f"{config}: transformers refuses it, and reads it to load the tokenizer "
+                                  f"({type(e).__name__}: {said})") from None
+    raise CheckpointError(f"{path}: cannot load the tokenizer ({type(error).__name__}: {error})") from None
 
 
 # GGUF metadata key -> transformers name, for the tokenizer and the tokenizer config.

@@ -15,9 +15,10 @@ import math
 import secrets
 import sys
 
-from specjax.decoding.sampling import MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
+from specjax.decoding.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
 from specjax.errors import InputError
 from specjax.io.detokenize import IncrementalText
+from specjax.io.prompts import check_text
 from specjax.io.special_tokens import encode_chat, encode_text
 from specjax.serving.scheduler import Submission
 
@@ -162,6 +163,9 @@ def _sampling(body: dict) -> SamplingParams:
     if temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
         raise APIError(400, f"'temperature' must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, inf), got {temperature}",
                        param="temperature")
+    if temperature > MAX_TEMPERATURE:  # held in float32 on the device
+        raise APIError(400, f"'temperature' must be at most {MAX_TEMPERATURE:.4g} (float32's largest), got "
+                            f"{temperature}", param="temperature")
     if top_p is not None and not 0 < top_p <= 1:
         raise APIError(400, f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
     if top_p is not None and top_p < MIN_TOP_P:  # 0 as the device's float32: no token would be kept
@@ -189,6 +193,7 @@ def _completion_prompt(body: dict, tokenizer, special_tokens: str) -> list[int]:
     if isinstance(p, str):
         if p == "":
             raise APIError(400, "'prompt' is empty", param="prompt")
+        _check_text(p, "'prompt'", "prompt")
         try:
             ids = encode_text(tokenizer, p, special_tokens, "'prompt'")
         except InputError as e:  # special_tokens="refuse"
@@ -204,6 +209,13 @@ def _completion_prompt(body: dict, tokenizer, special_tokens: str) -> list[int]:
     if not ids:
         raise APIError(400, "'prompt' encodes to no tokens", param="prompt")
     return [int(t) for t in ids]
+
+
+def _check_text(text: str, label: str, param: str) -> None:
+    try:
+        check_text(text, label)
+    except InputError as e:  # JSON can carry "\\ud800"
+        raise APIError(400, str(e), param=param) from None
 
 
 _ROLES = ("system", "user", "assistant")
@@ -224,7 +236,7 @@ def _chat_prompt(body: dict, tokenizer, special_tokens: str) -> list[int]:
             raise _type_error(where, "an object with a string 'role'", m)
         if m["role"] not in _ROLES:
             raise APIError(400, f"{where}.role must be one of {list(_ROLES)}, got {m['role']!r}", param=where)
-        extra = {k for k, v in m.items() if v is not None} - {"role", "content", "name"}
+        extra = {k for k, v in m.items() if v is not None} - {"role", "content"}  # a name: the template has no place
         if extra:
             raise APIError(400, f"{where}: unsupported field(s) {sorted(extra)}", param=where,
                            code="unsupported_parameter")
@@ -237,6 +249,7 @@ def _chat_prompt(body: dict, tokenizer, special_tokens: str) -> list[int]:
             content = "".join(c["text"] for c in content)
         if not isinstance(content, str):
             raise _type_error(f"{where}.content", "a string or a list of text parts", content)
+        _check_text(content, f"'{where}.content'", where)
         plain.append({"role": m["role"], "content": content})
     if all(m["content"] == "" for m in plain):
         raise APIError(400, "'messages' hold no text", param="messages")
@@ -272,6 +285,7 @@ def parse_request(body: dict, *, chat: bool, limits: Limits, tokenizer, vocab: i
     stop_strings = _stop(body)
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, key)
+    _int(body, "max_tokens")  # a chat's max_completion_tokens wins, but the other is still checked, not ignored
     ids = (_chat_prompt(body, tokenizer, limits.special_tokens) if chat
            else _completion_prompt(body, tokenizer, limits.special_tokens))
     bad = [t for t in ids if not 0 <= t < vocab]

@@ -79,8 +79,7 @@ def encode_chat(tokenizer, messages: list[dict], policy: str, label: str, messag
     ``label`` names the conversation in errors, ``message_labels`` each message (default: ``label``)."""
     for m, where in zip(messages, message_labels or [label] * len(messages)):
         check_text(m["content"], where)
-    if policy == "refuse":
-        for m, where in zip(messages, message_labels or [label] * len(messages)):
+        if policy == "refuse":
             refuse_special(m["content"], tokenizer, where)
     if policy == "text":
         specials = special_strings(tokenizer)

@@ -214,7 +214,7 @@ def _completion_prompt(body: dict, tokenizer, special_tokens: str) -> list[int]:
 def _check_text(text: str, label: str, param: str) -> None:
     try:
         check_text(text, label)
-    except InputError as e:  # JSON can carry "\\ud800"
+    except InputError as e:  # JSON can carry a lone surrogate ("\ud800")
         raise APIError(400, str(e), param=param) from None
 
 
@@ -285,7 +285,8 @@ def parse_request(body: dict, *, chat: bool, limits: Limits, tokenizer, vocab: i
     stop_strings = _stop(body)
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, key)
-    _int(body, "max_tokens")  # a chat's max_completion_tokens wins, but the other is still checked, not ignored
+    if key != "max_tokens":
+        _int(body, "max_tokens")  # max_completion_tokens wins, but the other is still checked, not ignored
     ids = (_chat_prompt(body, tokenizer, limits.special_tokens) if chat
            else _completion_prompt(body, tokenizer, limits.special_tokens))
     bad = [t for t in ids if not 0 <= t < vocab]
